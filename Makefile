@@ -1,0 +1,54 @@
+# The two commands: `make demo` and `make test`. Both install what is missing first.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+export PYTHONUNBUFFERED := 1
+
+.PHONY: setup system-deps python-deps jars demo test test-unit lint bench clean
+
+setup: system-deps python-deps jars
+
+# Debian packages: redis-server (the local Redis), Maven (fetches the Kafka and Spark jars), Java 17.
+system-deps:
+	@missing=""; \
+	command -v redis-server >/dev/null || missing="$$missing redis-server"; \
+	command -v mvn >/dev/null || missing="$$missing maven"; \
+	command -v java >/dev/null || missing="$$missing openjdk-17-jre-headless"; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing:$$missing"; \
+	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $$missing; \
+	fi
+
+python-deps: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	@[ -x $(PY) ] || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[spark,test,dev]'
+	@touch $@
+
+# Kafka broker jars and Spark's Kafka source, pinned in ordering_layer/stack/poms/, into the cache.
+jars: python-deps
+	$(PY) -m ordering_layer.stack.jars
+
+demo: setup
+	$(VENV)/bin/ordering-layer stack up
+	$(VENV)/bin/ordering-layer demo
+
+test: setup
+	$(PY) -m pytest -ra
+
+test-unit: python-deps
+	$(PY) -m pytest -ra tests/unit
+
+lint: python-deps
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy ordering_layer tests bench spark
+
+bench: setup
+	$(PY) bench/bench_publish.py
+
+clean:
+	-$(VENV)/bin/ordering-layer stack down
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,189 @@
+"""The ``ordering-layer`` command line (click)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any, TextIO
+
+import click
+
+from ordering_layer.admin import Admin
+from ordering_layer.errors import OrderingLayerError
+from ordering_layer.publisher import OrderedProducer
+from ordering_layer.stack import Endpoints, get_backend
+
+_ENV_BOOTSTRAP = "ORDERING_LAYER_BOOTSTRAP"
+_ENV_REDIS = "ORDERING_LAYER_REDIS_URL"
+
+
+def _stack_option(func: Any) -> Any:
+    func = click.option("--state-dir", type=click.Path(path_type=Path), default=None,
+                        help="Folder of the local stack's state (default: $ORDERING_LAYER_STACK_DIR "
+                             "or ~/.cache/ordering-layer/stack).")(func)
+    return click.option("--backend", default=None, help="Stack backend (default: $ORDERING_LAYER_STACK or local).")(
+        func)
+
+
+def _server_options(func: Any) -> Any:
+    func = click.option("--bootstrap", envvar=_ENV_BOOTSTRAP, default=None,
+                        help=f"Kafka bootstrap servers (default: ${_ENV_BOOTSTRAP}, then the local stack).")(func)
+    return click.option("--redis-url", envvar=_ENV_REDIS, default=None,
+                        help=f"Redis URL (default: ${_ENV_REDIS}, then the local stack).")(func)
+
+
+def resolve_endpoints(bootstrap: str | None, redis_url: str | None) -> Endpoints:
+    """Explicit addresses, else the environment, else the running local stack."""
+    if bootstrap and redis_url:
+        return Endpoints(bootstrap, redis_url)
+    try:
+        local = get_backend().endpoints()
+    except OrderingLayerError as exc:
+        if bootstrap:
+            return Endpoints(bootstrap, redis_url or "")
+        raise click.ClickException(
+            f"no servers named (--bootstrap/--redis-url or ${_ENV_BOOTSTRAP}/${_ENV_REDIS}) and {exc}") from exc
+    return Endpoints(bootstrap or local.bootstrap, redis_url or local.redis_url)
+
+
+@click.group()
+@click.option("-v", "--verbose", is_flag=True, help="Log at INFO level.")
+def main(verbose: bool) -> None:
+    """ordering-layer: Pub/Sub-style ordered delivery on Apache Kafka + Redis."""
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+# -- stack -----------------------------------------------------------------------------------------
+@main.group()
+def stack() -> None:
+    """The local Kafka + Redis (start, stop, status, env)."""
+
+
+@stack.command("up")
+@_stack_option
+def stack_up(state_dir: Path | None, backend: str | None) -> None:
+    """Start the local Kafka broker and Redis (harmless when they run already)."""
+    try:
+        endpoints = get_backend(backend, state_dir).up()
+    except OrderingLayerError as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(f"Kafka  {endpoints.bootstrap}\nRedis  {endpoints.redis_url}")
+    click.echo("Stop it with: ordering-layer stack down")
+
+
+@stack.command("down")
+@_stack_option
+def stack_down(state_dir: Path | None, backend: str | None) -> None:
+    """Stop the local stack and remove its data."""
+    get_backend(backend, state_dir).down()
+    click.echo("stack stopped")
+
+
+@stack.command("status")
+@_stack_option
+def stack_status(state_dir: Path | None, backend: str | None) -> None:
+    """Show whether each service runs, and where (JSON)."""
+    status = get_backend(backend, state_dir).status()
+    click.echo(json.dumps(status, indent=2))
+    if not status.get("up"):
+        sys.exit(1)
+
+
+@stack.command("env")
+@_stack_option
+def stack_env(state_dir: Path | None, backend: str | None) -> None:
+    """Print export lines for ORDERING_LAYER_BOOTSTRAP and ORDERING_LAYER_REDIS_URL."""
+    try:
+        endpoints = get_backend(backend, state_dir).endpoints()
+    except OrderingLayerError as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo("\n".join(endpoints.env_lines()))
+
+
+# -- topics ----------------------------------------------------------------------------------------
+@main.group()
+def topic() -> None:
+    """Topics (created with broker append time)."""
+
+
+@topic.command("create")
+@click.argument("name")
+@click.option("--partitions", type=click.IntRange(min=1), default=1, show_default=True)
+@_server_options
+def topic_create(name: str, partitions: int, bootstrap: str | None, redis_url: str | None) -> None:
+    """Create topic NAME."""
+    endpoints = resolve_endpoints(bootstrap, redis_url)
+    try:
+        described = Admin({"bootstrap.servers": endpoints.bootstrap}).create_topic(name, partitions=partitions)
+    except OrderingLayerError as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(f"created {described.name}: {described.partitions} partitions, {described.timestamp_type}")
+
+
+@topic.command("describe")
+@click.argument("name")
+@_server_options
+def topic_describe(name: str, bootstrap: str | None, redis_url: str | None) -> None:
+    """Describe topic NAME (JSON)."""
+    endpoints = resolve_endpoints(bootstrap, redis_url)
+    try:
+        described = Admin({"bootstrap.servers": endpoints.bootstrap}).describe_topic(name)
+    except OrderingLayerError as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(json.dumps({"name": described.name, "partitions": described.partitions,
+                           "replication_factor": described.replication_factor,
+                           "config": described.config}, indent=2))
+
+
+# -- publish ---------------------------------------------------------------------------------------
+@main.command("publish")
+@click.argument("topic_name")
+@click.option("--file", "source", type=click.File("r"), default="-", help="Lines to publish (default: stdin).")
+@click.option("--ordering-key", default=None, help="One ordering key for every line.")
+@click.option("--key-separator", default=None,
+              help="Split each line at the first SEPARATOR into ordering key and data (e.g. a tab).")
+@_server_options
+def publish(topic_name: str, source: TextIO, ordering_key: str | None, key_separator: str | None,
+            bootstrap: str | None, redis_url: str | None) -> None:
+    """Publish each line of a file or stdin as one message of TOPIC_NAME."""
+    endpoints = resolve_endpoints(bootstrap, redis_url)
+    count = 0
+    try:
+        with OrderedProducer({"bootstrap.servers": endpoints.bootstrap}) as producer:
+            futures = []
+            for line in source:
+                line = line.rstrip("\n")
+                key = ordering_key
+                if key_separator and key_separator in line:
+                    key, line = line.split(key_separator, 1)
+                futures.append(producer.publish(topic_name, line.encode(), ordering_key=key))
+            for future in futures:
+                result = future.result()
+                count += 1
+                click.echo(f"{result.message_id}\tseq={result.sequence_number}\tpartition={result.partition}"
+                           f"\toffset={result.offset}\t{result.enqueued_time.isoformat()}")
+    except OrderingLayerError as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(f"published {count} messages", err=True)
+
+
+# -- demo ------------------------------------------------------------------------------------------
+@main.command("demo")
+@click.option("--messages", type=click.IntRange(min=1), default=20_000, show_default=True)
+@click.option("--keys", type=click.IntRange(min=1), default=500, show_default=True)
+@click.option("--partitions", type=click.IntRange(min=1), default=6, show_default=True)
+@_server_options
+def demo(messages: int, keys: int, partitions: int, bootstrap: str | None, redis_url: str | None) -> None:
+    """The main job end to end on the local stack (started if needed)."""
+    from ordering_layer.demo import run
+
+    if not (bootstrap or os.environ.get(_ENV_BOOTSTRAP)):
+        get_backend().up()
+    endpoints = resolve_endpoints(bootstrap, redis_url)
+    ok = run(endpoints, messages=messages, keys=keys, partitions=partitions, out=click.echo)
+    if not ok:
+        sys.exit(1)

@@ -1,0 +1,49 @@
+"""The local stack launcher and its CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import redis
+from click.testing import CliRunner
+
+from ordering_layer.cli import main
+from ordering_layer.stack import StackBackend
+
+pytestmark = pytest.mark.integration
+
+
+def test_up_twice_is_harmless_and_status_env_find_it(restartable: StackBackend) -> None:
+    """The launcher: a second up returns the same running services; status and env report them."""
+    first = restartable.endpoints()
+    assert restartable.up() == first
+    status = restartable.status()
+    assert status["up"] and status["kafka"]["running"] and status["redis"]["running"]
+    state_dir = str(status["state_dir"])
+    runner = CliRunner()
+    env = runner.invoke(main, ["stack", "env", "--state-dir", state_dir])
+    assert env.exit_code == 0
+    assert f"export ORDERING_LAYER_BOOTSTRAP={first.bootstrap}" in env.output
+    assert f"export ORDERING_LAYER_REDIS_URL={first.redis_url}" in env.output
+    shown = runner.invoke(main, ["stack", "status", "--state-dir", state_dir])
+    assert shown.exit_code == 0 and json.loads(shown.output)["up"] is True
+
+
+def test_redis_restart_keeps_append_only_data(restartable: StackBackend) -> None:
+    """The launcher restarts Redis alone with AOF on, so its data survives a kill -9."""
+    client = redis.Redis.from_url(restartable.endpoints().redis_url)
+    client.set("ol:test:aof", "kept")
+    client.execute_command("BGREWRITEAOF")
+    restartable.stop_redis()
+    restartable.start_redis()
+    client = redis.Redis.from_url(restartable.endpoints().redis_url)
+    assert client.get("ol:test:aof") == b"kept"
+
+
+def test_cli_reports_a_missing_stack(tmp_path: Path) -> None:
+    """A CLI call without a stack says what to do instead of failing obscurely."""
+    result = CliRunner().invoke(main, ["stack", "env", "--state-dir", str(tmp_path / "none")])
+    assert result.exit_code != 0
+    assert "ordering-layer stack up" in result.output

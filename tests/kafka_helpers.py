@@ -1,0 +1,45 @@
+"""Reading topics back with a plain confluent-kafka consumer, as a user's own tools would."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPartition
+from confluent_kafka import Message as KafkaMessage
+
+
+def read_topic(bootstrap: str, topic: str, expected: int, timeout: float = 60.0) -> list[KafkaMessage]:
+    """Every record of ``topic`` from the start, waiting until ``expected`` have arrived."""
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"reader-{uuid.uuid4().hex}",
+                         "enable.auto.commit": False})
+    try:
+        metadata = consumer.list_topics(topic, timeout=10)
+        partitions = metadata.topics[topic].partitions
+        consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in partitions])
+        records: list[KafkaMessage] = []
+        deadline = time.monotonic() + timeout
+        while len(records) < expected and time.monotonic() < deadline:
+            for record in consumer.consume(1000, 0.5):
+                if record.error() is not None:
+                    raise KafkaException(record.error())
+                records.append(record)
+        return records
+    finally:
+        consumer.close()
+
+
+def end_offsets(bootstrap: str, topic: str) -> dict[int, int]:
+    """High watermark of each partition of ``topic``."""
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"offsets-{uuid.uuid4().hex}"})
+    try:
+        partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
+        return {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1] for p in partitions}
+    finally:
+        consumer.close()
+
+
+def headers_of(record: KafkaMessage) -> dict[str, Any]:
+    """A record's headers as a dict."""
+    return dict(record.headers() or [])
