@@ -1,7 +1,19 @@
 """ordering-layer: Pub/Sub-style ordered delivery on Apache Kafka + Redis."""
 
 from ordering_layer.admin import Admin, TopicDescription
-from ordering_layer.config import PublisherSettings
+from ordering_layer.config import (
+    DeadLetterPolicy,
+    FlowControl,
+    PublisherSettings,
+    RetryPolicy,
+    StartPosition,
+    SubscriptionSettings,
+)
 from ordering_layer.publisher import OrderedProducer, PublishResult
+from ordering_layer.subscriber import AckResponse, Message, OrderedConsumer, StreamingPullFuture, Subscriber
 
-__all__ = ["Admin", "OrderedProducer", "PublishResult", "PublisherSettings", "TopicDescription"]
+__all__ = [
+    "AckResponse", "Admin", "DeadLetterPolicy", "FlowControl", "Message", "OrderedConsumer", "OrderedProducer",
+    "PublishResult", "PublisherSettings", "RetryPolicy", "StartPosition", "StreamingPullFuture", "Subscriber",
+    "SubscriptionSettings", "TopicDescription",
+]

@@ -6,16 +6,24 @@ broker's enqueued time.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, ConfigResource, NewPartitions, NewTopic  # type: ignore[attr-defined]
 
-from ordering_layer.config import require_bootstrap
-from ordering_layer.errors import ConfigError, TopicError, TopicExistsError
+from ordering_layer.config import (
+    DeadLetterPolicy,
+    RetryPolicy,
+    StartPosition,
+    SubscriptionSettings,
+    require_bootstrap,
+)
+from ordering_layer.errors import ConfigError, SubscriptionExistsError, TopicError, TopicExistsError
+from ordering_layer.state import StateStore
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -55,6 +63,93 @@ class Admin:
             raise ConfigError(f"Kafka admin config refused: {exc.args[0]}") from exc
         self._config = conf
         self.redis_url = redis_url
+        self._store: StateStore | None = None
+
+    @property
+    def store(self) -> StateStore:
+        """The Redis state store (needs ``redis_url``)."""
+        if self._store is None:
+            if not self.redis_url:
+                raise ConfigError("subscriptions need Admin(..., redis_url=...)")
+            self._store = StateStore(self.redis_url)
+        return self._store
+
+    # -- subscriptions -----------------------------------------------------------------------------
+    def create_subscription(self, name: str, *, topic: str, enable_message_ordering: bool = True,
+                            ack_deadline: float = 10.0, retry_policy: RetryPolicy | None = None,
+                            dead_letter_policy: DeadLetterPolicy | None = None,
+                            start: StartPosition = StartPosition.TRIM_HORIZON,
+                            max_lease_duration: float = 3600.0, min_duration_per_lease_extension: float = 0.0,
+                            max_duration_per_lease_extension: float = 0.0) -> SubscriptionSettings:
+        """Create a durable subscription of ``topic`` (a consumer group of the same name).
+
+        Settings are validated (ConfigError) and stored in Redis; ordering is fixed from now on.
+        The start position (GRP-1) is resolved to offsets and committed for the group at once, so
+        every subscriber resumes from committed state. Creating it again with equal settings is a
+        no-op; with other settings it raises ``SubscriptionExistsError``.
+        """
+        settings = SubscriptionSettings(
+            topic=topic, enable_message_ordering=enable_message_ordering, ack_deadline=ack_deadline,
+            retry_policy=retry_policy or RetryPolicy(), dead_letter_policy=dead_letter_policy,
+            max_lease_duration=max_lease_duration,
+            min_duration_per_lease_extension=min_duration_per_lease_extension,
+            max_duration_per_lease_extension=max_duration_per_lease_extension)
+        described = self.describe_topic(topic)
+        if dead_letter_policy is not None:
+            self.create_topic(dead_letter_policy.topic, partitions=described.partitions, exist_ok=True)
+        if not self.store.create_settings(name, settings):
+            if self.store.settings(name) == settings:
+                return settings
+            raise SubscriptionExistsError(name)
+        self._commit_start(name, topic, described.partitions, start)
+        return settings
+
+    def _commit_start(self, group: str, topic: str, partitions: int, start: StartPosition) -> None:
+        consumer = Consumer({**self._config, "group.id": group, "enable.auto.commit": False})
+        try:
+            offsets = []
+            for partition in range(partitions):
+                low, high = consumer.get_watermark_offsets(TopicPartition(topic, partition), timeout=_TIMEOUT)
+                offset = low if start.kind == "TRIM_HORIZON" else high
+                if start.timestamp_ms is not None:
+                    found = consumer.offsets_for_times(
+                        [TopicPartition(topic, partition, start.timestamp_ms)], timeout=_TIMEOUT)[0]
+                    offset = found.offset if found.offset >= 0 else high
+                offsets.append(TopicPartition(topic, partition, offset))
+            consumer.commit(offsets=offsets, asynchronous=False)
+        finally:
+            consumer.close()
+
+    def describe_subscription(self, name: str) -> dict[str, Any]:
+        """Settings, and per partition: committed offset, end offset, backlog, outstanding leases."""
+        settings = self.store.settings(name)
+        consumer = Consumer({**self._config, "group.id": name, "enable.auto.commit": False})
+        try:
+            count = self.describe_topic(settings.topic).partitions
+            committed = consumer.committed([TopicPartition(settings.topic, p) for p in range(count)],
+                                           timeout=_TIMEOUT)
+            rows = []
+            for tp in committed:
+                _, high = consumer.get_watermark_offsets(TopicPartition(settings.topic, tp.partition),
+                                                         timeout=_TIMEOUT)
+                offset = tp.offset if tp.offset >= 0 else None
+                rows.append({"partition": tp.partition, "committed": offset, "end": high,
+                             "backlog": high - (offset or 0),
+                             "outstanding": self.store.outstanding(name, tp.partition)})
+        finally:
+            consumer.close()
+        return {"name": name, "settings": json.loads(settings.to_json()), "partitions": rows,
+                "backlog": sum(r["backlog"] for r in rows)}
+
+    def delete_subscription(self, name: str) -> None:
+        """Delete the subscription's settings and state, and its consumer group."""
+        self.store.settings(name)
+        self.store.delete_subscription(name)
+        futures = self._admin.delete_consumer_groups([name], request_timeout=_TIMEOUT)
+        try:
+            futures[name].result(timeout=_TIMEOUT)
+        except KafkaException as exc:
+            _LOGGER.info("deleting consumer group %s: %s", name, exc)
 
     def _broker_count(self) -> int:
         return max(1, len(self._admin.list_topics(timeout=_TIMEOUT).brokers))

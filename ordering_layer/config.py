@@ -7,8 +7,10 @@ the layer's settings are separate typed objects, and unknown layer keys are refu
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Mapping
-from typing import Any, TypeVar
+from datetime import datetime
+from typing import Any, ClassVar, TypeVar
 
 from ordering_layer.errors import ConfigError
 
@@ -64,3 +66,150 @@ class PublisherSettings:
             raise ConfigError(f"max_message_bytes must be > 0, got {self.max_message_bytes}")
         if self.metadata_max_age <= 0:
             raise ConfigError(f"metadata_max_age must be > 0, got {self.metadata_max_age}")
+
+
+def _check_range(name: str, value: float, low: float, high: float) -> None:
+    if not low <= value <= high:
+        raise ConfigError(f"{name} must be within {low}..{high}, got {value}")
+
+
+@dataclasses.dataclass(frozen=True)
+class FlowControl:
+    """Limits on what is outstanding at one subscriber (SUB-7).
+
+    The Kafka fetch is paused while either limit is reached and resumed below 80 % of both.
+
+    Attributes:
+        max_messages: most messages delivered and not yet acked or nacked.
+        max_bytes: most payload bytes delivered and not yet acked or nacked.
+    """
+
+    max_messages: int = 1000
+    max_bytes: int = 100 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        if self.max_messages <= 0 or self.max_bytes <= 0:
+            raise ConfigError(f"flow control limits must be > 0, got {self}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RetryPolicy:
+    """Backoff between a nack or lease expiry and the redelivery (DLQ-1), in seconds (0..600)."""
+
+    minimum_backoff: float = 10.0
+    maximum_backoff: float = 600.0
+
+    def __post_init__(self) -> None:
+        _check_range("minimum_backoff", self.minimum_backoff, 0, 600)
+        _check_range("maximum_backoff", self.maximum_backoff, 0, 600)
+        if self.minimum_backoff > self.maximum_backoff:
+            raise ConfigError("minimum_backoff must not exceed maximum_backoff")
+
+    def backoff(self, failures: int) -> float:
+        """Seconds to wait after the ``failures``-th consecutive failure (1-based), doubling each time."""
+        if failures <= 0:
+            return 0.0
+        return float(min(self.maximum_backoff, self.minimum_backoff * (2 ** min(failures - 1, 30))))
+
+
+DEAD_LETTER_MODES = ("forward", "park_key")
+
+
+@dataclasses.dataclass(frozen=True)
+class DeadLetterPolicy:
+    """Where messages go after too many delivery attempts (DLQ-2).
+
+    Attributes:
+        topic: the dead-letter topic.
+        max_delivery_attempts: 5..100; attempt ``max_delivery_attempts + 1`` goes to the topic instead.
+        mode: ``forward`` (the key goes on with its next message) or ``park_key`` (later messages of
+            the key follow it into the dead-letter topic, in order, until the key is released).
+    """
+
+    topic: str
+    max_delivery_attempts: int = 5
+    mode: str = "forward"
+
+    def __post_init__(self) -> None:
+        if not self.topic:
+            raise ConfigError("dead_letter_policy.topic is required")
+        _check_range("max_delivery_attempts", self.max_delivery_attempts, 5, 100)
+        if self.mode not in DEAD_LETTER_MODES:
+            raise ConfigError(f"dead_letter_policy.mode must be one of {DEAD_LETTER_MODES}, got {self.mode!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class StartPosition:
+    """Where a new subscription starts (GRP-1): ``TRIM_HORIZON``, ``LATEST`` or ``at_time(t)``."""
+
+    kind: str
+    timestamp_ms: int | None = None
+
+    TRIM_HORIZON: ClassVar[StartPosition]
+    LATEST: ClassVar[StartPosition]
+
+    @staticmethod
+    def at_time(when: datetime) -> StartPosition:
+        """The first message whose enqueued time is at or after ``when`` (aware datetime)."""
+        if when.tzinfo is None:
+            raise ConfigError("StartPosition.at_time needs a timezone-aware datetime")
+        return StartPosition("AT_TIME", int(when.timestamp() * 1000))
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("TRIM_HORIZON", "LATEST", "AT_TIME"):
+            raise ConfigError(f"unknown start position {self.kind!r}")
+        if (self.kind == "AT_TIME") != (self.timestamp_ms is not None):
+            raise ConfigError("AT_TIME needs a time; the other start positions take none")
+
+
+StartPosition.TRIM_HORIZON = StartPosition("TRIM_HORIZON")
+StartPosition.LATEST = StartPosition("LATEST")
+
+
+@dataclasses.dataclass(frozen=True)
+class SubscriptionSettings:
+    """The durable settings of a subscription, stored in Redis at creation (fixed afterwards).
+
+    Attributes:
+        topic: the topic it consumes.
+        enable_message_ordering: per-key order (SUB-1); fixed at creation (SUB-6).
+        ack_deadline: seconds a delivery may stay unacked before redelivery (10..600, ACK-1).
+        retry_policy: backoff after nacks and expiries (DLQ-1).
+        dead_letter_policy: dead-letter topic and attempts (DLQ-2), or None.
+        max_lease_duration: seconds of automatic lease extension at most (ACK-2).
+        min_duration_per_lease_extension / max_duration_per_lease_extension: clamp of each
+            extension, 0 for off, else 10..600 s (ACK-2).
+    """
+
+    topic: str
+    enable_message_ordering: bool = True
+    ack_deadline: float = 10.0
+    retry_policy: RetryPolicy = dataclasses.field(default_factory=RetryPolicy)
+    dead_letter_policy: DeadLetterPolicy | None = None
+    max_lease_duration: float = 3600.0
+    min_duration_per_lease_extension: float = 0.0
+    max_duration_per_lease_extension: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.topic:
+            raise ConfigError("a subscription needs a topic")
+        _check_range("ack_deadline", self.ack_deadline, 10, 600)
+        if self.max_lease_duration <= 0:
+            raise ConfigError("max_lease_duration must be > 0")
+        for name in ("min_duration_per_lease_extension", "max_duration_per_lease_extension"):
+            value = getattr(self, name)
+            if value != 0:
+                _check_range(name, value, 10, 600)
+
+    def to_json(self) -> str:
+        """The settings as JSON, for Redis."""
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> SubscriptionSettings:
+        """Settings read back from Redis."""
+        raw = json.loads(text)
+        raw["retry_policy"] = RetryPolicy(**raw["retry_policy"])
+        if raw.get("dead_letter_policy"):
+            raw["dead_letter_policy"] = DeadLetterPolicy(**raw["dead_letter_policy"])
+        return cls(**raw)

@@ -1,0 +1,53 @@
+"""A local SparkSession wired for Spark's Kafka source (INFRA.md, Spark).
+
+The Kafka source is not inside pyspark: its jars are fetched with Maven (``ordering_layer.stack.jars``)
+and passed with ``spark.jars``, never with ``spark.jars.packages`` (Ivy may not reach a registry).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Mapping
+
+from pyspark.sql import SparkSession
+
+from ordering_layer.stack.jars import spark_kafka_jars
+
+_LOGGER = logging.getLogger(__name__)
+
+DEFAULT_SETTINGS: Mapping[str, str] = {
+    "spark.driver.memory": "1g",
+    "spark.sql.shuffle.partitions": "4",
+    "spark.default.parallelism": "2",
+    "spark.ui.enabled": "false",
+    "spark.ui.showConsoleProgress": "false",
+    "spark.sql.session.timeZone": "UTC",
+    # Spark's default is 10,000 rows per Arrow batch; smaller batches keep the Python workers small.
+    "spark.sql.execution.arrow.maxRecordsPerBatch": "5000",
+    "spark.sql.streaming.forceDeleteTempCheckpointLocation": "true",
+}
+
+
+def local_session(app_name: str = "ordering-layer", *, master: str = "local[2]",
+                  settings: Mapping[str, str] | None = None) -> SparkSession:
+    """A local SparkSession with Spark's Kafka source on its class path.
+
+    Python workers run the interpreter that calls this (``PYSPARK_PYTHON`` is set to it unless it
+    is set already), so they find ``ordering_layer``, fastavro, pandas and pyarrow. Memory is small
+    (driver 1g) and shuffles use few partitions; ``settings`` override any Spark setting.
+    If a session is active already, Spark returns it and settings that need a new JVM are ignored.
+
+    Raises:
+        StackError: the Kafka source jars cannot be fetched (Maven missing or failing).
+    """
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    jars = ",".join(str(path) for path in spark_kafka_jars())
+    builder = SparkSession.builder.master(master).appName(app_name).config("spark.jars", jars)
+    for key, value in {**DEFAULT_SETTINGS, **(settings or {})}.items():
+        builder = builder.config(key, value)
+    session = builder.getOrCreate()
+    session.sparkContext.setLogLevel("WARN")
+    _LOGGER.info("Spark %s session %r on %s", session.version, app_name, master)
+    return session

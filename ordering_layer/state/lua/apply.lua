@@ -1,0 +1,46 @@
+-- Apply a batch of subscriber state changes for one (subscription, partition), fenced by epoch.
+--
+-- KEYS[1]  epoch    string: owner epoch of the partition (INCR on each claim)
+-- KEYS[2]  settled  zset: offsets acked or dead-lettered above the committed offset (score = offset)
+-- KEYS[3]  attempts hash: offset -> delivery attempts so far (unsettled messages only)
+-- KEYS[4]  leases   hash: offset -> lease deadline, epoch milliseconds
+-- ARGV[1]  the caller's epoch
+-- ARGV[2]  op count N, then N ops of 3 arguments each: kind, offset, value
+--            "d" delivered: attempts[offset] = value (the attempt number); lease set by a later "l"
+--            "l" lease:     leases[offset] = value (deadline ms)
+--            "a" settled:   zadd settled offset; drop attempts and lease
+--            "n" nack:      drop lease (the message stays unsettled)
+--            "w" watermark: committed offset is value: forget everything below it
+-- Returns 1 when applied, 0 when fenced (another owner claimed the partition), 2 when the epoch
+-- key was gone (Redis lost its state): the caller's epoch is adopted and the ops applied; what was
+-- lost can only cause redelivery, never loss (Kafka keeps the messages and the committed offset).
+local result = 1
+local current = redis.call('GET', KEYS[1])
+if not current then
+  redis.call('SET', KEYS[1], ARGV[1])
+  current = ARGV[1]
+  result = 2
+end
+if current ~= ARGV[1] then
+  return 0
+end
+local n = tonumber(ARGV[2])
+local i = 3
+for _ = 1, n do
+  local kind, offset, value = ARGV[i], ARGV[i + 1], ARGV[i + 2]
+  if kind == 'd' then
+    redis.call('HSET', KEYS[3], offset, value)
+  elseif kind == 'l' then
+    redis.call('HSET', KEYS[4], offset, value)
+  elseif kind == 'a' then
+    redis.call('ZADD', KEYS[2], offset, offset)
+    redis.call('HDEL', KEYS[3], offset)
+    redis.call('HDEL', KEYS[4], offset)
+  elseif kind == 'n' then
+    redis.call('HDEL', KEYS[4], offset)
+  elseif kind == 'w' then
+    redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', '(' .. value)
+  end
+  i = i + 3
+end
+return result

@@ -1,0 +1,127 @@
+"""The Redis state store: one hash tag per (subscription, partition), Lua scripts for every write.
+
+Keys: ``ol:{<subscription>:<partition>}:epoch|settled|attempts|leases`` (one slot per partition, so
+Redis Cluster works) and ``ol:sub:<subscription>`` for the settings. Redis is an accelerator of
+correctness: losing it loses no message (Kafka holds them), it only causes redelivery.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from importlib import resources
+
+import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
+
+from ordering_layer.config import SubscriptionSettings
+from ordering_layer.errors import SubscriptionNotFoundError
+
+_LOGGER = logging.getLogger(__name__)
+
+Op = tuple[str, int, int]
+
+
+class ApplyResult(enum.IntEnum):
+    """Outcome of a fenced batch write."""
+
+    FENCED = 0
+    APPLIED = 1
+    ADOPTED = 2
+
+
+@dataclass(frozen=True)
+class ClaimedPartition:
+    """What a new owner learns when it claims a partition."""
+
+    epoch: int
+    settled: frozenset[int]
+    attempts: dict[int, int]
+
+
+def _script(name: str) -> str:
+    return (resources.files("ordering_layer.state") / "lua" / f"{name}.lua").read_text()
+
+
+def partition_keys(subscription: str, partition: int) -> list[str]:
+    """epoch, settled, attempts and leases keys of one partition (one hash slot)."""
+    tag = f"ol:{{{subscription}:{partition}}}"
+    return [f"{tag}:epoch", f"{tag}:settled", f"{tag}:attempts", f"{tag}:leases"]
+
+
+def settings_key(subscription: str) -> str:
+    """The key holding a subscription's settings."""
+    return f"ol:sub:{subscription}"
+
+
+class StateStore:
+    """Typed access to the layer's Redis state.
+
+    Args:
+        redis_url: e.g. ``redis://127.0.0.1:6379/0``.
+    """
+
+    def __init__(self, redis_url: str) -> None:
+        self.client = redis.Redis.from_url(
+            redis_url, socket_timeout=5.0, socket_connect_timeout=5.0,
+            retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=5),
+            retry_on_error=[redis.ConnectionError, redis.TimeoutError])
+        self._apply = self.client.register_script(_script("apply"))
+        self._claim = self.client.register_script(_script("claim"))
+
+    # -- subscription settings -------------------------------------------------------------------
+    def create_settings(self, subscription: str, settings: SubscriptionSettings) -> bool:
+        """Store settings unless the subscription exists; True when created."""
+        return bool(self.client.set(settings_key(subscription), settings.to_json(), nx=True))
+
+    def settings(self, subscription: str) -> SubscriptionSettings:
+        """The stored settings. Raises ``SubscriptionNotFoundError``."""
+        raw = self.client.get(settings_key(subscription))
+        if raw is None:
+            raise SubscriptionNotFoundError(subscription)
+        return SubscriptionSettings.from_json(raw)
+
+    def delete_subscription(self, subscription: str) -> int:
+        """Remove the settings and every partition key of the subscription; return keys removed."""
+        keys: list[str | bytes] = [settings_key(subscription)]
+        keys.extend(self.client.scan_iter(match=f"ol:{{{subscription}:*", count=1000))
+        return int(self.client.delete(*keys))
+
+    # -- partitions ------------------------------------------------------------------------------
+    def claim(self, subscription: str, partition: int) -> ClaimedPartition:
+        """Become the owner of a partition: bump its epoch, read settled offsets and attempts."""
+        keys = partition_keys(subscription, partition)[:3]
+        raw = self._claim(keys=keys, args=[])
+        split = raw.index(b"|")
+        pairs = raw[split + 1:]
+        return ClaimedPartition(
+            epoch=int(raw[0]),
+            settled=frozenset(int(o) for o in raw[1:split]),
+            attempts={int(pairs[i]): int(pairs[i + 1]) for i in range(0, len(pairs), 2)},
+        )
+
+    def apply_many(self, batches: Sequence[tuple[str, int, int, Sequence[Op]]]) -> list[ApplyResult]:
+        """Apply op batches of several partitions in one pipeline (one round trip).
+
+        Each batch is (subscription, partition, epoch, ops); see ``lua/apply.lua`` for the ops.
+        """
+        pipe = self.client.pipeline(transaction=False)
+        for subscription, partition, epoch, ops in batches:
+            args: list[int | str] = [epoch, len(ops)]
+            for kind, offset, value in ops:
+                args.extend((kind, offset, value))
+            self._apply(keys=partition_keys(subscription, partition), args=args, client=pipe)
+        return [ApplyResult(int(r)) for r in pipe.execute()]
+
+    def epochs(self, subscription: str, partitions: Iterable[int]) -> dict[int, int | None]:
+        """Current owner epoch of each partition (None when unset)."""
+        parts = list(partitions)
+        values = self.client.mget([partition_keys(subscription, p)[0] for p in parts]) if parts else []
+        return {p: int(v) if v is not None else None for p, v in zip(parts, values, strict=True)}
+
+    def outstanding(self, subscription: str, partition: int) -> int:
+        """Leases currently held in the partition (delivered, not yet settled)."""
+        return int(self.client.hlen(partition_keys(subscription, partition)[3]))

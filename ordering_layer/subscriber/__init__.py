@@ -1,0 +1,6 @@
+"""Receiving with per-key order, per-message acks and cascade redelivery."""
+
+from ordering_layer.subscriber.message import AckResponse, Message
+from ordering_layer.subscriber.subscriber import OrderedConsumer, StreamingPullFuture, Subscriber
+
+__all__ = ["AckResponse", "Message", "OrderedConsumer", "StreamingPullFuture", "Subscriber"]

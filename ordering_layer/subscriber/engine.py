@@ -1,0 +1,638 @@
+"""The subscriber engine shared by ``Subscriber.subscribe``, ``Subscriber.pull`` and ``OrderedConsumer``.
+
+Two threads and one lock:
+
+* the *fetch* thread owns ``Consumer.consume`` (and so the rebalance callbacks): it decodes records
+  once and posts them to the engine's inbox; on assignment it claims partitions in Redis (new epoch,
+  settled offsets, attempts), on revoke it waits for the partitions' outstanding deliveries, flushes,
+  commits and lets go;
+* the *engine* thread takes everything else from the inbox (records, acks, nacks, deadline changes,
+  pull requests), releases what each key may release, records the attempts and leases in Redis in
+  one pipeline *before* handing the messages out, expires leases, commits offsets and applies flow
+  control by pausing the fetch.
+
+User code never touches this state: it posts ``Settle`` requests, which wake the engine at once.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import redis
+from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
+from confluent_kafka import Message as KafkaMessage
+
+from ordering_layer.config import FlowControl, SubscriptionSettings
+from ordering_layer.envelope import decode_record, encode
+from ordering_layer.errors import EnvelopeError
+from ordering_layer.state import ApplyResult, StateStore
+from ordering_layer.state.store import Op
+from ordering_layer.subscriber.message import AckResponse, Message, Settle
+from ordering_layer.subscriber.partition import Delivery, PartitionState, QueueKey, Record
+from ordering_layer.worker import Worker
+
+_LOGGER = logging.getLogger(__name__)
+
+_FETCH_BATCH = 500
+_FLUSH_MAX_OPS = 500
+_FLUSH_MAX_AGE = 0.005
+_COMMIT_INTERVAL = 1.0
+_MAX_BUFFERED = 20_000
+_RESUME_FRACTION = 0.8
+_REVOKE_GRACE = 30.0
+
+DLQ_HEADERS = ("ol-dlq-source-topic", "ol-dlq-source-partition", "ol-dlq-source-offset",
+               "ol-dlq-sequence-number", "ol-dlq-key", "ol-dlq-attempts", "ol-dlq-last-error",
+               "ol-dlq-subscription", "ol-dlq-reason")
+
+
+class _Fetched(NamedTuple):
+    records: list[Record]
+
+
+class _Pull(NamedTuple):
+    max_messages: int
+    deadline: float
+    future: Future[list[Message]]
+
+
+class _DeadLettered(NamedTuple):
+    partition: int
+    epoch: int
+    queue_key: QueueKey
+    offset: int
+    error: str | None
+
+
+@dataclass(slots=True)
+class _Outstanding:
+    token: int
+    record: Record
+    queue_key: QueueKey
+    deadline: float
+    first_delivery: float
+
+
+def to_record(msg: KafkaMessage) -> Record:
+    """Decode a fetched Kafka record once; an undecodable one keeps its error (DLQ-4)."""
+    key, value, headers = msg.key(), msg.value(), msg.headers() or []
+    partition, offset = msg.partition(), msg.offset()
+    assert partition is not None and offset is not None
+    try:
+        decoded = decode_record(key, value, headers)
+        error = None
+        ordering_key = decoded.ordering_key
+    except EnvelopeError as exc:
+        decoded, error, ordering_key = None, str(exc), None
+    pairs = headers.items() if isinstance(headers, dict) else headers
+    raw_headers = [(str(k), v if isinstance(v, bytes) or v is None else str(v).encode()) for k, v in pairs]
+    size = len(decoded.data) if decoded is not None else len(value or b"")
+    return Record(partition, offset, ordering_key, decoded, error, size, msg.timestamp()[1], key, value,
+                  raw_headers)
+
+
+class Engine:
+    """Ordered (or unordered) dispatch of one subscription at one subscriber.
+
+    Args:
+        kafka_config: confluent-kafka settings (passed through; group, commits and assignor are set).
+        store: the Redis state store.
+        subscription: subscription name (the Kafka consumer group).
+        settings: the subscription's stored settings.
+        flow_control: limits on outstanding messages and bytes (SUB-7).
+        on_messages: callback mode: receives each released batch (one message per key at a time);
+            None for pull mode, where ``pull`` releases on demand.
+    """
+
+    def __init__(self, kafka_config: Mapping[str, Any], store: StateStore, subscription: str,
+                 settings: SubscriptionSettings, *, flow_control: FlowControl,
+                 on_messages: Callable[[list[Message]], None] | None) -> None:
+        self.subscription = subscription
+        self.settings = settings
+        self.topic = settings.topic
+        self.flow_control = flow_control
+        self._store = store
+        self._on_messages = on_messages
+        conf = {k: v for k, v in kafka_config.items() if k != "group.id"}
+        conf.update({"group.id": subscription, "enable.auto.commit": False, "enable.auto.offset.store": False,
+                     "auto.offset.reset": "earliest", "partition.assignment.strategy": "cooperative-sticky"})
+        conf.setdefault("logger", logging.getLogger("ordering_layer.kafka.consumer"))
+        self._consumer = Consumer(conf)
+        self._producer_config = {k: v for k, v in kafka_config.items()
+                                 if not k.startswith(("group.", "session.", "heartbeat.", "max.poll", "auto.",
+                                                      "enable.auto", "partition.assignment", "isolation"))}
+        self._dlq_producer: Producer | None = None
+        self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._consumer_calls: queue.SimpleQueue[Callable[[], Any]] = queue.SimpleQueue()
+        self._lock = threading.RLock()
+        self._changed = threading.Condition(self._lock)
+        self._partitions: dict[int, PartitionState] = {}
+        self._unclaimed: dict[int, list[Record]] = {}
+        self._ops: dict[int, list[Op]] = {}
+        self._ack_futures: dict[int, list[Future[AckResponse]]] = {}
+        self._oldest_op = 0.0
+        self._op_count = 0
+        self._out: dict[tuple[int, int], _Outstanding] = {}
+        self._out_bytes = 0
+        self._leases: list[tuple[float, int, int, int]] = []
+        self._pulls: deque[_Pull] = deque()
+        self._committed: dict[int, int] = {}
+        self._last_commit = 0.0
+        self._fetch_paused = False
+        self._closing = False
+        self._fetcher = Worker(f"ordering-layer-fetch-{subscription}", self._fetch_step)
+        self._engine = Worker(f"ordering-layer-engine-{subscription}", self._engine_step)
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Join the group and start dispatching."""
+        self._consumer.subscribe([self.topic], on_assign=self._on_assign, on_revoke=self._on_revoke,
+                                 on_lost=self._on_lost)
+        self._engine.start()
+        self._fetcher.start()
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop releasing, wait up to ``timeout`` for outstanding deliveries, commit, leave the group."""
+        with self._lock:
+            self._closing = True
+            deadline = time.monotonic() + timeout
+            while self._out and time.monotonic() < deadline:
+                self._changed.wait(0.05)
+        self._fetcher.stop()
+        self._engine.stop()
+        with self._lock:
+            self._drain_inbox()
+            self._flush()
+            self._commit(sync=True)
+            for pull in self._pulls:
+                pull.future.set_result([])
+            self._pulls.clear()
+        try:
+            self._consumer.close()
+        except (KafkaException, RuntimeError) as exc:
+            _LOGGER.warning("closing consumer of %s: %s", self.subscription, exc)
+        if self._dlq_producer is not None:
+            self._dlq_producer.flush(10)
+
+    def submit(self, request: Settle) -> None:
+        """Post an ack, nack or deadline change (called from user threads)."""
+        self._inbox.put(request)
+
+    def pull(self, max_messages: int, timeout: float) -> list[Message]:
+        """Release up to ``max_messages`` (at most one batch per key), waiting up to ``timeout`` s."""
+        future: Future[list[Message]] = Future()
+        self._inbox.put(_Pull(max_messages, time.monotonic() + timeout, future))
+        return future.result(timeout + 30.0)
+
+    def stats(self) -> dict[str, int]:
+        """Outstanding messages and bytes, buffered records, owned partitions."""
+        with self._lock:
+            return {"outstanding": len(self._out), "outstanding_bytes": self._out_bytes,
+                    "buffered": sum(p.buffered for p in self._partitions.values()),
+                    "partitions": len(self._partitions), "fetch_paused": int(self._fetch_paused)}
+
+    def assigned_partitions(self) -> list[int]:
+        """Partitions this subscriber owns now."""
+        with self._lock:
+            return sorted(self._partitions)
+
+    # -- fetch thread ----------------------------------------------------------------------------
+    def _fetch_step(self) -> float:
+        # Only this thread calls the consumer while it runs: librdkafka's consumer is not safe for
+        # concurrent calls from Python threads, so the engine queues commits and pause/resume here.
+        while True:
+            try:
+                call = self._consumer_calls.get_nowait()
+            except queue.Empty:
+                break
+            try:
+                call()
+            except KafkaException as exc:
+                _LOGGER.warning("%s: consumer call failed: %s", self.subscription, exc)
+        messages = self._consumer.consume(_FETCH_BATCH, 0.1)
+        records = []
+        for msg in messages:
+            if msg.error() is not None:
+                _LOGGER.warning("fetch error on %s: %s", self.subscription, msg.error())
+                continue
+            records.append(to_record(msg))
+        if records:
+            self._inbox.put(_Fetched(records))
+        return 0.0
+
+    def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        for tp in partitions:
+            self._claim(tp.partition)
+
+    def _claim(self, partition: int) -> bool:
+        try:
+            claimed = self._store.claim(self.subscription, partition)
+        except redis.RedisError as exc:
+            _LOGGER.warning("claiming partition %d of %s failed (%s); retrying", partition, self.subscription, exc)
+            with self._lock:
+                self._unclaimed.setdefault(partition, [])
+            return False
+        with self._lock:
+            self._partitions[partition] = PartitionState(
+                partition, claimed.epoch, ordered=self.settings.enable_message_ordering,
+                settled_before=claimed.settled, attempts_before=claimed.attempts)
+            waiting = self._unclaimed.pop(partition, [])
+        if waiting:
+            self._inbox.put(_Fetched(waiting))
+        _LOGGER.info("%s: claimed partition %d (epoch %d, %d settled above the commit)",
+                     self.subscription, partition, claimed.epoch, len(claimed.settled))
+        return True
+
+    def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        numbers = [tp.partition for tp in partitions]
+        with self._lock:
+            for number in numbers:
+                state = self._partitions.get(number)
+                if state is not None:
+                    state.revoking = True
+            # Affinity (SUB-5): let the deliveries in progress finish before the key can move.
+            deadline = time.monotonic() + min(self.settings.ack_deadline, _REVOKE_GRACE)
+            while any(key[0] in numbers for key in self._out) and time.monotonic() < deadline:
+                self._changed.wait(0.05)
+            self._flush()
+            self._commit(sync=True, only=numbers)
+            for number in numbers:
+                self._drop(number)
+
+    def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        with self._lock:
+            for tp in partitions:
+                self._drop(tp.partition)
+
+    # -- engine thread ---------------------------------------------------------------------------
+    def _engine_step(self) -> float:
+        try:
+            events = [self._inbox.get(timeout=self._wait_time())]
+        except queue.Empty:
+            events = []
+        while len(events) < 10_000:
+            try:
+                events.append(self._inbox.get_nowait())
+            except queue.Empty:
+                break
+        with self._lock:
+            now = time.monotonic()
+            for event in events:
+                self._handle(event, now)
+            self._expire(now)
+            deliveries = self._release(now)
+            if self._dlq_producer is not None:
+                self._dlq_producer.poll(0)
+            flush_due = self._op_count >= _FLUSH_MAX_OPS or (
+                self._op_count > 0 and now - self._oldest_op >= _FLUSH_MAX_AGE)
+            if (deliveries or flush_due) and not self._flush():
+                deliveries = self._unrelease(deliveries, now)
+            self._dispatch(deliveries, now)
+            self._expire_pulls(now)
+            if now - self._last_commit >= _COMMIT_INTERVAL:
+                self._commit(sync=False)
+            self._apply_flow_control()
+            self._changed.notify_all()
+        return 0.0
+
+    def _wait_time(self) -> float:
+        wait = 0.1
+        now = time.monotonic()
+        if self._op_count:
+            wait = min(wait, max(0.0, self._oldest_op + _FLUSH_MAX_AGE - now))
+        if self._leases:
+            wait = min(wait, max(0.0, self._leases[0][0] - now))
+        if self._pulls:
+            wait = min(wait, max(0.0, self._pulls[0].deadline - now))
+        for state in self._partitions.values():
+            wake = state.next_wake()
+            if wake is not None:
+                wait = min(wait, max(0.0, wake - now))
+        return wait
+
+    def _drain_inbox(self) -> None:
+        now = time.monotonic()
+        while True:
+            try:
+                event = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if not isinstance(event, _Pull):
+                self._handle(event, now)
+            else:
+                event.future.set_result([])
+
+    def _handle(self, event: Any, now: float) -> None:
+        if isinstance(event, Settle):
+            self._settle(event, now)
+        elif isinstance(event, _Fetched):
+            for record in event.records:
+                state = self._partitions.get(record.partition)
+                if state is None:
+                    if record.partition in self._unclaimed:
+                        self._unclaimed[record.partition].append(record)
+                    continue
+                state.add(record)
+            for partition in list(self._unclaimed):
+                if self._unclaimed[partition]:
+                    self._claim(partition)
+        elif isinstance(event, _Pull):
+            self._pulls.append(event)
+        elif isinstance(event, _DeadLettered):
+            state = self._partitions.get(event.partition)
+            if state is not None and state.epoch == event.epoch:
+                if event.error is None:
+                    self._forget(event.partition, event.offset)
+                    state.settle_dead_lettered(event.queue_key, event.offset)
+                    self._queue_op(event.partition, ("a", event.offset, 0), now)
+                else:
+                    out = self._out.get((event.partition, event.offset))
+                    if out is not None:
+                        self._forget(event.partition, event.offset)
+                        state.nack(event.queue_key, event.offset, out.token, now, lambda _: 1.0)
+
+    def _settle(self, request: Settle, now: float) -> None:
+        state = self._partitions.get(request.partition)
+        if state is None or state.epoch != request.epoch:
+            _resolve(request.future, AckResponse.LEASE_LOST)
+            return
+        out = self._out.get((request.partition, request.offset))
+        if out is None or out.token != request.token:
+            _resolve(request.future, AckResponse.INVALID_ACK_ID)
+            return
+        if request.kind == "deadline":
+            out.deadline = now + request.seconds
+            heapq.heappush(self._leases, (out.deadline, request.partition, request.offset, out.token))
+            self._queue_op(request.partition, ("l", request.offset, _wall_ms(request.seconds)), now)
+            self._queue_future(request.partition, request.future)
+            return
+        if request.kind == "ack":
+            state.ack(request.queue_key, request.offset, request.token)
+            self._queue_op(request.partition, ("a", request.offset, 0), now)
+        else:
+            state.nack(request.queue_key, request.offset, request.token, now, self.settings.retry_policy.backoff)
+            if request.error:
+                out.record.last_error = request.error
+            self._queue_op(request.partition, ("n", request.offset, 0), now)
+        self._forget(request.partition, request.offset)
+        self._queue_future(request.partition, request.future)
+
+    def _expire(self, now: float) -> None:
+        """Lapsed leases: the delivery is given back with the cascade (ACK-1, SUB-4)."""
+        while self._leases and self._leases[0][0] <= now:
+            _, partition, offset, token = heapq.heappop(self._leases)
+            out = self._out.get((partition, offset))
+            if out is None or out.token != token or out.deadline > now:
+                continue
+            state = self._partitions.get(partition)
+            if state is None:
+                continue
+            _LOGGER.info("%s: lease of %d:%d lapsed; redelivering", self.subscription, partition, offset)
+            state.nack(out.queue_key, offset, token, now, self.settings.retry_policy.backoff)
+            self._forget(partition, offset)
+            self._queue_op(partition, ("n", offset, 0), now)
+
+    def _release(self, now: float) -> list[Delivery]:
+        """Release what may go out now, within flow control: callback mode one per key, pull mode
+        whole per-key batches up to the waiting pull's size."""
+        if self._closing:
+            return []
+        if self._on_messages is None:
+            if not self._pulls:
+                return []
+            budget = self._pulls[0].max_messages
+            per_key = budget
+        else:
+            budget = self.flow_control.max_messages - len(self._out)
+            per_key = 1
+        budget = min(budget, self.flow_control.max_messages - len(self._out))
+        released: list[Delivery] = []
+        for state in self._partitions.values():
+            if state.revoking:
+                continue
+            state.wake(now)
+            for qkey in state.ready_keys():
+                if budget <= 0 or self._out_bytes >= self.flow_control.max_bytes:
+                    return released
+                batch = state.release(qkey, now, min(per_key, budget))
+                state.ready.pop(qkey, None)
+                for delivery in batch:
+                    self._admit(state, delivery, now)
+                released.extend(batch)
+                budget -= len(batch)
+        return released
+
+    def _admit(self, state: PartitionState, delivery: Delivery, now: float) -> None:
+        record = delivery.record
+        deadline = now + self.settings.ack_deadline
+        self._out[(record.partition, record.offset)] = _Outstanding(
+            delivery.token, record, delivery.queue_key, deadline, now)
+        self._out_bytes += record.size
+        heapq.heappush(self._leases, (deadline, record.partition, record.offset, delivery.token))
+        self._queue_op(record.partition, ("d", record.offset, delivery.attempt), now)
+        self._queue_op(record.partition, ("l", record.offset, _wall_ms(self.settings.ack_deadline)), now)
+
+    def _unrelease(self, deliveries: list[Delivery], now: float) -> list[Delivery]:
+        """Redis did not take the attempt counts: give the deliveries back before anyone sees them."""
+        for delivery in deliveries:
+            record = delivery.record
+            state = self._partitions.get(record.partition)
+            self._forget(record.partition, record.offset)
+            if state is not None:
+                record.attempts -= 1
+                state.nack(delivery.queue_key, record.offset, delivery.token, now, lambda _: 1.0)
+        return []
+
+    def _dispatch(self, deliveries: list[Delivery], now: float) -> None:
+        if not deliveries:
+            return
+        messages: list[Message] = []
+        for delivery in deliveries:
+            record = delivery.record
+            state = self._partitions[record.partition]
+            limit = self.settings.dead_letter_policy
+            if record.decoded is None or (limit is not None and delivery.attempt > limit.max_delivery_attempts):
+                self._dead_letter(state, delivery)
+                continue
+            messages.append(Message(delivery, self.topic, state.epoch, self.submit))
+        if not messages:
+            return
+        if self._on_messages is not None:
+            self._on_messages(messages)
+        else:
+            self._pulls.popleft().future.set_result(messages)
+
+    def _expire_pulls(self, now: float) -> None:
+        while self._pulls and self._pulls[0].deadline <= now:
+            self._pulls.popleft().future.set_result([])
+
+    # -- dead letters ----------------------------------------------------------------------------
+    def _dead_letter(self, state: PartitionState, delivery: Delivery) -> None:
+        """Write the record to the dead-letter topic; it settles when the broker has it (DLQ-2, DLQ-4)."""
+        record = delivery.record
+        policy = self.settings.dead_letter_policy
+        undecodable = record.decoded is None
+        attempts = delivery.attempt - 1
+        last_error = record.error if undecodable else record.last_error
+        if policy is None:
+            # Nowhere to put an undecodable record: settle it so it cannot block the partition.
+            _LOGGER.error("%s: undecodable record %d:%d settled without a dead-letter topic: %s",
+                          self.subscription, record.partition, record.offset, record.error)
+            self._inbox.put(_DeadLettered(record.partition, state.epoch, delivery.queue_key, record.offset, None))
+            return
+        reason = "UNDECODABLE" if undecodable else "MAX_DELIVERY_ATTEMPTS"
+        sequence = (record.partition << 48) | record.offset
+        value = encode("dead_letter", {
+            "source_topic": self.topic, "source_partition": record.partition, "source_offset": record.offset,
+            "sequence_number": sequence, "subscription": self.subscription, "reason": reason,
+            "delivery_attempts": attempts, "last_error": last_error, "key": record.raw_key,
+            "value": record.raw_value, "headers": [{"key": k, "value": v} for k, v in record.raw_headers]})
+        facts = (self.topic, record.partition, record.offset, sequence,
+                 record.ordering_key or "", attempts, last_error or "", self.subscription, reason)
+        headers: list[tuple[str, str | bytes | None]] = [
+            (name, str(fact).encode()) for name, fact in zip(DLQ_HEADERS, facts, strict=True)]
+        if self._dlq_producer is None:
+            conf = {**self._producer_config, "enable.idempotence": True, "acks": "all",
+                    "logger": logging.getLogger("ordering_layer.kafka.dlq")}
+            self._dlq_producer = Producer(conf)
+        key = (record.partition, state.epoch, delivery.queue_key, record.offset)
+
+        def delivered(err: Any, _msg: Any) -> None:
+            self._inbox.put(_DeadLettered(key[0], key[1], key[2], key[3], None if err is None else str(err)))
+
+        self._dlq_producer.produce(policy.topic, value, key=record.raw_key, headers=headers, on_delivery=delivered)
+        self._dlq_producer.poll(0)
+        _LOGGER.warning("%s: dead-lettering %d:%d (%s, %d attempts)", self.subscription, record.partition,
+                        record.offset, reason, attempts)
+
+    # -- Redis -----------------------------------------------------------------------------------
+    def _queue_op(self, partition: int, op: Op, now: float) -> None:
+        if not self._op_count:
+            self._oldest_op = now
+        self._op_count += 1
+        self._ops.setdefault(partition, []).append(op)
+
+    def _queue_future(self, partition: int, future: Future[AckResponse] | None) -> None:
+        if future is not None:
+            self._ack_futures.setdefault(partition, []).append(future)
+
+    def _flush(self) -> bool:
+        """Write queued ops of every owned partition in one round trip; False when Redis failed."""
+        batches = [(self.subscription, p, self._partitions[p].epoch, ops)
+                   for p, ops in self._ops.items() if ops and p in self._partitions]
+        futures = self._ack_futures
+        if not batches:
+            self._ops, self._ack_futures, self._op_count = {}, {}, 0
+            for waiting in futures.values():
+                for future in waiting:
+                    _resolve(future, AckResponse.LEASE_LOST)
+            return True
+        try:
+            results = self._store.apply_many(batches)
+        except redis.RedisError as exc:
+            _LOGGER.warning("%s: Redis write failed (%s); will retry", self.subscription, exc)
+            return False
+        self._ops, self._ack_futures, self._op_count = {}, {}, 0
+        for (_, partition, _, _), result in zip(batches, results, strict=True):
+            status = AckResponse.SUCCESS
+            if result == ApplyResult.FENCED:
+                _LOGGER.warning("%s: partition %d fenced by a newer owner; dropping it", self.subscription,
+                                partition)
+                self._drop(partition)
+                status = AckResponse.LEASE_LOST
+            elif result == ApplyResult.ADOPTED:
+                _LOGGER.warning("%s: Redis lost the state of partition %d; re-adopted it", self.subscription,
+                                partition)
+                self._store.create_settings(self.subscription, self.settings)
+            for future in futures.pop(partition, []):
+                _resolve(future, status)
+        for waiting in futures.values():
+            for future in waiting:
+                _resolve(future, AckResponse.LEASE_LOST)
+        return True
+
+    # -- Kafka commits and flow control ------------------------------------------------------------
+    def _commit(self, *, sync: bool, only: list[int] | None = None) -> None:
+        """Commit each partition's lowest unsettled offset (ACK-4); trim Redis below it."""
+        self._last_commit = time.monotonic()
+        offsets = []
+        for number, state in self._partitions.items():
+            if only is not None and number not in only:
+                continue
+            watermark = state.tracker.watermark
+            if watermark is None or self._committed.get(number) == watermark:
+                continue
+            offsets.append(TopicPartition(self.topic, number, watermark))
+            self._committed[number] = watermark
+            self._queue_op(number, ("w", 0, watermark), self._last_commit)
+        if not offsets:
+            return
+        if not sync:
+            self._consumer_calls.put(lambda: self._consumer.commit(offsets=offsets, asynchronous=True))
+            return
+        try:
+            self._consumer.commit(offsets=offsets, asynchronous=False)
+        except KafkaException as exc:
+            _LOGGER.warning("%s: commit failed: %s", self.subscription, exc)
+            for tp in offsets:
+                self._committed.pop(tp.partition, None)
+
+    def _apply_flow_control(self) -> None:
+        limits = self.flow_control
+        buffered = sum(state.buffered for state in self._partitions.values())
+        over = (len(self._out) >= limits.max_messages or self._out_bytes >= limits.max_bytes
+                or buffered >= _MAX_BUFFERED)
+        under = (len(self._out) < limits.max_messages * _RESUME_FRACTION
+                 and self._out_bytes < limits.max_bytes * _RESUME_FRACTION
+                 and buffered < _MAX_BUFFERED * _RESUME_FRACTION)
+        if over and not self._fetch_paused:
+            self._set_fetch(pause=True)
+        elif under and self._fetch_paused:
+            self._set_fetch(pause=False)
+
+    def _set_fetch(self, *, pause: bool) -> None:
+        self._fetch_paused = pause
+
+        def apply() -> None:
+            assignment = self._consumer.assignment()
+            if assignment:
+                (self._consumer.pause if pause else self._consumer.resume)(assignment)
+
+        self._consumer_calls.put(apply)
+
+    # -- bookkeeping -----------------------------------------------------------------------------
+    def _forget(self, partition: int, offset: int) -> None:
+        out = self._out.pop((partition, offset), None)
+        if out is not None:
+            self._out_bytes -= out.record.size
+
+    def _drop(self, partition: int) -> None:
+        """Let go of a partition: its outstanding deliveries can no longer be acked here."""
+        state = self._partitions.pop(partition, None)
+        self._unclaimed.pop(partition, None)
+        self._ops.pop(partition, None)
+        self._committed.pop(partition, None)
+        for future in self._ack_futures.pop(partition, []):
+            _resolve(future, AckResponse.LEASE_LOST)
+        for key in [k for k in self._out if k[0] == partition]:
+            self._forget(*key)
+        if state is not None:
+            _LOGGER.info("%s: released partition %d", self.subscription, partition)
+
+
+def _resolve(future: Future[AckResponse] | None, status: AckResponse) -> None:
+    if future is not None and not future.done():
+        future.set_result(status)
+
+
+def _wall_ms(seconds: float) -> int:
+    return int((time.time() + seconds) * 1000)

@@ -1,0 +1,144 @@
+"""``Message``: one delivery, with Pub/Sub fields and confluent-kafka ``Message`` accessors."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from concurrent.futures import Future
+from datetime import UTC, datetime
+from typing import NamedTuple
+
+from confluent_kafka import TIMESTAMP_LOG_APPEND_TIME
+
+from ordering_layer.subscriber.partition import Delivery, QueueKey
+
+
+class AckResponse(enum.Enum):
+    """Whether an ack, nack or deadline change took effect (ACK-5)."""
+
+    SUCCESS = "SUCCESS"
+    INVALID_ACK_ID = "INVALID_ACK_ID"
+    LEASE_LOST = "LEASE_LOST"
+    OTHER = "OTHER"
+
+
+class Settle(NamedTuple):
+    """A request from user code about one delivery: ack, nack or a new deadline."""
+
+    kind: str  # "ack", "nack" or "deadline"
+    partition: int
+    epoch: int
+    queue_key: QueueKey
+    offset: int
+    token: int
+    seconds: float
+    error: str | None
+    future: Future[AckResponse] | None
+
+
+class Message:
+    """A delivered message.
+
+    Pub/Sub fields: ``data``, ``attributes``, ``ordering_key``, ``message_id``, ``sequence_number``,
+    ``enqueued_time``, ``delivery_attempt``; methods ``ack``, ``nack``, ``modify_ack_deadline``,
+    ``ack_with_response``. confluent-kafka accessors: ``key()``, ``value()`` (the payload),
+    ``headers()``, ``topic()``, ``partition()``, ``offset()``, ``timestamp()``, ``error()``.
+    """
+
+    __slots__ = ("_delivery", "_epoch", "_submit", "_topic", "attributes", "data", "delivery_attempt",
+                 "message_id", "ordering_key", "sequence_number")
+
+    def __init__(self, delivery: Delivery, topic: str, epoch: int, submit: Callable[[Settle], None]) -> None:
+        record = delivery.record
+        decoded = record.decoded
+        assert decoded is not None
+        self._delivery = delivery
+        self._topic = topic
+        self._epoch = epoch
+        self._submit = submit
+        self.data: bytes = decoded.data
+        self.attributes: dict[str, str] = decoded.attributes
+        self.ordering_key: str = decoded.ordering_key or ""
+        self.message_id: str = decoded.message_id
+        self.sequence_number: int = (record.partition << 48) | record.offset
+        self.delivery_attempt: int = delivery.attempt
+
+    @property
+    def enqueued_time(self) -> datetime:
+        """The broker's append time (UTC)."""
+        return datetime.fromtimestamp(self._delivery.record.timestamp_ms / 1000, tz=UTC)
+
+    @property
+    def size(self) -> int:
+        """Payload size in bytes (what flow control counts)."""
+        return len(self.data)
+
+    def _send(self, kind: str, seconds: float = 0.0, error: str | None = None,
+              future: Future[AckResponse] | None = None) -> None:
+        d = self._delivery
+        self._submit(Settle(kind, d.record.partition, self._epoch, d.queue_key, d.record.offset, d.token,
+                            seconds, error, future))
+
+    def ack(self) -> None:
+        """Done with the message: it is settled and never delivered again (unless a cascade)."""
+        self._send("ack")
+
+    def ack_with_response(self) -> Future[AckResponse]:
+        """Ack and learn whether it took effect (SUCCESS once written to Redis by the owner)."""
+        future: Future[AckResponse] = Future()
+        self._send("ack", future=future)
+        return future
+
+    def nack(self, error: str | None = None) -> None:
+        """Give the message back now; it and its key's later delivered messages come again (SUB-4)."""
+        self._send("nack", error=error)
+
+    def nack_with_response(self, error: str | None = None) -> Future[AckResponse]:
+        """Nack and learn whether it took effect."""
+        future: Future[AckResponse] = Future()
+        self._send("nack", error=error, future=future)
+        return future
+
+    def modify_ack_deadline(self, seconds: float) -> None:
+        """Set this delivery's deadline to ``seconds`` from now (0 nacks; ACK-3)."""
+        if seconds <= 0:
+            self._send("nack")
+        else:
+            self._send("deadline", seconds=min(float(seconds), 600.0))
+
+    # -- confluent-kafka Message shape --------------------------------------------------------------
+    def key(self) -> bytes | None:
+        """The record key: the ordering key as UTF-8 bytes (None when unordered)."""
+        return self._delivery.record.raw_key
+
+    def value(self) -> bytes:
+        """The payload (the envelope's data)."""
+        return self.data
+
+    def headers(self) -> list[tuple[str, bytes | None]]:
+        """The record's Kafka headers (layer metadata included)."""
+        return list(self._delivery.record.raw_headers)
+
+    def topic(self) -> str:
+        """The source topic."""
+        return self._topic
+
+    def partition(self) -> int:
+        """The source partition."""
+        return self._delivery.record.partition
+
+    def offset(self) -> int:
+        """The source offset."""
+        return self._delivery.record.offset
+
+    def timestamp(self) -> tuple[int, int]:
+        """(TIMESTAMP_LOG_APPEND_TIME, epoch milliseconds)."""
+        return TIMESTAMP_LOG_APPEND_TIME, self._delivery.record.timestamp_ms
+
+    def error(self) -> None:
+        """Always None: errors are raised, and undecodable records go to the dead-letter topic."""
+        return None
+
+    def __repr__(self) -> str:
+        return (f"Message(ordering_key={self.ordering_key!r}, message_id={self.message_id!r}, "
+                f"sequence_number={self.sequence_number}, delivery_attempt={self.delivery_attempt})")

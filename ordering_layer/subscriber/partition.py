@@ -1,0 +1,257 @@
+"""Per-partition dispatch state: offset tracking, per-key hold queues, cascade bookkeeping.
+
+Pure logic, no I/O, one instance per owned partition, used under the engine's lock.
+
+* ``OffsetTracker`` knows the committed-offset candidate: the lowest fetched offset not settled.
+* ``KeyQueue`` holds the fetched records of one ordering key from its first unsettled one. The
+  first ``cursor`` records have been delivered since the key's last reset; a nack or expiry of one
+  of them rewinds the cursor to it, so it and every later delivered record go out again in order
+  (SUB-4), acked ones included.
+* ``PartitionState`` routes records to key queues, runs the recovery walk after a claim (records
+  settled before a crash are skipped unless their key is cascading), and releases what may go out.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from ordering_layer.envelope import DecodedRecord
+
+QueueKey = str | int
+
+
+@dataclass(slots=True, eq=False)
+class Record:
+    """A fetched Kafka record and what the layer knows of it."""
+
+    partition: int
+    offset: int
+    ordering_key: str | None
+    decoded: DecodedRecord | None
+    error: str | None
+    size: int
+    timestamp_ms: int
+    raw_key: bytes | None
+    raw_value: bytes | None
+    raw_headers: list[tuple[str, bytes | None]]
+    attempts: int = 0
+    last_error: str | None = None
+
+
+class OffsetTracker:
+    """The lowest fetched offset of a partition that is not settled (the commit point)."""
+
+    def __init__(self) -> None:
+        self._order: deque[int] = deque()
+        self._settled: set[int] = set()
+        self.next_offset: int | None = None
+
+    def add(self, offset: int) -> None:
+        """A fetched offset (offsets arrive in increasing order)."""
+        self._order.append(offset)
+        self.next_offset = offset + 1
+
+    def settle(self, offset: int) -> None:
+        """An offset acked or dead-lettered (or skipped as settled before)."""
+        self._settled.add(offset)
+        order, settled = self._order, self._settled
+        while order and order[0] in settled:
+            settled.discard(order.popleft())
+
+    @property
+    def watermark(self) -> int | None:
+        """The offset to commit: everything below it is settled. None before any fetch."""
+        return self._order[0] if self._order else self.next_offset
+
+
+@dataclass(slots=True, eq=False)
+class KeyQueue:
+    """Fetched records of one ordering key (or one unordered record) in offset order."""
+
+    records: deque[Record] = field(default_factory=deque)
+    cursor: int = 0
+    outstanding: dict[int, int] = field(default_factory=dict)
+    acked: set[int] = field(default_factory=set)
+    failures: int = 0
+    not_before: float = 0.0
+
+    def releasable(self, now: float) -> bool:
+        """Nothing outstanding, not backing off, and something not yet delivered."""
+        return not self.outstanding and now >= self.not_before and self.cursor < len(self.records)
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """One hand-off of a record; ``token`` identifies it for acks (stale tokens are refused)."""
+
+    record: Record
+    queue_key: QueueKey
+    token: int
+    attempt: int
+
+
+_tokens = itertools.count(1)
+
+
+class PartitionState:
+    """Dispatch state of one owned partition.
+
+    Args:
+        partition: partition number.
+        epoch: owner epoch from the claim (ACK-5).
+        ordered: ordering enabled on the subscription (SUB-1 vs SUB-6).
+        settled_before: offsets settled above the committed offset, read at claim (recovery walk).
+        attempts_before: delivery attempts of unsettled records, read at claim (ACK-6).
+    """
+
+    def __init__(self, partition: int, epoch: int, *, ordered: bool,
+                 settled_before: frozenset[int] = frozenset(),
+                 attempts_before: dict[int, int] | None = None) -> None:
+        self.partition = partition
+        self.epoch = epoch
+        self.ordered = ordered
+        self.tracker = OffsetTracker()
+        self.keys: dict[QueueKey, KeyQueue] = {}
+        self.ready: dict[QueueKey, None] = {}
+        self.backing_off: dict[QueueKey, None] = {}
+        self.buffered = 0
+        self.revoking = False
+        self._settled_before = set(settled_before)
+        self._horizon = max(settled_before) if settled_before else -1
+        self._cascading: set[QueueKey] = set()
+        self._attempts_before = dict(attempts_before or {})
+
+    # -- intake ----------------------------------------------------------------------------------
+    def queue_key(self, record: Record) -> QueueKey:
+        """Ordered subscriptions queue by ordering key; unordered records queue alone."""
+        if self.ordered and record.ordering_key is not None and record.error is None:
+            return record.ordering_key
+        return record.offset
+
+    def add(self, record: Record) -> bool:
+        """Take a fetched record; False when it is skipped (a duplicate, or settled before a crash)."""
+        next_offset = self.tracker.next_offset
+        if next_offset is not None and record.offset < next_offset:
+            return False
+        self.tracker.add(record.offset)
+        qkey = self.queue_key(record)
+        if record.offset <= self._horizon:
+            if record.offset in self._settled_before and qkey not in self._cascading:
+                self.tracker.settle(record.offset)
+                return False
+            self._cascading.add(qkey)
+        elif self._horizon >= 0:
+            self._horizon = -1
+            self._settled_before.clear()
+            self._cascading.clear()
+        record.attempts = self._attempts_before.pop(record.offset, 0)
+        queue = self.keys.get(qkey)
+        if queue is None:
+            queue = self.keys[qkey] = KeyQueue()
+        queue.records.append(record)
+        self.buffered += 1
+        if not queue.outstanding and qkey not in self.backing_off:
+            self.ready[qkey] = None
+        return True
+
+    # -- release ---------------------------------------------------------------------------------
+    def release(self, qkey: QueueKey, now: float, limit: int) -> list[Delivery]:
+        """Release up to ``limit`` records of one key (callback mode: 1; pull mode: a batch)."""
+        queue = self.keys.get(qkey)
+        if queue is None or not queue.releasable(now):
+            return []
+        batch = list(itertools.islice(queue.records, queue.cursor, queue.cursor + limit))
+        deliveries = []
+        for record in batch:
+            token = next(_tokens)
+            queue.outstanding[record.offset] = token
+            record.attempts += 1
+            deliveries.append(Delivery(record, qkey, token, record.attempts))
+        queue.cursor += len(batch)
+        self.buffered -= len(batch)
+        return deliveries
+
+    def ready_keys(self) -> Iterator[QueueKey]:
+        """Keys that may have something to release, oldest first (a snapshot)."""
+        return iter(list(self.ready))
+
+    # -- settlement ------------------------------------------------------------------------------
+    def ack(self, qkey: QueueKey, offset: int, token: int) -> bool:
+        """Settle a delivery; False when the token is stale (redelivered since, or never issued)."""
+        queue = self.keys.get(qkey)
+        if queue is None or queue.outstanding.get(offset) != token:
+            return False
+        del queue.outstanding[offset]
+        queue.acked.add(offset)
+        queue.failures = 0
+        self.tracker.settle(offset)
+        self._pop_settled(qkey, queue)
+        return True
+
+    def settle_dead_lettered(self, qkey: QueueKey, offset: int) -> None:
+        """Settle a delivered record without an ack (dead-lettered: DLQ-2)."""
+        queue = self.keys.get(qkey)
+        if queue is not None:
+            queue.outstanding.pop(offset, None)
+            queue.acked.add(offset)
+            self.tracker.settle(offset)
+            self._pop_settled(qkey, queue)
+
+    def _pop_settled(self, qkey: QueueKey, queue: KeyQueue) -> None:
+        records, acked = queue.records, queue.acked
+        while queue.cursor > 0 and records and records[0].offset in acked and records[0].offset not in \
+                queue.outstanding:
+            acked.discard(records.popleft().offset)
+            queue.cursor -= 1
+        if not records:
+            del self.keys[qkey]
+            self.ready.pop(qkey, None)
+            self.backing_off.pop(qkey, None)
+        elif not queue.outstanding and qkey not in self.backing_off:
+            self.ready[qkey] = None
+
+    def nack(self, qkey: QueueKey, offset: int, token: int, now: float,
+             backoff: Callable[[int], float]) -> bool:
+        """Give a delivery back (nack or lapsed lease): rewind its key to it (SUB-4) and back off
+        the key (DLQ-1). False when the token is stale."""
+        queue = self.keys.get(qkey)
+        if queue is None or queue.outstanding.get(offset) != token:
+            return False
+        index = next(i for i, r in enumerate(queue.records) if r.offset == offset)
+        for record in itertools.islice(queue.records, index, queue.cursor):
+            queue.outstanding.pop(record.offset, None)
+            queue.acked.discard(record.offset)
+        self.buffered += queue.cursor - index
+        queue.cursor = index
+        queue.failures += 1
+        delay = backoff(queue.failures)
+        queue.not_before = now + delay
+        if delay > 0:
+            self.backing_off[qkey] = None
+            self.ready.pop(qkey, None)
+        elif not queue.outstanding:
+            self.ready[qkey] = None
+        return True
+
+    def wake(self, now: float) -> None:
+        """Move keys whose backoff has ended back to the ready set."""
+        for qkey in list(self.backing_off):
+            queue = self.keys.get(qkey)
+            if queue is None:
+                del self.backing_off[qkey]
+            elif now >= queue.not_before:
+                del self.backing_off[qkey]
+                if not queue.outstanding:
+                    self.ready[qkey] = None
+
+    def next_wake(self) -> float | None:
+        """The earliest end of a backoff, if any key is backing off."""
+        times = [self.keys[k].not_before for k in self.backing_off if k in self.keys]
+        return min(times) if times else None
+
+    def outstanding_count(self) -> int:
+        """Deliveries of this partition not yet acked or nacked."""
+        return sum(len(q.outstanding) for q in self.keys.values())

@@ -1,0 +1,207 @@
+"""Front ends over the engine: Pub/Sub-shaped ``Subscriber`` and drop-in ``OrderedConsumer``."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from ordering_layer.config import FlowControl, SubscriptionSettings, require_bootstrap
+from ordering_layer.errors import ConfigError, SubscriptionNotFoundError
+from ordering_layer.state import StateStore
+from ordering_layer.subscriber.engine import Engine
+from ordering_layer.subscriber.message import Message
+
+_LOGGER = logging.getLogger(__name__)
+
+
+class StreamingPullFuture:
+    """Handle of a callback subscription: ``cancel()`` stops it, ``result()`` waits for the end."""
+
+    def __init__(self, engine: Engine, executor: ThreadPoolExecutor) -> None:
+        self.engine = engine
+        self._executor = executor
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+
+    def cancel(self, timeout: float = 30.0) -> bool:
+        """Stop receiving, let running callbacks finish (up to ``timeout``), commit, leave the group."""
+        with self._lock:
+            if self._done.is_set():
+                return False
+            self.engine.close(timeout)
+            self._executor.shutdown(wait=True)
+            self._done.set()
+            return True
+
+    def cancelled(self) -> bool:
+        """True once cancelled."""
+        return self._done.is_set()
+
+    def done(self) -> bool:
+        """True once cancelled."""
+        return self._done.is_set()
+
+    def result(self, timeout: float | None = None) -> None:
+        """Block until the subscription is cancelled (or ``timeout`` passes: TimeoutError)."""
+        if not self._done.wait(timeout):
+            raise TimeoutError("subscription still running")
+
+    def __enter__(self) -> StreamingPullFuture:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.cancel()
+
+
+class Subscriber:
+    """Receives messages of subscriptions, in callback mode (``subscribe``) or pull mode (``pull``).
+
+    Args:
+        kafka_config: confluent-kafka settings (``bootstrap.servers`` required; e.g.
+            ``session.timeout.ms`` passes through).
+        redis_url: the Redis holding the subscriptions' state.
+    """
+
+    def __init__(self, kafka_config: Mapping[str, Any], *, redis_url: str) -> None:
+        require_bootstrap(kafka_config)
+        self._kafka = dict(kafka_config)
+        self._store = StateStore(redis_url)
+        self._pull_engines: dict[str, Engine] = {}
+        self._last_pull: dict[str, list[Message]] = {}
+        self._lock = threading.Lock()
+
+    def subscribe(self, subscription: str, callback: Callable[[Message], Any], *,
+                  flow_control: FlowControl | None = None, max_workers: int = 10) -> StreamingPullFuture:
+        """Deliver the subscription's messages to ``callback`` on a pool of ``max_workers`` threads.
+
+        With ordering, one message per key is outstanding at a time (SUB-1); keys are independent
+        (SUB-2). A callback that raises nacks its message.
+
+        Raises:
+            SubscriptionNotFoundError: the subscription was never created.
+        """
+        settings = self._store.settings(subscription)
+        executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=f"ordering-layer-cb-{subscription}")
+
+        def run(message: Message) -> None:
+            try:
+                callback(message)
+            except Exception as exc:  # noqa: BLE001 - user code; its failure is a nack
+                _LOGGER.warning("callback failed on %r: %r; nacking", message, exc)
+                message.nack(error=repr(exc))
+
+        def on_messages(messages: list[Message]) -> None:
+            for message in messages:
+                executor.submit(run, message)
+
+        engine = Engine(self._kafka, self._store, subscription, settings,
+                        flow_control=flow_control or FlowControl(), on_messages=on_messages)
+        engine.start()
+        return StreamingPullFuture(engine, executor)
+
+    def pull(self, subscription: str, max_messages: int = 100, timeout: float = 1.0, *,
+             commit_on_get: bool = False, flow_control: FlowControl | None = None) -> list[Message]:
+        """Pull up to ``max_messages``: at most one batch per key is outstanding, in order (SUB-1).
+
+        The first pull joins the subscription's group; the membership lasts until ``close()``.
+        With ``commit_on_get`` each pull first acks everything the previous pull returned (GRP-4).
+        """
+        if max_messages < 1:
+            raise ConfigError("max_messages must be >= 1")
+        with self._lock:
+            engine = self._pull_engines.get(subscription)
+            if engine is None:
+                settings = self._store.settings(subscription)
+                engine = Engine(self._kafka, self._store, subscription, settings,
+                                flow_control=flow_control or FlowControl(), on_messages=None)
+                engine.start()
+                self._pull_engines[subscription] = engine
+            previous = self._last_pull.pop(subscription, [])
+        if commit_on_get:
+            self.acknowledge(previous)
+        messages = engine.pull(max_messages, timeout)
+        with self._lock:
+            self._last_pull[subscription] = messages
+        return messages
+
+    @staticmethod
+    def acknowledge(messages: Iterable[Message]) -> None:
+        """Ack a batch of pulled messages without fetching more (GRP-5)."""
+        for message in messages:
+            message.ack()
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Leave the groups joined by ``pull`` (outstanding pulled messages get ``timeout`` to be acked)."""
+        with self._lock:
+            engines, self._pull_engines = list(self._pull_engines.values()), {}
+        for engine in engines:
+            engine.close(timeout)
+
+    def __enter__(self) -> Subscriber:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class OrderedConsumer:
+    """The shape of ``confluent_kafka.Consumer`` with per-key order and per-message acks.
+
+    ``group.id`` names the subscription; if it does not exist yet, ``subscribe`` creates it with
+    ordering enabled and default settings. ``poll``/``consume`` return ``Message`` objects with the
+    confluent-kafka accessors plus ``ack()``/``nack()``; a key's next message comes after its
+    previous one is acked.
+    """
+
+    def __init__(self, config: Mapping[str, Any], *, redis_url: str, flow_control: FlowControl | None = None) -> None:
+        require_bootstrap(config)
+        if not config.get("group.id"):
+            raise ConfigError("OrderedConsumer needs 'group.id' (the subscription name)")
+        self._config = dict(config)
+        self._store = StateStore(redis_url)
+        self._flow_control = flow_control or FlowControl()
+        self._engine: Engine | None = None
+
+    def subscribe(self, topics: list[str]) -> None:
+        """Subscribe to one topic (a subscription consumes exactly one)."""
+        if len(topics) != 1:
+            raise ConfigError("OrderedConsumer subscribes to exactly one topic")
+        name = str(self._config["group.id"])
+        try:
+            settings = self._store.settings(name)
+        except SubscriptionNotFoundError:
+            settings = SubscriptionSettings(topic=topics[0])
+            self._store.create_settings(name, settings)
+            settings = self._store.settings(name)
+        if settings.topic != topics[0]:
+            raise ConfigError(f"subscription {name!r} consumes {settings.topic!r}, not {topics[0]!r}")
+        self._engine = Engine(self._config, self._store, name, settings, flow_control=self._flow_control,
+                              on_messages=None)
+        self._engine.start()
+
+    def _require(self) -> Engine:
+        if self._engine is None:
+            raise ConfigError("call subscribe() first")
+        return self._engine
+
+    def poll(self, timeout: float | None = None) -> Message | None:
+        """One message, or None after ``timeout`` seconds (default 1 s)."""
+        messages = self._require().pull(1, 1.0 if timeout is None or timeout < 0 else timeout)
+        return messages[0] if messages else None
+
+    def consume(self, num_messages: int = 1, timeout: float = -1) -> list[Message]:
+        """Up to ``num_messages`` (one batch per key at most), waiting up to ``timeout`` s (default 1 s)."""
+        return self._require().pull(num_messages, 1.0 if timeout < 0 else timeout)
+
+    def assignment(self) -> list[int]:
+        """Partitions owned now."""
+        return self._require().assigned_partitions()
+
+    def close(self) -> None:
+        """Commit what is settled and leave the group."""
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None

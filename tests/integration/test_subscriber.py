@@ -1,0 +1,280 @@
+"""The ordered subscriber against the real broker and Redis (SUB-1..SUB-7, ACK-4, ACK-5, GRP-1, GRP-2)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import redis
+
+from ordering_layer import (
+    AckResponse,
+    Admin,
+    FlowControl,
+    Message,
+    OrderedConsumer,
+    OrderedProducer,
+    RetryPolicy,
+    StartPosition,
+    Subscriber,
+)
+from ordering_layer.errors import ConfigError, SubscriptionExistsError, SubscriptionNotFoundError
+from tests.checker import DeliveryChecker, wait_until
+
+pytestmark = pytest.mark.integration
+
+NO_BACKOFF = RetryPolicy(minimum_backoff=0, maximum_backoff=0)
+
+
+def publish_keys(kafka_config: dict[str, Any], topic: str, keys: int, per_key: int,
+                 checker: DeliveryChecker | None = None, prefix: str = "key") -> DeliveryChecker:
+    """Publish ``per_key`` messages for each of ``keys`` keys, interleaved; declare them to a checker."""
+    checker = checker or DeliveryChecker()
+    ids: dict[str, list[str]] = {f"{prefix}-{k}": [] for k in range(keys)}
+    with OrderedProducer(kafka_config) as producer:
+        futures = [(key, producer.publish(topic, f"{key}:{n}".encode(), ordering_key=key))
+                   for n in range(per_key) for key in ids]
+        for key, future in futures:
+            ids[key].append(future.result(timeout=60).message_id)
+    for key, message_ids in ids.items():
+        checker.expect(key, message_ids)
+    return checker
+
+
+@pytest.fixture
+def subscription(admin: Admin, topic_factory: Callable[..., str],
+                 unique_name: Callable[[str], str]) -> Callable[..., tuple[str, str]]:
+    """Creates a topic and a subscription of it; returns (topic, subscription)."""
+
+    def create(partitions: int = 3, **settings: Any) -> tuple[str, str]:
+        topic = topic_factory(partitions=partitions)
+        name = unique_name("sub")
+        settings.setdefault("retry_policy", NO_BACKOFF)
+        admin.create_subscription(name, topic=topic, **settings)
+        return topic, name
+
+    return create
+
+
+def recording_callback(checker: DeliveryChecker, subscriber: str,
+                       handler: Callable[[Message], str] | None = None) -> Callable[[Message], None]:
+    """A callback that records each delivery and what the handler decided (ack by default)."""
+
+    def callback(message: Message) -> None:
+        checker.record(message.message_id, subscriber, message.delivery_attempt, "deliver")
+        action = handler(message) if handler else "ack"
+        checker.record(message.message_id, subscriber, message.delivery_attempt, action)
+        if action == "ack":
+            message.ack()
+        else:
+            message.nack()
+
+    return callback
+
+
+def test_in_key_order_many_keys_and_partitions(kafka_config: dict[str, Any], endpoints: Any,
+                                               subscription: Callable[..., tuple[str, str]]) -> None:
+    """SUB-1, SUB-3, SUB-4, SUB-5: 4,000 messages over 200 keys and 4 partitions arrive in per-key
+    order, one outstanding message per key, each acked exactly once, no redelivery without a nack."""
+    topic, name = subscription(partitions=4)
+    checker = publish_keys(kafka_config, topic, keys=200, per_key=20)
+    subscriber = Subscriber(kafka_config, redis_url=endpoints.redis_url)
+    with subscriber.subscribe(name, recording_callback(checker, "s1"), max_workers=8):
+        wait_until(lambda: checker.acked_count() == checker.total(), 120, "all messages acked")
+    assert checker.verify() == []
+    assert len(checker.deliveries()) == checker.total()
+
+
+def test_slow_key_does_not_block_other_keys(kafka_config: dict[str, Any], endpoints: Any,
+                                            subscription: Callable[..., tuple[str, str]]) -> None:
+    """SUB-2: one slow key in the same (single) partition does not delay the other keys."""
+    topic, name = subscription(partitions=1)
+    checker = publish_keys(kafka_config, topic, keys=20, per_key=10)
+    release = threading.Event()
+
+    def handler(message: Message) -> str:
+        if message.ordering_key == "key-0":
+            release.wait(60)
+        return "ack"
+
+    subscriber = Subscriber(kafka_config, redis_url=endpoints.redis_url)
+    with subscriber.subscribe(name, recording_callback(checker, "s1", handler), max_workers=4):
+        others = checker.total() - 10
+        wait_until(lambda: checker.acked_count() >= others, 60, "every other key done while key-0 is stuck")
+        assert {e.key for e in checker.deliveries()} >= {f"key-{k}" for k in range(20)}
+        assert [e.index for e in checker.deliveries("key-0")] == [0]
+        release.set()
+        wait_until(lambda: checker.acked_count() == checker.total(), 60, "key-0 finished")
+    assert checker.verify() == []
+
+
+def test_nack_cascades_and_other_keys_are_not_redelivered(kafka_config: dict[str, Any], endpoints: Any,
+                                                          subscription: Callable[..., tuple[str, str]]) -> None:
+    """SUB-4: pulled batches of a key acked after a nack of an earlier message come again, in order;
+    other keys are not redelivered (pull mode: one outstanding batch per key)."""
+    topic, name = subscription(partitions=1)
+    checker = publish_keys(kafka_config, topic, keys=3, per_key=5)
+    with Subscriber(kafka_config, redis_url=endpoints.redis_url) as subscriber:
+        batch: list[Message] = []
+        wait_until(lambda: batch.extend(subscriber.pull(name, max_messages=100, timeout=0.5)) or len(batch) == 15,
+                   30, "first batches")
+        by_key: dict[str, list[Message]] = {}
+        for message in batch:
+            by_key.setdefault(message.ordering_key, []).append(message)
+            checker.record(message.message_id, "s1", message.delivery_attempt, "deliver")
+        assert all([int(m.data.split(b":")[1]) for m in ms] == list(range(5)) for ms in by_key.values())
+        # key-0: ack 2, 3, 4, nack 1, ack 0 -> 1..4 come again in order, acked ones included.
+        k0 = by_key["key-0"]
+        for index in (2, 3, 4):
+            assert k0[index].ack_with_response().result(10) == AckResponse.SUCCESS
+            checker.record(k0[index].message_id, "s1", 1, "ack")
+        k0[1].nack()
+        checker.record(k0[1].message_id, "s1", 1, "nack")
+        k0[0].ack()
+        checker.record(k0[0].message_id, "s1", 1, "ack")
+        for key in ("key-1", "key-2"):
+            for message in by_key[key]:
+                message.ack()
+                checker.record(message.message_id, "s1", 1, "ack")
+        again: list[Message] = []
+        wait_until(lambda: again.extend(subscriber.pull(name, max_messages=100, timeout=0.5)) or len(again) >= 4,
+                   30, "cascade")
+        assert [(m.ordering_key, int(m.data.split(b":")[1]), m.delivery_attempt) for m in again] == [
+            ("key-0", 1, 2), ("key-0", 2, 2), ("key-0", 3, 2), ("key-0", 4, 2)]
+        stale = k0[3].ack_with_response().result(10)
+        assert stale == AckResponse.INVALID_ACK_ID
+        for message in again:
+            checker.record(message.message_id, "s1", message.delivery_attempt, "deliver")
+            message.ack()
+            checker.record(message.message_id, "s1", message.delivery_attempt, "ack")
+        assert subscriber.pull(name, max_messages=100, timeout=1.0) == []
+    assert checker.verify(one_outstanding=False) == []
+
+
+def test_unordered_subscription_flows_in_parallel(kafka_config: dict[str, Any], endpoints: Any,
+                                                  subscription: Callable[..., tuple[str, str]]) -> None:
+    """SUB-6: with ordering disabled a key's messages are outstanding together; all are acked."""
+    topic, name = subscription(partitions=2, enable_message_ordering=False)
+    checker = publish_keys(kafka_config, topic, keys=2, per_key=30)
+    with Subscriber(kafka_config, redis_url=endpoints.redis_url) as subscriber:
+        pulled: list[Message] = []
+        wait_until(lambda: pulled.extend(subscriber.pull(name, 100, 0.5)) or len(pulled) == 60, 30, "all 60")
+        per_key = {m.ordering_key for m in pulled}
+        assert per_key == {"key-0", "key-1"}
+        for message in pulled:
+            message.ack()
+            checker.record(message.message_id, "s1", 1, "deliver")
+            checker.record(message.message_id, "s1", 1, "ack")
+    assert checker.verify(one_outstanding=False) == []
+
+
+def test_flow_control_bounds_outstanding(kafka_config: dict[str, Any], endpoints: Any,
+                                         subscription: Callable[..., tuple[str, str]]) -> None:
+    """SUB-7: never more than max_messages outstanding; everything still arrives."""
+    topic, name = subscription(partitions=2, enable_message_ordering=False)
+    checker = publish_keys(kafka_config, topic, keys=50, per_key=20)
+    outstanding = 0
+    peak = 0
+    lock = threading.Lock()
+    release = threading.Semaphore(0)
+
+    def callback(message: Message) -> None:
+        nonlocal outstanding, peak
+        with lock:
+            outstanding += 1
+            peak = max(peak, outstanding)
+        release.acquire(timeout=10)
+        checker.record(message.message_id, "s1", 1, "deliver")
+        with lock:
+            outstanding -= 1
+        checker.record(message.message_id, "s1", 1, "ack")
+        message.ack()
+
+    subscriber = Subscriber(kafka_config, redis_url=endpoints.redis_url)
+    with subscriber.subscribe(name, callback, flow_control=FlowControl(max_messages=7), max_workers=20) as handle:
+        wait_until(lambda: handle.engine.stats()["outstanding"] == 7, 30, "7 outstanding")
+        for _ in range(checker.total()):
+            release.release()
+        wait_until(lambda: checker.acked_count() == checker.total(), 60, "all acked")
+    assert peak <= 7
+    assert checker.verify(one_outstanding=False) == []
+
+
+def test_ordered_consumer_drop_in(kafka_config: dict[str, Any], endpoints: Any, topic_factory: Callable[..., str],
+                                  unique_name: Callable[[str], str]) -> None:
+    """SUB-1: the confluent-kafka shaped OrderedConsumer polls per-key ordered messages with acks."""
+    topic = topic_factory(partitions=2)
+    checker = publish_keys(kafka_config, topic, keys=5, per_key=8)
+    consumer = OrderedConsumer({**kafka_config, "group.id": unique_name("group")}, redis_url=endpoints.redis_url)
+    consumer.subscribe([topic])
+    try:
+        deadline = time.monotonic() + 60
+        while checker.acked_count() < checker.total() and time.monotonic() < deadline:
+            msg = consumer.poll(0.5)
+            if msg is None:
+                continue
+            assert msg.error() is None and msg.topic() == topic and msg.key() == msg.ordering_key.encode()
+            checker.record(msg.message_id, "c1", msg.delivery_attempt, "deliver")
+            checker.record(msg.message_id, "c1", msg.delivery_attempt, "ack")
+            msg.ack()
+    finally:
+        consumer.close()
+    assert checker.verify() == []
+
+
+def test_redis_flushed_mid_stream_loses_nothing(restartable: Any, kafka_config: dict[str, Any], endpoints: Any,
+                                                subscription: Callable[..., tuple[str, str]]) -> None:
+    """SUB-3, ACK-4: total loss of Redis state mid-stream loses no message and keeps per-key order."""
+    topic, name = subscription(partitions=3)
+    checker = publish_keys(kafka_config, topic, keys=50, per_key=40)
+    flushed = threading.Event()
+
+    def handler(message: Message) -> str:
+        if checker.acked_count() > checker.total() // 3 and not flushed.is_set():
+            flushed.set()
+            redis.Redis.from_url(endpoints.redis_url).flushall()
+        return "ack"
+
+    subscriber = Subscriber(kafka_config, redis_url=endpoints.redis_url)
+    with subscriber.subscribe(name, recording_callback(checker, "s1", handler), max_workers=4):
+        wait_until(lambda: checker.acked_count() == checker.total(), 120, "all messages acked after the flush")
+    assert flushed.is_set()
+    assert checker.verify() == []
+
+
+def test_subscription_settings_and_start_positions(admin: Admin, kafka_config: dict[str, Any], endpoints: Any,
+                                                   topic_factory: Callable[..., str],
+                                                   unique_name: Callable[[str], str]) -> None:
+    """GRP-1, SUB-6: start at TRIM_HORIZON or LATEST; settings validated; ordering fixed at creation."""
+    topic = topic_factory(partitions=2)
+    publish_keys(kafka_config, topic, keys=4, per_key=5, prefix="old")
+    oldest, latest = unique_name("oldest"), unique_name("latest")
+    admin.create_subscription(oldest, topic=topic, start=StartPosition.TRIM_HORIZON)
+    admin.create_subscription(latest, topic=topic, start=StartPosition.LATEST)
+    assert admin.create_subscription(oldest, topic=topic).enable_message_ordering
+    with pytest.raises(SubscriptionExistsError):
+        admin.create_subscription(oldest, topic=topic, enable_message_ordering=False)
+    for bad in ({"ack_deadline": 5}, {"ack_deadline": 601}):
+        with pytest.raises(ConfigError):
+            admin.create_subscription(unique_name("bad"), topic=topic, **bad)
+    checker = publish_keys(kafka_config, topic, keys=4, per_key=5, prefix="new")
+    with Subscriber(kafka_config, redis_url=endpoints.redis_url) as subscriber:
+        got: dict[str, list[Message]] = {oldest: [], latest: []}
+        for name, want in ((oldest, 40), (latest, 20)):
+            def step(name: str = name, want: int = want) -> bool:
+                batch = subscriber.pull(name, 100, 0.5)
+                got[name].extend(batch)
+                Subscriber.acknowledge(batch)
+                return len(got[name]) >= want
+            wait_until(step, 60, f"{name} messages")
+    assert {m.ordering_key.split("-")[0] for m in got[latest]} == {"new"}
+    assert len(got[oldest]) == 40
+    assert checker.total() == 20
+    described = admin.describe_subscription(oldest)
+    assert described["settings"]["topic"] == topic
+    admin.delete_subscription(latest)
+    with pytest.raises(SubscriptionNotFoundError):
+        Subscriber(kafka_config, redis_url=endpoints.redis_url).subscribe(latest, lambda m: None)
