@@ -41,7 +41,7 @@ class DeliveryChecker:
 
     published: dict[str, list[str]] = field(default_factory=dict)
     events: list[Event] = field(default_factory=list)
-    dead_subscribers: set[str] = field(default_factory=set)
+    dead_subscribers: dict[str, float] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _index: dict[str, tuple[str, int]] = field(default_factory=dict)
 
@@ -51,16 +51,20 @@ class DeliveryChecker:
         for index, message_id in enumerate(message_ids):
             self._index[message_id] = (key, index)
 
-    def record(self, message_id: str, subscriber: str, attempt: int, action: str) -> None:
-        """Record a delivery ("deliver") or what the handler did with it ("ack", "nack", "dead")."""
+    def record(self, message_id: str, subscriber: str, attempt: int, action: str, at: float | None = None) -> None:
+        """Record a delivery ("deliver") or what the handler did with it ("ack", "nack", "dead").
+
+        ``at`` is a wall-clock time (events from other processes); default: now.
+        """
         key, index = self._index[message_id]
         with self._lock:
-            self.events.append(Event(key, index, message_id, subscriber, attempt, action, time.monotonic()))
+            self.events.append(Event(key, index, message_id, subscriber, attempt, action,
+                                     time.time() if at is None else at))
 
-    def subscriber_died(self, subscriber: str) -> None:
-        """A subscriber was killed: its outstanding messages no longer count as held."""
+    def subscriber_died(self, subscriber: str, at: float | None = None) -> None:
+        """A subscriber was killed at ``at``: from then on its outstanding messages are not held."""
         with self._lock:
-            self.dead_subscribers.add(subscriber)
+            self.dead_subscribers[subscriber] = time.time() if at is None else at
 
     def acked_count(self) -> int:
         """Distinct messages acked or dead-lettered so far."""
@@ -115,7 +119,8 @@ class DeliveryChecker:
                 if event.action in ("ack", "nack", "dead"):
                     holders.pop(event.index, None)
                 continue
-            live = {i: s for i, s in holders.items() if s not in self.dead_subscribers}
+            live = {i: s for i, s in holders.items()
+                    if s not in self.dead_subscribers or event.at < self.dead_subscribers[s]}
             others = {s for s in live.values() if s != event.subscriber}
             if others:
                 problems.append(f"SUB-5 {key}#{event.index} to {event.subscriber} while {others} hold messages")

@@ -8,7 +8,7 @@ from concurrent.futures import Future
 from datetime import UTC, datetime
 from typing import NamedTuple
 
-from confluent_kafka import TIMESTAMP_LOG_APPEND_TIME
+from confluent_kafka import TIMESTAMP_LOG_APPEND_TIME, KafkaError
 
 from ordering_layer.subscriber.partition import Delivery, QueueKey
 
@@ -135,7 +135,7 @@ class Message:
         """(TIMESTAMP_LOG_APPEND_TIME, epoch milliseconds)."""
         return TIMESTAMP_LOG_APPEND_TIME, self._delivery.record.timestamp_ms
 
-    def error(self) -> None:
+    def error(self) -> KafkaError | None:
         """Always None: errors are raised, and undecodable records go to the dead-letter topic."""
         return None
 

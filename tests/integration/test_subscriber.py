@@ -16,64 +16,14 @@ from ordering_layer import (
     FlowControl,
     Message,
     OrderedConsumer,
-    OrderedProducer,
-    RetryPolicy,
     StartPosition,
     Subscriber,
 )
 from ordering_layer.errors import ConfigError, SubscriptionExistsError, SubscriptionNotFoundError
-from tests.checker import DeliveryChecker, wait_until
+from tests.checker import wait_until
+from tests.integration.conftest import publish_keys, pull_until, recording_callback
 
 pytestmark = pytest.mark.integration
-
-NO_BACKOFF = RetryPolicy(minimum_backoff=0, maximum_backoff=0)
-
-
-def publish_keys(kafka_config: dict[str, Any], topic: str, keys: int, per_key: int,
-                 checker: DeliveryChecker | None = None, prefix: str = "key") -> DeliveryChecker:
-    """Publish ``per_key`` messages for each of ``keys`` keys, interleaved; declare them to a checker."""
-    checker = checker or DeliveryChecker()
-    ids: dict[str, list[str]] = {f"{prefix}-{k}": [] for k in range(keys)}
-    with OrderedProducer(kafka_config) as producer:
-        futures = [(key, producer.publish(topic, f"{key}:{n}".encode(), ordering_key=key))
-                   for n in range(per_key) for key in ids]
-        for key, future in futures:
-            ids[key].append(future.result(timeout=60).message_id)
-    for key, message_ids in ids.items():
-        checker.expect(key, message_ids)
-    return checker
-
-
-@pytest.fixture
-def subscription(admin: Admin, topic_factory: Callable[..., str],
-                 unique_name: Callable[[str], str]) -> Callable[..., tuple[str, str]]:
-    """Creates a topic and a subscription of it; returns (topic, subscription)."""
-
-    def create(partitions: int = 3, **settings: Any) -> tuple[str, str]:
-        topic = topic_factory(partitions=partitions)
-        name = unique_name("sub")
-        settings.setdefault("retry_policy", NO_BACKOFF)
-        admin.create_subscription(name, topic=topic, **settings)
-        return topic, name
-
-    return create
-
-
-def recording_callback(checker: DeliveryChecker, subscriber: str,
-                       handler: Callable[[Message], str] | None = None) -> Callable[[Message], None]:
-    """A callback that records each delivery and what the handler decided (ack by default)."""
-
-    def callback(message: Message) -> None:
-        checker.record(message.message_id, subscriber, message.delivery_attempt, "deliver")
-        action = handler(message) if handler else "ack"
-        checker.record(message.message_id, subscriber, message.delivery_attempt, action)
-        if action == "ack":
-            message.ack()
-        else:
-            message.nack()
-
-    return callback
-
 
 def test_in_key_order_many_keys_and_partitions(kafka_config: dict[str, Any], endpoints: Any,
                                                subscription: Callable[..., tuple[str, str]]) -> None:
@@ -118,9 +68,7 @@ def test_nack_cascades_and_other_keys_are_not_redelivered(kafka_config: dict[str
     topic, name = subscription(partitions=1)
     checker = publish_keys(kafka_config, topic, keys=3, per_key=5)
     with Subscriber(kafka_config, redis_url=endpoints.redis_url) as subscriber:
-        batch: list[Message] = []
-        wait_until(lambda: batch.extend(subscriber.pull(name, max_messages=100, timeout=0.5)) or len(batch) == 15,
-                   30, "first batches")
+        batch = pull_until(subscriber, name, 15)
         by_key: dict[str, list[Message]] = {}
         for message in batch:
             by_key.setdefault(message.ordering_key, []).append(message)
@@ -139,9 +87,7 @@ def test_nack_cascades_and_other_keys_are_not_redelivered(kafka_config: dict[str
             for message in by_key[key]:
                 message.ack()
                 checker.record(message.message_id, "s1", 1, "ack")
-        again: list[Message] = []
-        wait_until(lambda: again.extend(subscriber.pull(name, max_messages=100, timeout=0.5)) or len(again) >= 4,
-                   30, "cascade")
+        again = pull_until(subscriber, name, 4)
         assert [(m.ordering_key, int(m.data.split(b":")[1]), m.delivery_attempt) for m in again] == [
             ("key-0", 1, 2), ("key-0", 2, 2), ("key-0", 3, 2), ("key-0", 4, 2)]
         stale = k0[3].ack_with_response().result(10)
@@ -160,8 +106,7 @@ def test_unordered_subscription_flows_in_parallel(kafka_config: dict[str, Any], 
     topic, name = subscription(partitions=2, enable_message_ordering=False)
     checker = publish_keys(kafka_config, topic, keys=2, per_key=30)
     with Subscriber(kafka_config, redis_url=endpoints.redis_url) as subscriber:
-        pulled: list[Message] = []
-        wait_until(lambda: pulled.extend(subscriber.pull(name, 100, 0.5)) or len(pulled) == 60, 30, "all 60")
+        pulled = pull_until(subscriber, name, 60)
         per_key = {m.ordering_key for m in pulled}
         assert per_key == {"key-0", "key-1"}
         for message in pulled:
@@ -258,8 +203,9 @@ def test_subscription_settings_and_start_positions(admin: Admin, kafka_config: d
     with pytest.raises(SubscriptionExistsError):
         admin.create_subscription(oldest, topic=topic, enable_message_ordering=False)
     for bad in ({"ack_deadline": 5}, {"ack_deadline": 601}):
+        bad_settings: dict[str, Any] = bad
         with pytest.raises(ConfigError):
-            admin.create_subscription(unique_name("bad"), topic=topic, **bad)
+            admin.create_subscription(unique_name("bad"), topic=topic, **bad_settings)
     checker = publish_keys(kafka_config, topic, keys=4, per_key=5, prefix="new")
     with Subscriber(kafka_config, redis_url=endpoints.redis_url) as subscriber:
         got: dict[str, list[Message]] = {oldest: [], latest: []}

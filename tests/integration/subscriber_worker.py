@@ -1,0 +1,62 @@
+"""A subscriber process for crash tests: logs every delivery and ack as JSON lines, flushed at once.
+
+Run as ``python -m tests.integration.subscriber_worker --help``. The test kills it with SIGKILL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+from typing import IO
+
+from ordering_layer import AckResponse, Message, Subscriber
+
+
+def main() -> None:
+    """Subscribe until killed (or until ``--seconds`` pass)."""
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--bootstrap", required=True)
+    parser.add_argument("--redis-url", required=True)
+    parser.add_argument("--subscription", required=True)
+    parser.add_argument("--name", required=True, help="subscriber name written into the log")
+    parser.add_argument("--log", required=True, help="JSON-lines file to append events to")
+    parser.add_argument("--delay-ms", type=float, default=0.0, help="handler time per message")
+    parser.add_argument("--crash-on", default=None, help="message data that makes the process os._exit(3)")
+    parser.add_argument("--seconds", type=float, default=300.0)
+    args = parser.parse_args()
+    lock = threading.Lock()
+    out: IO[str] = open(args.log, "a", buffering=1)  # noqa: SIM115 - lives as long as the process
+
+    def log(message: Message, action: str) -> None:
+        line = json.dumps({"id": message.message_id, "key": message.ordering_key, "sub": args.name,
+                           "attempt": message.delivery_attempt, "action": action, "at": time.time()})
+        with lock:
+            out.write(line + "\n")
+            out.flush()
+
+    def callback(message: Message) -> None:
+        log(message, "deliver")
+        if args.crash_on is not None and message.data.decode() == args.crash_on:
+            os._exit(3)
+        if args.delay_ms:
+            time.sleep(args.delay_ms / 1000)
+        if message.ack_with_response().result(30) == AckResponse.SUCCESS:
+            log(message, "ack")
+
+    kafka = {"bootstrap.servers": args.bootstrap, "session.timeout.ms": 6000, "heartbeat.interval.ms": 1000}
+    subscriber = Subscriber(kafka, redis_url=args.redis_url)
+    handle = subscriber.subscribe(args.subscription, callback, max_workers=8)
+    print("subscribed", flush=True)
+    try:
+        handle.result(timeout=args.seconds)
+    except TimeoutError:
+        handle.cancel()
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()
