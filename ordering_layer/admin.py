@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -185,7 +186,22 @@ class Admin:
                     return self.describe_topic(name)
                 raise TopicExistsError(f"topic {name!r} exists already", topic=name) from exc
             raise TopicError(f"creating topic {name!r} failed: {error}", topic=name) from exc
-        return self.describe_topic(name)
+        return self._await_topic(name, partitions)
+
+    def _await_topic(self, name: str, partitions: int) -> TopicDescription:
+        """The new topic's description once metadata shows all its partitions (creation is async)."""
+        deadline = time.monotonic() + _TIMEOUT
+        while True:
+            try:
+                described = self.describe_topic(name)
+                if described.partitions >= partitions:
+                    return described
+            except TopicError:
+                if time.monotonic() > deadline:
+                    raise
+            if time.monotonic() > deadline:
+                return described
+            time.sleep(0.05)
 
     def describe_topic(self, name: str) -> TopicDescription:
         """Partitions, replication and the non-default config of a topic.
@@ -215,7 +231,7 @@ class Admin:
             futures[name].result(timeout=_TIMEOUT)
         except KafkaException as exc:
             raise TopicError(f"adding partitions to {name!r} failed: {exc.args[0]}", topic=name) from exc
-        return self.describe_topic(name)
+        return self._await_topic(name, total)
 
     def delete_topic(self, name: str) -> None:
         """Delete a topic (ignores a topic that does not exist)."""

@@ -45,6 +45,8 @@ DeliveryCallback = Callable[[KafkaError | None, KafkaMessage], None]
 
 _ENFORCED = {"enable.idempotence": True, "acks": "all"}
 _ACKS_ALL = {"all", "-1"}
+_INLINE_POLL_EVERY = 256
+_BUSY_WINDOW = 0.02
 # Per-record overhead of Kafka's record format beyond key, value and header bytes (upper bound).
 _RECORD_OVERHEAD = 64
 
@@ -120,14 +122,22 @@ def _attributes_from_headers(headers: Mapping[str, Any] | Sequence[tuple[str, An
     return attributes
 
 
-class _Pending(NamedTuple):
-    """One record handed to librdkafka and not yet reported."""
+class _Pending:
+    """One record handed to librdkafka and not yet reported; called with its delivery report."""
 
-    message_id: str
-    ordering_key: str | None
-    topic: str
-    future: Future[PublishResult] | None
-    on_delivery: DeliveryCallback | None
+    __slots__ = ("future", "message_id", "on_delivery", "ordering_key", "owner", "topic")
+
+    def __init__(self, owner: OrderedProducer, message_id: str, ordering_key: str | None, topic: str,
+                 future: Future[PublishResult] | None, on_delivery: DeliveryCallback | None) -> None:
+        self.owner = owner
+        self.message_id = message_id
+        self.ordering_key = ordering_key
+        self.topic = topic
+        self.future = future
+        self.on_delivery = on_delivery
+
+    def __call__(self, err: KafkaError | None, msg: KafkaMessage) -> None:
+        self.owner._delivered(self, err, msg)
 
 
 class OrderedProducer:
@@ -166,6 +176,8 @@ class OrderedProducer:
         self._id_prefix = uuid.uuid4().hex[:16] + "-"
         self._ids = itertools.count()
         self._closed = False
+        self._last_send = 0.0
+        self._sends = 0
         self._poller = Worker("ordering-layer-producer-poll", self._poll_step)
         self._poller.start()
 
@@ -217,12 +229,15 @@ class OrderedProducer:
         if size > self._limit:
             raise MessageTooLargeError(
                 f"message is {size} bytes encoded; the limit is {self._limit}", size=size, limit=self._limit)
-        pending = _Pending(message_id, key_text, topic, future, on_delivery)
         kwargs: dict[str, Any] = {"headers": headers,
-                                  "on_delivery": lambda err, msg: self._delivered(pending, err, msg)}
+                                  "on_delivery": _Pending(self, message_id, key_text, topic, future, on_delivery)}
         if key_raw is not None:
             kwargs["key"] = key_raw
             kwargs["partition"] = partition_for(key_raw, count)
+        self._last_send = time.monotonic()
+        self._sends += 1
+        if not self._sends % _INLINE_POLL_EVERY:
+            self._producer.poll(0)
         while True:
             try:
                 self._producer.produce(topic, value, **kwargs)
@@ -300,6 +315,12 @@ class OrderedProducer:
 
     # -- lifecycle -------------------------------------------------------------------------------
     def _poll_step(self) -> float:
+        # While publishing is busy the publishing thread serves delivery reports itself (every
+        # _INLINE_POLL_EVERY sends): a second thread running callbacks then would only fight it for
+        # the GIL. When publishing pauses, this thread keeps futures resolving.
+        idle = time.monotonic() - self._last_send
+        if idle < _BUSY_WINDOW:
+            return _BUSY_WINDOW - idle
         self._producer.poll(0.1)
         return 0.0
 

@@ -31,6 +31,7 @@ _LOGGER = logging.getLogger(__name__)
 DEFAULT_KEY_BUCKETS = 256
 _BUCKET = "_key_bucket"
 _UNORDERED_ID = "_unordered_id"
+_EVENT_MS = "_event_ms"
 
 STATE = StructType([
     StructField("emitted", LongType()),
@@ -45,7 +46,7 @@ STATE = StructType([
 
 
 def _output_schema(df: DataFrame, *, late: bool) -> StructType:
-    fields = [field for field in df.schema.fields if field.name not in ("error", _BUCKET, _UNORDERED_ID)]
+    fields = [field for field in df.schema.fields if field.name not in ("error", _BUCKET, _UNORDERED_ID, _EVENT_MS)]
     extra = [StructField(KEY_SEQUENCE, LongType()), StructField(GAP, BooleanType(), False)]
     if late:
         extra.append(StructField(LATE, BooleanType(), False))
@@ -99,7 +100,9 @@ def _restore_group(key: tuple[Any, ...], frames: Iterator[pd.DataFrame], state: 
     if state.hasTimedOut:
         state.remove()
         return
-    frame = pd.concat(list(frames), ignore_index=True).drop(columns=[_UNORDERED_ID])
+    frame = pd.concat(list(frames), ignore_index=True)
+    last_event_ms = int(frame[_EVENT_MS].max())
+    frame = frame.drop(columns=[_UNORDERED_ID, _EVENT_MS])
     previous = _progress_from_state(state)
     ordering_key = key[0]
     if pd.isna(ordering_key):  # a null key may arrive as None or NaN
@@ -116,21 +119,31 @@ def _restore_group(key: tuple[Any, ...], frames: Iterator[pd.DataFrame], state: 
             state.update((progress.emitted, progress.partition_count, progress.rerouted, progress.offset,
                           progress.partition, progress.pending_gap, json.dumps(progress.seen_ids)))
         yield restored.messages
-    state.setTimeoutDuration(timeout_ms)
+    if state.exists:
+        state.setTimeoutTimestamp(max(last_event_ms + timeout_ms, state.getCurrentWatermarkMs() + 1))
 
 
-def restore_order_stream(df: DataFrame, *, state_timeout_ms: int = 3_600_000, keep_ids: int = 1000) -> DataFrame:
+def restore_order_stream(df: DataFrame, *, state_timeout: float = 3600.0, late_delay: float = 3600.0,
+                         keep_ids: int = 1000) -> DataFrame:
     """Structured Streaming order restoring with per-key state across micro-batches (SPK-3).
 
     Each micro-batch's messages of a key are sorted, deduplicated against the key's recent
     message ids and numbered on from the key's count, so each message is emitted once and, per
-    key, in sequence order. Use output mode ``append``.
+    key, in sequence order. Works with any trigger, ``availableNow`` included; use output mode
+    ``append``.
+
+    State is bounded by event time: the watermark is the latest ``enqueued_time`` seen minus
+    ``late_delay``, and a key's state is dropped once the watermark passes its last message's
+    ``enqueued_time`` plus ``state_timeout``. After that, a later message of the key starts a new
+    sequence at 1, and duplicates of its earlier messages are no longer recognised. Spark drops
+    input rows older than the watermark (counted as ``numRowsDroppedByWatermark`` in the query
+    progress), so ``late_delay`` must exceed how far the append times of one micro-batch's
+    partitions can lag each other.
 
     Args:
         df: a ``read_ordered_stream`` DataFrame.
-        state_timeout_ms: processing-time timeout; a key idle for longer loses its state, which
-            bounds it: a later message of that key starts a new sequence at 1 and duplicates of
-            its earlier messages are no longer recognised.
+        state_timeout: seconds of event time a key's state outlives its last message.
+        late_delay: watermark delay in seconds.
         keep_ids: how many recent message ids per key are kept to drop duplicates.
 
     Returns:
@@ -140,13 +153,16 @@ def restore_order_stream(df: DataFrame, *, state_timeout_ms: int = 3_600_000, ke
         the next number rather than dropped.
     """
     schema = _output_schema(df, late=True)
-    grouped = (df.where(F.col(KEY).isNotNull() | F.col("error").isNull())
+    grouped = (df.withWatermark("enqueued_time", f"{late_delay} seconds")
+               .where(F.col(KEY).isNotNull() | F.col("error").isNull())
                .withColumn(_UNORDERED_ID, F.when(F.col(KEY).isNull(), F.col("message_id")))
+               .withColumn(_EVENT_MS, F.unix_millis("enqueued_time"))
                .groupBy(KEY, _UNORDERED_ID))
+    timeout_ms = int(state_timeout * 1000)
 
     def restore_group(key: tuple[Any, ...], frames: Iterator[pd.DataFrame],
                       state: GroupState) -> Iterator[pd.DataFrame]:
-        return _restore_group(key, frames, state, timeout_ms=state_timeout_ms, keep_ids=keep_ids)
+        return _restore_group(key, frames, state, timeout_ms=timeout_ms, keep_ids=keep_ids)
 
     return grouped.applyInPandasWithState(restore_group, schema, STATE, "append",
-                                          GroupStateTimeout.ProcessingTimeTimeout)
+                                          GroupStateTimeout.EventTimeTimeout)

@@ -68,3 +68,11 @@ def test_undecodable_records_raise_typed_error(key: bytes, value: bytes | None,
     """DLQ-4: bad Avro, missing or malformed headers and a bad key give EnvelopeError with the reason."""
     with pytest.raises(EnvelopeError, match=reason):
         decode_record(key, value, headers)
+
+
+@pytest.mark.parametrize("size", [0, 1, 63, 64, 127, 128, 8191, 8192, 1_000_000])
+@pytest.mark.parametrize("attributes", [{}, {"a": "1"}, {"kind": "order", "é": "ü" * 70}])
+def test_fast_envelope_encoding_equals_fastavro(size: int, attributes: dict[str, str]) -> None:
+    """PUB-6: the hot-path envelope encoder writes exactly fastavro's schemaless encoding."""
+    data = bytes(range(256)) * (size // 256) + bytes(size % 256)
+    assert encode_envelope(data, attributes) == encode("envelope", {"data": data, "attributes": attributes})

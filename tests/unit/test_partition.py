@@ -1,0 +1,123 @@
+"""Pure dispatch logic: offset tracking, per-key hold queues, cascade bookkeeping, recovery walk."""
+
+from __future__ import annotations
+
+from ordering_layer.config import RetryPolicy
+from ordering_layer.envelope import DecodedRecord
+from ordering_layer.subscriber.partition import OffsetTracker, PartitionState, Record
+
+NO_BACKOFF = RetryPolicy(0, 0).backoff
+
+
+def record(offset: int, key: str | None, partition: int = 0) -> Record:
+    decoded = DecodedRecord(f"m{offset}", 1, key, b"x", {})
+    return Record(partition, offset, key, decoded, None, 1, 0, key.encode() if key else None, b"", [])
+
+
+def fill(state: PartitionState, keys: list[str | None], start: int = 0) -> None:
+    for offset, key in enumerate(keys, start):
+        state.add(record(offset, key))
+
+
+def release_all(state: PartitionState, limit: int = 1) -> list[tuple[str | int, int, int]]:
+    """(queue key, offset, token) of everything releasable now."""
+    out = []
+    for qkey in state.ready_keys():
+        for delivery in state.release(qkey, 0.0, limit):
+            out.append((qkey, delivery.record.offset, delivery.token))
+        state.ready.pop(qkey, None)
+    return out
+
+
+def test_offset_tracker_commits_lowest_unsettled() -> None:
+    """ACK-4: the committed offset is the lowest fetched offset not yet settled."""
+    tracker = OffsetTracker()
+    assert tracker.watermark is None
+    for offset in (5, 6, 7, 9):
+        tracker.add(offset)
+    assert tracker.watermark == 5
+    tracker.settle(6)
+    tracker.settle(9)
+    assert tracker.watermark == 5
+    tracker.settle(5)
+    assert tracker.watermark == 7
+    tracker.settle(7)
+    assert tracker.watermark == 10
+
+
+def test_one_outstanding_per_key_and_keys_independent() -> None:
+    """SUB-1, SUB-2: one message per key at a time, in order; other keys are not held back."""
+    state = PartitionState(0, 1, ordered=True)
+    fill(state, ["a", "b", "a", "b", "a"])
+    first = release_all(state)
+    assert [(k, o) for k, o, _ in first] == [("a", 0), ("b", 1)]
+    assert release_all(state) == []
+    assert state.ack("b", 1, first[1][2])
+    second = release_all(state)
+    assert [(k, o) for k, o, _ in second] == [("b", 3)]
+    assert state.ack("a", 0, first[0][2])
+    assert [(k, o) for k, o, _ in release_all(state)] == [("a", 2)]
+    assert state.tracker.watermark == 2
+
+
+def test_nack_rewinds_key_and_cascades_acked_messages() -> None:
+    """SUB-4: a nack of m redelivers m and every later delivered message of its key, acked ones too."""
+    state = PartitionState(0, 1, ordered=True)
+    fill(state, ["k", "k", "k", "k", "other"])
+    batch = release_all(state, limit=10)
+    assert [o for _, o, _ in batch] == [0, 1, 2, 3, 4]
+    tokens = {o: t for _, o, t in batch}
+    assert state.ack("k", 2, tokens[2])
+    assert state.ack("k", 3, tokens[3])
+    assert state.ack("other", 4, tokens[4])
+    assert state.nack("k", 1, tokens[1], 0.0, NO_BACKOFF)
+    assert not state.ack("k", 3, tokens[3]), "a stale token is refused"
+    assert release_all(state, limit=10) == [], "offset 0 is still outstanding: one batch per key"
+    assert state.ack("k", 0, tokens[0])
+    again = release_all(state, limit=10)
+    assert [o for _, o, _ in again] == [1, 2, 3]
+    assert state.tracker.watermark == 1
+
+
+def test_backoff_holds_only_its_key() -> None:
+    """DLQ-1: after a nack the key waits out its backoff; other keys do not."""
+    state = PartitionState(0, 1, ordered=True)
+    fill(state, ["slow", "fast", "fast"])
+    first = {k: t for k, _, t in release_all(state)}
+    assert state.nack("slow", 0, first["slow"], 100.0, RetryPolicy(10, 600).backoff)
+    assert state.ack("fast", 1, first["fast"])
+    assert [k for k, _, _ in release_all(state)] == ["fast"]
+    assert state.next_wake() == 110.0
+    state.wake(109.0)
+    assert "slow" not in state.ready
+    state.wake(110.0)
+    assert "slow" in state.ready
+
+
+def test_recovery_walk_skips_settled_keys_and_cascades_the_rest() -> None:
+    """SUB-3, SUB-4: after a crash, keys whose records are settled are skipped; a key with an
+    unsettled record is delivered from it on, later settled records included."""
+    settled = frozenset({0, 1, 3, 4})
+    state = PartitionState(0, 2, ordered=True, settled_before=settled, attempts_before={2: 1})
+    fill(state, ["done", "k", "k", "k", "done2", "new"])
+    released = release_all(state)
+    assert [(k, o) for k, o, _ in released] == [("k", 2), ("new", 5)]
+    delivery_attempts = state.keys["k"].records[0].attempts
+    assert delivery_attempts == 2, "attempts survive the crash (ACK-6)"
+    assert state.ack("k", 2, released[0][2])
+    assert [(k, o) for k, o, _ in release_all(state)] == [("k", 3)], "settled 3 is redelivered: k cascades"
+    assert state.tracker.watermark == 3
+
+
+def test_unordered_records_are_independent() -> None:
+    """SUB-6: without ordering every record is released at once, even of one key."""
+    state = PartitionState(0, 1, ordered=False)
+    fill(state, ["k", "k", "k"])
+    assert [o for _, o, _ in release_all(state)] == [0, 1, 2]
+
+
+def test_retry_policy_backoff_doubles_within_bounds() -> None:
+    """DLQ-1: exponential backoff between minimum and maximum."""
+    policy = RetryPolicy(minimum_backoff=10, maximum_backoff=600)
+    assert [policy.backoff(n) for n in range(1, 9)] == [10, 20, 40, 80, 160, 320, 600, 600]
+    assert policy.backoff(0) == 0
