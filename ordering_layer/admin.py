@@ -23,6 +23,7 @@ from ordering_layer.config import (
     SubscriptionSettings,
     require_bootstrap,
 )
+from ordering_layer.deadletter import DeadLetter, list_dead_letters, redrive
 from ordering_layer.errors import ConfigError, SubscriptionExistsError, TopicError, TopicExistsError
 from ordering_layer.state import StateStore
 
@@ -141,6 +142,25 @@ class Admin:
             consumer.close()
         return {"name": name, "settings": json.loads(settings.to_json()), "partitions": rows,
                 "backlog": sum(r["backlog"] for r in rows)}
+
+    def _dead_letter_topic(self, subscription: str) -> str:
+        policy = self.store.settings(subscription).dead_letter_policy
+        if policy is None:
+            raise ConfigError(f"subscription {subscription!r} has no dead-letter policy")
+        return policy.topic
+
+    def list_dead_letters(self, subscription: str) -> list[DeadLetter]:
+        """The subscription's dead letters, in dead-letter order (DLQ-5)."""
+        return list_dead_letters(self._config, self._dead_letter_topic(subscription))
+
+    def redrive_dead_letters(self, subscription: str, *, topic: str | None = None) -> list[DeadLetter]:
+        """Republish the dead letters not redriven yet to their source topic (or ``topic``), per key in
+        their original order; return what was republished (DLQ-5)."""
+        return redrive(self._config, subscription, self._dead_letter_topic(subscription), topic)
+
+    def release_key(self, subscription: str, ordering_key: str) -> bool:
+        """Release a key parked by a ``park_key`` policy; its next messages are delivered again."""
+        return self.store.release_key(subscription, ordering_key)
 
     def delete_subscription(self, name: str) -> None:
         """Delete the subscription's settings and state, and its consumer group."""

@@ -86,7 +86,7 @@ class StateStore:
 
     def delete_subscription(self, subscription: str) -> int:
         """Remove the settings and every partition key of the subscription; return keys removed."""
-        keys: list[str | bytes] = [settings_key(subscription)]
+        keys: list[str | bytes] = [settings_key(subscription), f"{settings_key(subscription)}:parked"]
         keys.extend(self.client.scan_iter(match=f"ol:{{{subscription}:*", count=1000))
         return int(self.client.delete(*keys))
 
@@ -121,6 +121,18 @@ class StateStore:
         parts = list(partitions)
         values = self.client.mget([partition_keys(subscription, p)[0] for p in parts]) if parts else []
         return {p: int(v) if v is not None else None for p, v in zip(parts, values, strict=True)}
+
+    def parked_keys(self, subscription: str) -> set[str]:
+        """Ordering keys parked by a ``park_key`` dead-letter policy (DLQ-2)."""
+        return {k.decode() for k in self.client.smembers(f"{settings_key(subscription)}:parked")}
+
+    def park_key(self, subscription: str, ordering_key: str) -> None:
+        """Park a key: its later messages follow its dead letter until ``release_key``."""
+        self.client.sadd(f"{settings_key(subscription)}:parked", ordering_key)
+
+    def release_key(self, subscription: str, ordering_key: str) -> bool:
+        """Release a parked key; True when it was parked."""
+        return bool(self.client.srem(f"{settings_key(subscription)}:parked", ordering_key))
 
     def outstanding(self, subscription: str, partition: int) -> int:
         """Leases currently held in the partition (delivered, not yet settled)."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 import heapq
 import logging
 import queue
+import random
 import threading
 import time
 from collections import deque
@@ -36,6 +37,7 @@ from ordering_layer.envelope import decode_record, encode
 from ordering_layer.errors import EnvelopeError
 from ordering_layer.state import ApplyResult, StateStore
 from ordering_layer.state.store import Op
+from ordering_layer.subscriber.histogram import Histogram, extension_seconds
 from ordering_layer.subscriber.message import AckResponse, Message, Settle
 from ordering_layer.subscriber.partition import Delivery, PartitionState, QueueKey, Record
 from ordering_layer.worker import Worker
@@ -144,6 +146,8 @@ class Engine:
         self._out: dict[tuple[int, int], _Outstanding] = {}
         self._out_bytes = 0
         self._leases: list[tuple[float, int, int, int]] = []
+        self._histogram = Histogram()
+        self._parked: set[str] = set()
         self._pulls: deque[_Pull] = deque()
         self._committed: dict[int, int] = {}
         self._last_commit = 0.0
@@ -155,6 +159,7 @@ class Engine:
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
         """Join the group and start dispatching."""
+        self._refresh_parked()
         self._consumer.subscribe([self.topic], on_assign=self._on_assign, on_revoke=self._on_revoke,
                                  on_lost=self._on_lost)
         self._engine.start()
@@ -300,6 +305,7 @@ class Engine:
             self._expire_pulls(now)
             if now - self._last_commit >= _COMMIT_INTERVAL:
                 self._commit(sync=False)
+                self._refresh_parked()
             self._apply_flow_control()
             self._changed.notify_all()
         return 0.0
@@ -371,11 +377,12 @@ class Engine:
             return
         if request.kind == "deadline":
             out.deadline = now + request.seconds
-            heapq.heappush(self._leases, (out.deadline, request.partition, request.offset, out.token))
+            self._watch_lease(request.partition, request.offset, out)
             self._queue_op(request.partition, ("l", request.offset, _wall_ms(request.seconds)), now)
             self._queue_future(request.partition, request.future)
             return
         if request.kind == "ack":
+            self._histogram.add(now - out.first_delivery)
             state.ack(request.queue_key, request.offset, request.token)
             self._queue_op(request.partition, ("a", request.offset, 0), now)
         else:
@@ -387,19 +394,38 @@ class Engine:
         self._queue_future(request.partition, request.future)
 
     def _expire(self, now: float) -> None:
-        """Lapsed leases: the delivery is given back with the cascade (ACK-1, SUB-4)."""
+        """Leases: extend those still held (ACK-2), give back those that lapsed (ACK-1, SUB-4).
+
+        A heap entry is a time to look at one delivery: shortly before its deadline it is extended
+        by the p99 ack latency unless it has been held for ``max_lease_duration``; at its deadline
+        it lapses and its key is rewound to it.
+        """
+        settings = self.settings
         while self._leases and self._leases[0][0] <= now:
             _, partition, offset, token = heapq.heappop(self._leases)
             out = self._out.get((partition, offset))
-            if out is None or out.token != token or out.deadline > now:
-                continue
             state = self._partitions.get(partition)
-            if state is None:
+            if out is None or out.token != token or state is None:
                 continue
-            _LOGGER.info("%s: lease of %d:%d lapsed; redelivering", self.subscription, partition, offset)
-            state.nack(out.queue_key, offset, token, now, self.settings.retry_policy.backoff)
-            self._forget(partition, offset)
-            self._queue_op(partition, ("n", offset, 0), now)
+            if now >= out.deadline - _lease_margin(settings.ack_deadline) and now < out.deadline \
+                    and now - out.first_delivery < settings.max_lease_duration:
+                seconds = extension_seconds(self._histogram, min_extension=settings.min_duration_per_lease_extension,
+                                            max_extension=settings.max_duration_per_lease_extension)
+                out.deadline = now + seconds
+                self._queue_op(partition, ("l", offset, _wall_ms(seconds)), now)
+                self._watch_lease(partition, offset, out)
+            elif now >= out.deadline:
+                _LOGGER.info("%s: lease of %d:%d lapsed; redelivering", self.subscription, partition, offset)
+                state.nack(out.queue_key, offset, token, now, settings.retry_policy.backoff)
+                self._forget(partition, offset)
+                self._queue_op(partition, ("n", offset, 0), now)
+            else:
+                heapq.heappush(self._leases, (out.deadline, partition, offset, token))
+
+    def _watch_lease(self, partition: int, offset: int, out: _Outstanding) -> None:
+        """Look at this delivery again shortly before its deadline (extension is jittered)."""
+        check = out.deadline - _lease_margin(self.settings.ack_deadline) * (1.0 - 0.2 * random.random())
+        heapq.heappush(self._leases, (check, partition, offset, out.token))
 
     def _release(self, now: float) -> list[Delivery]:
         """Release what may go out now, within flow control: callback mode one per key, pull mode
@@ -437,7 +463,7 @@ class Engine:
         self._out[(record.partition, record.offset)] = _Outstanding(
             delivery.token, record, delivery.queue_key, deadline, now)
         self._out_bytes += record.size
-        heapq.heappush(self._leases, (deadline, record.partition, record.offset, delivery.token))
+        self._watch_lease(record.partition, record.offset, self._out[(record.partition, record.offset)])
         self._queue_op(record.partition, ("d", record.offset, delivery.attempt), now)
         self._queue_op(record.partition, ("l", record.offset, _wall_ms(self.settings.ack_deadline)), now)
 
@@ -459,9 +485,15 @@ class Engine:
         for delivery in deliveries:
             record = delivery.record
             state = self._partitions[record.partition]
-            limit = self.settings.dead_letter_policy
-            if record.decoded is None or (limit is not None and delivery.attempt > limit.max_delivery_attempts):
-                self._dead_letter(state, delivery)
+            policy = self.settings.dead_letter_policy
+            if record.decoded is None:
+                self._dead_letter(state, delivery, "UNDECODABLE")
+                continue
+            if policy is not None and delivery.attempt > policy.max_delivery_attempts:
+                self._dead_letter(state, delivery, "MAX_DELIVERY_ATTEMPTS")
+                continue
+            if record.ordering_key is not None and record.ordering_key in self._parked:
+                self._dead_letter(state, delivery, "PARKED_KEY")
                 continue
             messages.append(Message(delivery, self.topic, state.epoch, self.submit))
         if not messages:
@@ -476,20 +508,27 @@ class Engine:
             self._pulls.popleft().future.set_result([])
 
     # -- dead letters ----------------------------------------------------------------------------
-    def _dead_letter(self, state: PartitionState, delivery: Delivery) -> None:
-        """Write the record to the dead-letter topic; it settles when the broker has it (DLQ-2, DLQ-4)."""
+    def _dead_letter(self, state: PartitionState, delivery: Delivery, reason: str) -> None:
+        """Write the record to the dead-letter topic; it settles when the broker has it (DLQ-2, DLQ-4).
+
+        In ``park_key`` mode a key whose message ran out of attempts is parked: its later messages
+        follow it into the dead-letter topic, in order, until the key is released.
+        """
         record = delivery.record
         policy = self.settings.dead_letter_policy
         undecodable = record.decoded is None
         attempts = delivery.attempt - 1
         last_error = record.error if undecodable else record.last_error
+        if (reason == "MAX_DELIVERY_ATTEMPTS" and policy is not None and policy.mode == "park_key"
+                and record.ordering_key is not None and self.settings.enable_message_ordering):
+            self._parked.add(record.ordering_key)
+            self._store.park_key(self.subscription, record.ordering_key)
         if policy is None:
             # Nowhere to put an undecodable record: settle it so it cannot block the partition.
             _LOGGER.error("%s: undecodable record %d:%d settled without a dead-letter topic: %s",
                           self.subscription, record.partition, record.offset, record.error)
             self._inbox.put(_DeadLettered(record.partition, state.epoch, delivery.queue_key, record.offset, None))
             return
-        reason = "UNDECODABLE" if undecodable else "MAX_DELIVERY_ATTEMPTS"
         sequence = (record.partition << 48) | record.offset
         value = encode("dead_letter", {
             "source_topic": self.topic, "source_partition": record.partition, "source_offset": record.offset,
@@ -513,6 +552,16 @@ class Engine:
         self._dlq_producer.poll(0)
         _LOGGER.warning("%s: dead-lettering %d:%d (%s, %d attempts)", self.subscription, record.partition,
                         record.offset, reason, attempts)
+
+    def _refresh_parked(self) -> None:
+        """Learn released (and newly parked) keys once per commit interval (park_key mode)."""
+        policy = self.settings.dead_letter_policy
+        if policy is None or policy.mode != "park_key":
+            return
+        try:
+            self._parked = self._store.parked_keys(self.subscription)
+        except redis.RedisError as exc:
+            _LOGGER.warning("%s: reading parked keys failed: %s", self.subscription, exc)
 
     # -- Redis -----------------------------------------------------------------------------------
     def _queue_op(self, partition: int, op: Op, now: float) -> None:
@@ -632,6 +681,11 @@ class Engine:
 def _resolve(future: Future[AckResponse] | None, status: AckResponse) -> None:
     if future is not None and not future.done():
         future.set_result(status)
+
+
+def _lease_margin(ack_deadline: float) -> float:
+    """How long before a deadline the lease is extended."""
+    return min(2.0, ack_deadline / 5)
 
 
 def _wall_ms(seconds: float) -> int:

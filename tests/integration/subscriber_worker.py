@@ -27,6 +27,7 @@ def main() -> None:
     parser.add_argument("--delay-ms", type=float, default=0.0, help="handler time per message")
     parser.add_argument("--crash-on", default=None, help="message data that makes the process os._exit(3)")
     parser.add_argument("--seconds", type=float, default=300.0)
+    parser.add_argument("--session-ms", type=int, default=6000, help="Kafka session timeout")
     args = parser.parse_args()
     lock = threading.Lock()
     out: IO[str] = open(args.log, "a", buffering=1)  # noqa: SIM115 - lives as long as the process
@@ -47,7 +48,8 @@ def main() -> None:
         if message.ack_with_response().result(30) == AckResponse.SUCCESS:
             log(message, "ack")
 
-    kafka = {"bootstrap.servers": args.bootstrap, "session.timeout.ms": 6000, "heartbeat.interval.ms": 1000}
+    kafka = {"bootstrap.servers": args.bootstrap, "session.timeout.ms": args.session_ms,
+             "heartbeat.interval.ms": max(250, args.session_ms // 6)}
     subscriber = Subscriber(kafka, redis_url=args.redis_url)
     handle = subscriber.subscribe(args.subscription, callback, max_workers=8)
     print("subscribed", flush=True)

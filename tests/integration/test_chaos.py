@@ -17,7 +17,7 @@ import pytest
 
 from ordering_layer import AckResponse, Message, Subscriber
 from ordering_layer.state import StateStore
-from tests.checker import DeliveryChecker, wait_until
+from tests.checker import wait_until
 from tests.integration.conftest import publish_keys, recording_callback
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos]

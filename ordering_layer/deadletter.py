@@ -1,0 +1,143 @@
+"""Reading and redriving a subscription's dead-letter topic (DLQ-5).
+
+Dead letters are read with a plain consumer; a redrive republishes each source record byte for byte
+(key, value, headers, so the message id is kept and duplicates stay detectable) to the source topic
+or another one, partition by partition in dead-letter order, so each key keeps its original order.
+Redrive progress is committed in the consumer group ``<subscription>.redrive``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, Producer, TopicPartition
+
+from ordering_layer.envelope import HEADER_PARTITION_COUNT, decode
+from ordering_layer.errors import ConfigError, EnvelopeError, PublishError
+from ordering_layer.publisher.partitioner import partition_for
+
+_LOGGER = logging.getLogger(__name__)
+_TIMEOUT = 30.0
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    """One record of a dead-letter topic, decoded."""
+
+    dead_letter_partition: int
+    dead_letter_offset: int
+    source_topic: str
+    source_partition: int
+    source_offset: int
+    sequence_number: int
+    subscription: str
+    reason: str
+    delivery_attempts: int
+    last_error: str | None
+    key: bytes | None
+    value: bytes | None
+    headers: list[tuple[str, bytes | None]]
+
+    @property
+    def ordering_key(self) -> str | None:
+        """The source record's ordering key, when it was valid UTF-8."""
+        try:
+            return self.key.decode() if self.key else None
+        except UnicodeDecodeError:
+            return None
+
+
+def _consumer(kafka_config: Mapping[str, Any], group: str) -> Consumer:
+    return Consumer({**kafka_config, "group.id": group, "enable.auto.commit": False,
+                     "auto.offset.reset": "earliest", "logger": logging.getLogger("ordering_layer.kafka.dlq")})
+
+
+def _read(consumer: Consumer, topic: str, starts: dict[int, int], ends: dict[int, int]) -> list[DeadLetter]:
+    consumer.assign([TopicPartition(topic, p, starts[p]) for p in ends if starts[p] < ends[p]])
+    letters: list[DeadLetter] = []
+    remaining = {p for p in ends if starts[p] < ends[p]}
+    deadline = time.monotonic() + _TIMEOUT
+    while remaining and time.monotonic() < deadline:
+        for msg in consumer.consume(500, 0.5):
+            if msg.error() is not None:
+                raise KafkaException(msg.error())
+            partition, offset = msg.partition(), msg.offset()
+            assert partition is not None and offset is not None
+            try:
+                record = decode("dead_letter", msg.value() or b"")
+            except EnvelopeError:
+                _LOGGER.warning("dead-letter record %s:%d:%d is not a DeadLetter record", topic, partition, offset)
+            else:
+                letters.append(DeadLetter(
+                    partition, offset, record["source_topic"], record["source_partition"], record["source_offset"],
+                    record["sequence_number"], record["subscription"], record["reason"],
+                    record["delivery_attempts"], record["last_error"], record["key"], record["value"],
+                    [(h["key"], h["value"]) for h in record["headers"]]))
+            if offset + 1 >= ends[partition]:
+                remaining.discard(partition)
+    return sorted(letters, key=lambda d: (d.dead_letter_partition, d.dead_letter_offset))
+
+
+def _ends(consumer: Consumer, topic: str) -> dict[int, int]:
+    partitions = consumer.list_topics(topic, timeout=_TIMEOUT).topics[topic].partitions
+    return {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=_TIMEOUT)[1] for p in partitions}
+
+
+def list_dead_letters(kafka_config: Mapping[str, Any], topic: str) -> list[DeadLetter]:
+    """Every record in the dead-letter ``topic``, in dead-letter order."""
+    consumer = _consumer(kafka_config, f"ordering-layer-dlq-list-{uuid.uuid4().hex}")
+    try:
+        ends = _ends(consumer, topic)
+        lows = {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=_TIMEOUT)[0] for p in ends}
+        return _read(consumer, topic, lows, ends)
+    finally:
+        consumer.close()
+
+
+def redrive(kafka_config: Mapping[str, Any], subscription: str, dead_letter_topic: str,
+            target_topic: str | None = None) -> list[DeadLetter]:
+    """Republish the dead letters not redriven before; return them in the order republished.
+
+    Keyed records are routed like ``OrderedProducer`` does (murmur2 over the target's partition
+    count, stamped in ``ol-partition-count``); their message ids are kept.
+    """
+    group = f"{subscription}.redrive"
+    consumer = _consumer(kafka_config, group)
+    producer = Producer({**{k: v for k, v in kafka_config.items() if not k.startswith("group.")},
+                         "enable.idempotence": True, "acks": "all",
+                         "logger": logging.getLogger("ordering_layer.kafka.dlq")})
+    try:
+        ends = _ends(consumer, dead_letter_topic)
+        committed = consumer.committed([TopicPartition(dead_letter_topic, p) for p in ends], timeout=_TIMEOUT)
+        starts = {tp.partition: tp.offset if tp.offset >= 0 else OFFSET_BEGINNING for tp in committed}
+        lows = {p: consumer.get_watermark_offsets(TopicPartition(dead_letter_topic, p), timeout=_TIMEOUT)[0]
+                for p in ends}
+        starts = {p: lows[p] if starts[p] < 0 else starts[p] for p in ends}
+        letters = _read(consumer, dead_letter_topic, starts, ends)
+        failures: list[str] = []
+        for letter in letters:
+            topic = target_topic or letter.source_topic
+            if not topic:
+                raise ConfigError("dead letter without a source topic: name target_topic")
+            count = len(producer.list_topics(topic, timeout=_TIMEOUT).topics[topic].partitions)
+            headers = [(k, v) for k, v in letter.headers if k != HEADER_PARTITION_COUNT]
+            headers.append((HEADER_PARTITION_COUNT, str(count).encode()))
+            kwargs: dict[str, Any] = {"headers": headers, "key": letter.key,
+                                      "on_delivery": lambda err, _m: failures.append(str(err)) if err else None}
+            if letter.key:
+                kwargs["partition"] = partition_for(letter.key, count)
+            producer.produce(topic, letter.value, **kwargs)
+        if producer.flush(_TIMEOUT) or failures:
+            raise PublishError(f"redrive of {subscription} failed: {failures[:3]}", topic=target_topic or "",
+                               ordering_key=None)
+        if letters:
+            consumer.commit(offsets=[TopicPartition(dead_letter_topic, p, ends[p]) for p in ends],
+                            asynchronous=False)
+        return letters
+    finally:
+        consumer.close()

@@ -1,0 +1,237 @@
+"""Leases, retries and dead letters against the real broker and Redis (ACK-1..3, ACK-6, DLQ-1..5)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from confluent_kafka import Producer
+
+from ordering_layer import Admin, DeadLetterPolicy, Message, OrderedProducer, RetryPolicy, Subscriber
+from ordering_layer.envelope import make_headers
+from tests.checker import wait_until
+from tests.integration.conftest import publish_keys, pull_until, recording_callback
+from tests.kafka_helpers import headers_of, read_topic
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_lease_extended_while_handler_runs_past_deadline(kafka_config: dict[str, Any], endpoints: Any,
+                                                         subscription: Callable[..., tuple[str, str]]) -> None:
+    """ACK-2: a handler slower than the 10 s ack deadline is not redelivered while its lease is extended."""
+    topic, name = subscription(partitions=1, ack_deadline=10)
+    checker = publish_keys(kafka_config, topic, keys=2, per_key=1)
+
+    def handler(message: Message) -> str:
+        if message.ordering_key == "key-0":
+            time.sleep(13)
+        return "ack"
+
+    subscriber = Subscriber(kafka_config, redis_url=endpoints.redis_url)
+    with subscriber.subscribe(name, recording_callback(checker, "s1", handler)):
+        wait_until(lambda: checker.acked_count() == 2, 60, "both acked")
+    assert [e.attempt for e in checker.deliveries("key-0")] == [1]
+    assert checker.verify() == []
+
+
+def test_lapsed_lease_redelivers_with_cascade(kafka_config: dict[str, Any], endpoints: Any,
+                                              subscription: Callable[..., tuple[str, str]]) -> None:
+    """ACK-1, SUB-4, ACK-6: past max_lease_duration the lease is not extended; at the deadline the
+    held batch of a key comes again, in order, with the next delivery attempt."""
+    topic, name = subscription(partitions=1, ack_deadline=10, max_lease_duration=1)
+    publish_keys(kafka_config, topic, keys=1, per_key=3)
+    with Subscriber(kafka_config, redis_url=endpoints.redis_url) as subscriber:
+        first = pull_until(subscriber, name, 3)
+        started = time.monotonic()
+        again = pull_until(subscriber, name, 3, timeout=30)
+        waited = time.monotonic() - started
+        assert [m.message_id for m in again] == [m.message_id for m in first]
+        assert [m.delivery_attempt for m in again] == [2, 2, 2]
+        assert 8 <= waited <= 20
+        Subscriber.acknowledge(again)
+
+
+def test_modify_ack_deadline_zero_nacks(kafka_config: dict[str, Any], endpoints: Any,
+                                        subscription: Callable[..., tuple[str, str]]) -> None:
+    """ACK-3: modify_ack_deadline(0) gives the message back at once; a longer deadline keeps it."""
+    topic, name = subscription(partitions=1)
+    publish_keys(kafka_config, topic, keys=2, per_key=1)
+    with Subscriber(kafka_config, redis_url=endpoints.redis_url) as subscriber:
+        held = {m.ordering_key: m for m in pull_until(subscriber, name, 2)}
+        held["key-1"].modify_ack_deadline(60)
+        held["key-0"].modify_ack_deadline(0)
+        again = pull_until(subscriber, name, 1)
+        assert [(m.ordering_key, m.delivery_attempt) for m in again] == [("key-0", 2)]
+        assert subscriber.pull(name, 10, 1.0) == []
+        Subscriber.acknowledge([*again, held["key-1"]])
+
+
+def test_backoff_delays_only_its_key(kafka_config: dict[str, Any], endpoints: Any,
+                                     subscription: Callable[..., tuple[str, str]]) -> None:
+    """DLQ-1: after a nack the key waits its backoff (here 3 s); another key in the same partition flows."""
+    topic, name = subscription(partitions=1, retry_policy=RetryPolicy(minimum_backoff=3, maximum_backoff=3))
+    checker = publish_keys(kafka_config, topic, keys=2, per_key=20)
+    nacked_at: list[float] = []
+    redelivered_at: list[float] = []
+    others_done = threading.Event()
+
+    def handler(message: Message) -> str:
+        if message.ordering_key == "key-0" and message.message_id == checker.published["key-0"][0]:
+            if message.delivery_attempt == 1:
+                nacked_at.append(time.monotonic())
+                return "nack"
+            redelivered_at.append(time.monotonic())
+        return "ack"
+
+    subscriber = Subscriber(kafka_config, redis_url=endpoints.redis_url)
+    with subscriber.subscribe(name, recording_callback(checker, "s1", handler)):
+        wait_until(lambda: len([e for e in checker.events if e.key == "key-1" and e.action == "ack"]) == 20,
+                   30, "key-1 done")
+        others_done.set()
+        key1_done = time.monotonic()
+        wait_until(lambda: checker.acked_count() == checker.total(), 30, "key-0 done after its backoff")
+    assert key1_done - nacked_at[0] < 2.5, "key-1 was not held by key-0's backoff"
+    assert redelivered_at[0] - nacked_at[0] >= 2.9
+    assert checker.verify() == []
+
+
+def test_nacked_every_time_goes_to_dead_letters_after_max_attempts(
+        admin: Admin, kafka_config: dict[str, Any], endpoints: Any,
+        subscription: Callable[..., tuple[str, str]], unique_name: Callable[[str], str]) -> None:
+    """DLQ-2, ACK-6: a message nacked on every delivery reaches the dead-letter topic after exactly
+    max_delivery_attempts deliveries (attempts 1..5), with the DLQ-2 headers, then counts as acked;
+    its key goes on with the next message (forward mode)."""
+    dlq = unique_name("dlq")
+    topic, name = subscription(partitions=2, dead_letter_policy=DeadLetterPolicy(dlq, max_delivery_attempts=5))
+    checker = publish_keys(kafka_config, topic, keys=3, per_key=4)
+    poison = checker.published["key-1"][1]
+
+    def handler(message: Message) -> str:
+        return "nack" if message.message_id == poison else "ack"
+
+    subscriber = Subscriber(kafka_config, redis_url=endpoints.redis_url)
+    with subscriber.subscribe(name, recording_callback(checker, "s1", handler)):
+        wait_until(lambda: checker.acked_count() == checker.total() - 1, 60, "all but the poison acked")
+    attempts = [e.attempt for e in checker.deliveries() if e.message_id == poison]
+    assert attempts == [1, 2, 3, 4, 5]
+    records = read_topic(kafka_config["bootstrap.servers"], dlq, 1)
+    assert len(records) == 1
+    headers = headers_of(records[0])
+    assert headers["ol-dlq-source-topic"] == topic.encode()
+    assert headers["ol-dlq-attempts"] == b"5"
+    assert headers["ol-dlq-key"] == b"key-1"
+    assert headers["ol-dlq-subscription"] == name.encode()
+    assert headers["ol-dlq-reason"] == b"MAX_DELIVERY_ATTEMPTS"
+    assert int(headers["ol-dlq-sequence-number"]) >> 48 == int(headers["ol-dlq-source-partition"])
+    letters = admin.list_dead_letters(name)
+    assert [(d.ordering_key, d.delivery_attempts, d.reason) for d in letters] == [
+        ("key-1", 5, "MAX_DELIVERY_ATTEMPTS")]
+    checker.record(poison, "s1", 5, "dead")
+    assert checker.verify(one_outstanding=True, max_delivery_attempts=5) == []
+    assert admin.describe_subscription(name)["backlog"] == 0
+
+
+def test_poison_message_crashing_the_process_is_dead_lettered(
+        tmp_path: Path, admin: Admin, kafka_config: dict[str, Any], endpoints: Any,
+        subscription: Callable[..., tuple[str, str]], unique_name: Callable[[str], str]) -> None:
+    """DLQ-3, ACK-6: a message that kills its subscriber process (os._exit) on every delivery reaches
+    the dead-letter topic after max_delivery_attempts attempts, across process restarts."""
+    dlq = unique_name("dlq")
+    topic, name = subscription(partitions=1, dead_letter_policy=DeadLetterPolicy(dlq, max_delivery_attempts=5))
+    publish_keys(kafka_config, topic, keys=1, per_key=3)
+    log = tmp_path / "events.jsonl"
+    crashes = 0
+    for _ in range(8):
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.integration.subscriber_worker", "--bootstrap", endpoints.bootstrap,
+             "--redis-url", endpoints.redis_url, "--subscription", name, "--name", f"w{crashes}", "--log", str(log),
+             "--crash-on", "key-0:1", "--session-ms", "2000", "--seconds", "60"],
+            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONPATH": str(ROOT)})
+        try:
+            code = proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            code = None
+        if code == 3:
+            crashes += 1
+            continue
+        break
+    letters = admin.list_dead_letters(name)
+    assert crashes == 5
+    assert [(d.reason, d.delivery_attempts) for d in letters] == [("MAX_DELIVERY_ATTEMPTS", 5)]
+    assert letters[0].value is not None
+
+
+def test_park_key_keeps_order_and_redrive_restores_it(
+        admin: Admin, kafka_config: dict[str, Any], endpoints: Any,
+        subscription: Callable[..., tuple[str, str]], unique_name: Callable[[str], str]) -> None:
+    """DLQ-2 park_key, DLQ-5: the key's later messages follow its dead letter in order; other keys flow;
+    after release a redrive republishes them per key in the original order, with their message ids."""
+    dlq = unique_name("dlq")
+    topic, name = subscription(partitions=2, dead_letter_policy=DeadLetterPolicy(
+        dlq, max_delivery_attempts=5, mode="park_key"))
+    checker = publish_keys(kafka_config, topic, keys=3, per_key=4)
+    poison = checker.published["key-2"][1]
+    redriven_seen: list[str] = []
+
+    def handler(message: Message) -> str:
+        if message.message_id == poison and message.delivery_attempt <= 5 and not redriven_seen:
+            return "nack"
+        return "ack"
+
+    subscriber = Subscriber(kafka_config, redis_url=endpoints.redis_url)
+    with subscriber.subscribe(name, recording_callback(checker, "s1", handler)):
+        wait_until(lambda: len(admin.list_dead_letters(name)) == 3, 60, "poison and its followers dead-lettered")
+        wait_until(lambda: checker.acked_count() == 9, 30, "other keys and key-2's first message acked")
+    letters = admin.list_dead_letters(name)
+    assert [d.reason for d in letters] == ["MAX_DELIVERY_ATTEMPTS", "PARKED_KEY", "PARKED_KEY"]
+    assert [dict(d.headers)["ol-message-id"].decode() for d in letters] == checker.published["key-2"][1:]
+
+    assert admin.release_key(name, "key-2")
+    republished = admin.redrive_dead_letters(name)
+    assert len(republished) == 3
+    assert admin.redrive_dead_letters(name) == [], "a second redrive republishes nothing"
+    redriven_seen.append("yes")
+    got: list[Message] = []
+    with Subscriber(kafka_config, redis_url=endpoints.redis_url) as puller:
+        got = pull_until(puller, name, 3, ack=True)
+    assert [m.message_id for m in got] == checker.published["key-2"][1:]
+
+
+def test_undecodable_records_go_to_dead_letters_and_keys_flow(
+        admin: Admin, kafka_config: dict[str, Any], endpoints: Any,
+        subscription: Callable[..., tuple[str, str]], unique_name: Callable[[str], str]) -> None:
+    """DLQ-4: garbage bytes, a missing header and a non-UTF-8 key go to the dead-letter topic with the
+    reason; they crash nothing and other keys keep flowing."""
+    dlq = unique_name("dlq")
+    topic, name = subscription(partitions=1, dead_letter_policy=DeadLetterPolicy(dlq))
+    raw = Producer(kafka_config)
+    raw.produce(topic, b"\xff\x00garbage", key=b"key-0", headers=make_headers("bad-1", 1))
+    raw.produce(topic, b"\x00", key=b"key-0")
+    raw.produce(topic, b"\x00", key=b"\xc3\x28", headers=make_headers("bad-3", 1))
+    raw.flush(30)
+    with OrderedProducer(kafka_config):
+        pass
+    checker = publish_keys(kafka_config, topic, keys=3, per_key=5)
+    subscriber = Subscriber(kafka_config, redis_url=endpoints.redis_url)
+    with subscriber.subscribe(name, recording_callback(checker, "s1")):
+        wait_until(lambda: checker.acked_count() == checker.total(), 60, "good messages acked")
+        wait_until(lambda: len(admin.list_dead_letters(name)) == 3, 30, "3 dead letters")
+    letters = admin.list_dead_letters(name)
+    assert {d.reason for d in letters} == {"UNDECODABLE"}
+    assert any("valid envelope" in (d.last_error or "") for d in letters)
+    assert any("ol-envelope" in (d.last_error or "") for d in letters)
+    assert any("UTF-8" in (d.last_error or "") for d in letters)
+    assert checker.verify() == []
+    assert admin.describe_subscription(name)["backlog"] == 0
