@@ -217,9 +217,11 @@ def test_undecodable_records_go_to_dead_letters_and_keys_flow(
     dlq = unique_name("dlq")
     topic, name = subscription(partitions=1, dead_letter_policy=DeadLetterPolicy(dlq))
     raw = Producer(kafka_config)
-    raw.produce(topic, b"\xff\x00garbage", key=b"key-0", headers=make_headers("bad-1", 1))
+    bad_value: list[tuple[str, str | bytes | None]] = [*make_headers("bad-1", 1)]
+    bad_key: list[tuple[str, str | bytes | None]] = [*make_headers("bad-3", 1)]
+    raw.produce(topic, b"\xff\x00garbage", key=b"key-0", headers=bad_value)
     raw.produce(topic, b"\x00", key=b"key-0")
-    raw.produce(topic, b"\x00", key=b"\xc3\x28", headers=make_headers("bad-3", 1))
+    raw.produce(topic, b"\x00", key=b"\xc3\x28", headers=bad_key)
     raw.flush(30)
     with OrderedProducer(kafka_config):
         pass
