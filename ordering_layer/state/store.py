@@ -108,13 +108,21 @@ class StateStore:
 
         Each batch is (subscription, partition, epoch, ops); see ``lua/apply.lua`` for the ops.
         """
-        pipe = self.client.pipeline(transaction=False)
-        for subscription, partition, epoch, ops in batches:
-            args: list[int | str] = [epoch, len(ops)]
-            for kind, offset, value in ops:
-                args.extend((kind, offset, value))
-            self._apply(keys=partition_keys(subscription, partition), args=args, client=pipe)
-        return [ApplyResult(int(r)) for r in pipe.execute()]
+        # EVALSHA straight on the pipeline: redis-py's Script objects would add a SCRIPT EXISTS
+        # round trip to every pipeline; the script is loaded again only after a NOSCRIPT answer
+        # (a restarted or flushed Redis).
+        for _ in range(2):
+            pipe = self.client.pipeline(transaction=False)
+            for subscription, partition, epoch, ops in batches:
+                args: list[int | str] = [epoch, len(ops)]
+                for kind, offset, value in ops:
+                    args.extend((kind, offset, value))
+                pipe.evalsha(self._apply.sha, 4, *partition_keys(subscription, partition), *args)
+            try:
+                return [ApplyResult(int(r)) for r in pipe.execute()]
+            except redis.exceptions.NoScriptError:
+                self._apply.sha = self.client.script_load(self._apply.script)
+        raise redis.exceptions.NoScriptError("apply.lua could not be loaded")
 
     def epochs(self, subscription: str, partitions: Iterable[int]) -> dict[int, int | None]:
         """Current owner epoch of each partition (None when unset)."""

@@ -47,6 +47,7 @@ _LOGGER = logging.getLogger(__name__)
 _FETCH_BATCH = 500
 _FLUSH_MAX_OPS = 500
 _FLUSH_MAX_AGE = 0.005
+_GATHER = 0.002
 _COMMIT_INTERVAL = 1.0
 _MAX_BUFFERED = 20_000
 _RESUME_FRACTION = 0.8
@@ -284,11 +285,7 @@ class Engine:
             events = [self._inbox.get(timeout=self._wait_time())]
         except queue.Empty:
             events = []
-        while len(events) < 10_000:
-            try:
-                events.append(self._inbox.get_nowait())
-            except queue.Empty:
-                break
+        self._collect(events)
         with self._lock:
             now = time.monotonic()
             for event in events:
@@ -309,6 +306,28 @@ class Engine:
             self._apply_flow_control()
             self._changed.notify_all()
         return 0.0
+
+    def _collect(self, events: list[Any]) -> None:
+        """Drain the inbox; when busy (more than one event waiting), keep gathering for up to
+        _GATHER seconds so that one Redis round trip serves many messages (ACK-4's batching),
+        while a lone event (an idle subscriber) is handled at once."""
+        deadline = 0.0
+        while len(events) < _FLUSH_MAX_OPS:
+            try:
+                events.append(self._inbox.get_nowait())
+                continue
+            except queue.Empty:
+                pass
+            if len(events) < 2:
+                return
+            now = time.monotonic()
+            deadline = deadline or now + _GATHER
+            if now >= deadline:
+                return
+            try:
+                events.append(self._inbox.get(timeout=deadline - now))
+            except queue.Empty:
+                return
 
     def _wait_time(self) -> float:
         wait = 0.1

@@ -1,0 +1,163 @@
+"""Subscriber benchmarks against raw confluent-kafka, same data, same run (issues 3 and 4).
+
+(a) no-op handler, 100-byte messages, 10,000 keys: layer msgs/s vs a raw consume loop with commits;
+(b) one partition, 5 ms I/O handler, K = 1, 20, 1000 keys: speedup vs a one-at-a-time consumer;
+(c) one key with a 1 s handler among fast keys in one partition: fast keys' throughput vs without it;
+(d) Redis round trips per message during (a), from INFO commandstats: the commands the layer
+    sends itself (EVALSHA of the batched Lua script, GET, INCR, SMEMBERS, ...); the commands that
+    the scripts run inside Redis (HSET, ZADD, HDEL, ...) are counted by Redis too but cost no round
+    trip, and several EVALSHAs in one pipeline are still one round trip, so this is an upper bound.
+
+    .venv/bin/python bench/bench_subscribe.py [--messages 100000] [--workers 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import redis
+from confluent_kafka import Consumer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import bench_stack, ratio_line
+from ordering_layer import Admin, FlowControl, Message, OrderedProducer, RetryPolicy, Subscriber
+from ordering_layer.stack import Endpoints
+
+
+def publish(endpoints: Endpoints, topic: str, keys: list[str], count: int, payload: bytes = b"x" * 100) -> None:
+    with OrderedProducer({"bootstrap.servers": endpoints.bootstrap}) as producer:
+        for n in range(count):
+            producer.produce(topic, payload, key=keys[n % len(keys)])
+
+
+def raw_consume(endpoints: Endpoints, topic: str, count: int, handler_seconds: float = 0.0,
+                one_at_a_time: bool = False) -> float:
+    """A plain consumer: consume, handle, commit (per batch, or per message when one at a time)."""
+    consumer = Consumer({"bootstrap.servers": endpoints.bootstrap, "group.id": f"raw-{uuid.uuid4().hex}",
+                         "enable.auto.commit": False, "auto.offset.reset": "earliest"})
+    consumer.subscribe([topic])
+    seen = 0
+    start = 0.0
+    while seen < count:
+        batch = consumer.consume(1 if one_at_a_time else 500, 1.0)
+        if batch and not start:
+            start = time.perf_counter()
+        for msg in batch:
+            if msg.error() is None:
+                if handler_seconds:
+                    time.sleep(handler_seconds)
+                seen += 1
+        if batch:
+            consumer.commit(asynchronous=not one_at_a_time)
+    elapsed = time.perf_counter() - start
+    consumer.close()
+    return count / elapsed
+
+
+def layer_consume(endpoints: Endpoints, admin: Admin, topic: str, count: int, workers: int,
+                  handler: Any = None, done_when: Any = None) -> float:
+    """The layer: an ordered subscription, callback mode, acking after ``handler``."""
+    name = f"bench-{uuid.uuid4().hex[:8]}"
+    admin.create_subscription(name, topic=topic, retry_policy=RetryPolicy(0, 0))
+    acked = 0
+    lock = threading.Lock()
+    first = [0.0]
+    finished = threading.Event()
+
+    def callback(message: Message) -> None:
+        nonlocal acked
+        if not first[0]:
+            first[0] = time.perf_counter()
+        if handler is not None:
+            handler(message)
+        message.ack()
+        with lock:
+            acked += 1
+            if (done_when(message) if done_when else acked >= count):
+                finished.set()
+
+    subscriber = Subscriber({"bootstrap.servers": endpoints.bootstrap}, redis_url=endpoints.redis_url)
+    handle = subscriber.subscribe(name, callback, max_workers=workers,
+                                  flow_control=FlowControl(max_messages=max(1000, workers * 4)))
+    finished.wait(600)
+    elapsed = time.perf_counter() - first[0]
+    handle.cancel()
+    return count / elapsed
+
+
+_INSIDE_SCRIPTS = {"cmdstat_hset", "cmdstat_hdel", "cmdstat_zadd", "cmdstat_zremrangebyscore", "cmdstat_info"}
+
+
+def redis_round_trips(endpoints: Endpoints) -> int:
+    """Commands sent by clients (those the Lua scripts run inside Redis excluded)."""
+    stats = redis.Redis.from_url(endpoints.redis_url).info("commandstats")
+    return sum(int(v["calls"]) for k, v in stats.items() if k not in _INSIDE_SCRIPTS)
+
+
+def main() -> None:
+    """Run (a)..(d) and print the figures and ratios."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--messages", type=int, default=100_000)
+    parser.add_argument("--workers", type=int, default=16)
+    parser.add_argument("--io-messages", type=int, default=600)
+    args = parser.parse_args()
+    with bench_stack() as endpoints:
+        admin = Admin({"bootstrap.servers": endpoints.bootstrap}, redis_url=endpoints.redis_url)
+
+        topic = f"bench-noop-{uuid.uuid4().hex[:8]}"
+        admin.create_topic(topic, partitions=6)
+        publish(endpoints, topic, [f"key-{i}" for i in range(10_000)], args.messages)
+        raw = raw_consume(endpoints, topic, args.messages)
+        before = redis_round_trips(endpoints)
+        layer = layer_consume(endpoints, admin, topic, args.messages, args.workers)
+        per_message = (redis_round_trips(endpoints) - before) / args.messages
+        print(ratio_line(f"(a) no-op, {args.messages} x 100 B, 10,000 keys", layer, raw))
+        print(f"(d) Redis round trips per message during (a): {per_message:.4f} (goal <= 0.05)")
+
+        plain_rate = None
+        for keys in (1, 20, 1000):
+            topic = f"bench-io-{keys}-{uuid.uuid4().hex[:8]}"
+            admin.create_topic(topic, partitions=1)
+            publish(endpoints, topic, [f"key-{i}" for i in range(keys)], args.io_messages)
+            if plain_rate is None:
+                plain_rate = raw_consume(endpoints, topic, args.io_messages, 0.005, one_at_a_time=True)
+            rate = layer_consume(endpoints, admin, topic, args.io_messages, args.workers,
+                                 handler=lambda _m: time.sleep(0.005))
+            goal = 0.8 * min(keys, args.workers)
+            print(f"(b) 5 ms handler, 1 partition, K={keys:<5} layer {rate:8,.0f} msg/s   one-at-a-time "
+                  f"{plain_rate:6,.0f} msg/s   speedup {rate / plain_rate:5.1f} (goal >= {goal:.1f})")
+
+        fast_keys = [f"fast-{i}" for i in range(200)]
+        fast_count = 200 * 20
+        baseline_topic = f"bench-hol-base-{uuid.uuid4().hex[:8]}"
+        admin.create_topic(baseline_topic, partitions=1)
+        publish(endpoints, baseline_topic, fast_keys, fast_count)
+        slow_topic = f"bench-hol-slow-{uuid.uuid4().hex[:8]}"
+        admin.create_topic(slow_topic, partitions=1)
+        publish(endpoints, slow_topic, [*fast_keys[:100], "slow", *fast_keys[100:]], fast_count + 20)
+
+        def work(message: Message) -> None:
+            time.sleep(1.0 if message.ordering_key == "slow" else 0.001)
+
+        fast_done = {"n": 0}
+
+        def fast_finished(message: Message) -> bool:
+            if message.ordering_key != "slow":
+                fast_done["n"] += 1
+            return fast_done["n"] >= fast_count
+
+        without = layer_consume(endpoints, admin, baseline_topic, fast_count, args.workers, handler=work)
+        with_slow = layer_consume(endpoints, admin, slow_topic, fast_count, args.workers, handler=work,
+                                  done_when=fast_finished)
+        print(ratio_line("(c) fast keys with a 1 s key in the partition", with_slow, without))
+
+
+if __name__ == "__main__":
+    main()
