@@ -176,14 +176,16 @@ def publish(topic_name: str, source: TextIO, ordering_key: str | None, key_separ
 @click.option("--messages", type=click.IntRange(min=1), default=20_000, show_default=True)
 @click.option("--keys", type=click.IntRange(min=1), default=500, show_default=True)
 @click.option("--partitions", type=click.IntRange(min=1), default=6, show_default=True)
+@click.option("--spark/--no-spark", default=True, show_default=True, help="Include the Spark step.")
 @_server_options
-def demo(messages: int, keys: int, partitions: int, bootstrap: str | None, redis_url: str | None) -> None:
+def demo(messages: int, keys: int, partitions: int, spark: bool, bootstrap: str | None,
+         redis_url: str | None) -> None:
     """The main job end to end on the local stack (started if needed)."""
     from ordering_layer.demo import run
 
     if not (bootstrap or os.environ.get(_ENV_BOOTSTRAP)):
         get_backend().up()
     endpoints = resolve_endpoints(bootstrap, redis_url)
-    ok = run(endpoints, messages=messages, keys=keys, partitions=partitions, out=click.echo)
+    ok = run(endpoints, messages=messages, keys=keys, partitions=partitions, out=click.echo, spark=spark)
     if not ok:
         sys.exit(1)

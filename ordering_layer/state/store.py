@@ -8,6 +8,7 @@ correctness: losing it loses no message (Kafka holds them), it only causes redel
 from __future__ import annotations
 
 import enum
+import hashlib
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -69,7 +70,8 @@ class StateStore:
             redis_url, socket_timeout=5.0, socket_connect_timeout=5.0,
             retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=5),
             retry_on_error=[redis.ConnectionError, redis.TimeoutError])
-        self._apply = self.client.register_script(_script("apply"))
+        self._apply_source = _script("apply")
+        self._apply_sha = hashlib.sha1(self._apply_source.encode()).hexdigest()
         self._claim = self.client.register_script(_script("claim"))
 
     # -- subscription settings -------------------------------------------------------------------
@@ -117,11 +119,11 @@ class StateStore:
                 args: list[int | str] = [epoch, len(ops)]
                 for kind, offset, value in ops:
                     args.extend((kind, offset, value))
-                pipe.evalsha(self._apply.sha, 4, *partition_keys(subscription, partition), *args)
+                pipe.evalsha(self._apply_sha, 4, *partition_keys(subscription, partition), *args)
             try:
                 return [ApplyResult(int(r)) for r in pipe.execute()]
             except redis.exceptions.NoScriptError:
-                self._apply.sha = self.client.script_load(self._apply.script)
+                self.client.script_load(self._apply_source)  # type: ignore[no-untyped-call]
         raise redis.exceptions.NoScriptError("apply.lua could not be loaded")
 
     def epochs(self, subscription: str, partitions: Iterable[int]) -> dict[int, int | None]:

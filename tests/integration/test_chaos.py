@@ -144,3 +144,31 @@ def test_join_and_leave_rebalance_with_fencing(kafka_config: dict[str, Any], end
         StateStore(endpoints.redis_url).claim(name, held[0].partition())
         assert held[0].ack_with_response().result(10) == AckResponse.LEASE_LOST
         assert checker2.total() == 2
+
+
+@pytest.mark.parametrize("service", ["redis", "broker"])
+def test_service_restart_mid_stream_loses_nothing(service: str, restartable: Any, kafka_config: dict[str, Any],
+                                                  endpoints: Any,
+                                                  subscription: Callable[..., tuple[str, str]]) -> None:
+    """SUB-3, SUB-1: Redis killed with SIGKILL and restarted (AOF), or the broker stopped and restarted,
+    mid-stream: every message is still acked, in per-key order."""
+    topic, name = subscription(partitions=3)
+    checker = publish_keys(kafka_config, topic, keys=40, per_key=40)
+    restarted = threading.Event()
+
+    def handler(message: Message) -> str:
+        time.sleep(0.002)
+        return "ack"
+
+    subscriber = Subscriber(kafka_config, redis_url=endpoints.redis_url)
+    with subscriber.subscribe(name, recording_callback(checker, "s1", handler), max_workers=4):
+        wait_until(lambda: checker.acked_count() >= checker.total() // 3, 60, "a third acked")
+        if service == "redis":
+            restartable.stop_redis(kill=True)
+            restartable.start_redis()
+        else:
+            restartable.stop_broker()
+            restartable.start_broker()
+        restarted.set()
+        wait_until(lambda: checker.acked_count() == checker.total(), 180, "every message acked after the restart")
+    assert checker.verify() == []
