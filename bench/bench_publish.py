@@ -20,8 +20,8 @@ from confluent_kafka import Producer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import bench_stack, ratio_line  # noqa: E402
-from ordering_layer import Admin, OrderedProducer  # noqa: E402
+from bench.common import bench_stack, ratio_line
+from ordering_layer import Admin, OrderedProducer
 
 SETTINGS = {"enable.idempotence": True, "acks": "all", "linger.ms": 5}
 

@@ -54,8 +54,10 @@ def raw_consume(endpoints: Endpoints, topic: str, count: int, handler_seconds: f
                 if handler_seconds:
                     time.sleep(handler_seconds)
                 seen += 1
-        if batch:
-            consumer.commit(asynchronous=not one_at_a_time)
+        if batch and one_at_a_time:
+            consumer.commit(asynchronous=False)
+        elif batch:
+            consumer.commit(asynchronous=True)
     elapsed = time.perf_counter() - start
     consumer.close()
     return count / elapsed
