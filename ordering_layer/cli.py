@@ -12,9 +12,11 @@ from typing import Any, TextIO
 import click
 
 from ordering_layer.admin import Admin
+from ordering_layer.config import DeadLetterPolicy, RetryPolicy, StartPosition
 from ordering_layer.errors import OrderingLayerError
 from ordering_layer.publisher import OrderedProducer
 from ordering_layer.stack import Endpoints, get_backend
+from ordering_layer.subscriber import Subscriber
 
 _ENV_BOOTSTRAP = "ORDERING_LAYER_BOOTSTRAP"
 _ENV_REDIS = "ORDERING_LAYER_REDIS_URL"
@@ -189,3 +191,129 @@ def demo(messages: int, keys: int, partitions: int, spark: bool, bootstrap: str 
     ok = run(endpoints, messages=messages, keys=keys, partitions=partitions, out=click.echo, spark=spark)
     if not ok:
         sys.exit(1)
+
+
+# -- subscriptions -----------------------------------------------------------------------------------
+def _admin(bootstrap: str | None, redis_url: str | None) -> Admin:
+    endpoints = resolve_endpoints(bootstrap, redis_url)
+    if not endpoints.redis_url:
+        raise click.ClickException(f"subscriptions need Redis: --redis-url or ${_ENV_REDIS}")
+    return Admin({"bootstrap.servers": endpoints.bootstrap}, redis_url=endpoints.redis_url)
+
+
+@main.group()
+def subscription() -> None:
+    """Subscriptions: settings, backlog, outstanding, committed offsets."""
+
+
+@subscription.command("create")
+@click.argument("name")
+@click.option("--topic", required=True)
+@click.option("--ordering/--no-ordering", default=True, show_default=True, help="Per-key order (fixed).")
+@click.option("--ack-deadline", type=float, default=10.0, show_default=True, help="Seconds, 10..600.")
+@click.option("--min-backoff", type=float, default=10.0, show_default=True)
+@click.option("--max-backoff", type=float, default=600.0, show_default=True)
+@click.option("--dead-letter-topic", default=None)
+@click.option("--max-delivery-attempts", type=int, default=5, show_default=True)
+@click.option("--dead-letter-mode", type=click.Choice(["forward", "park_key"]), default="forward", show_default=True)
+@click.option("--start", type=click.Choice(["TRIM_HORIZON", "LATEST"]), default="TRIM_HORIZON", show_default=True)
+@_server_options
+def subscription_create(name: str, topic: str, ordering: bool, ack_deadline: float, min_backoff: float,
+                        max_backoff: float, dead_letter_topic: str | None, max_delivery_attempts: int,
+                        dead_letter_mode: str, start: str, bootstrap: str | None, redis_url: str | None) -> None:
+    """Create subscription NAME of --topic."""
+    try:
+        settings = _admin(bootstrap, redis_url).create_subscription(
+            name, topic=topic, enable_message_ordering=ordering, ack_deadline=ack_deadline,
+            retry_policy=RetryPolicy(min_backoff, max_backoff),
+            dead_letter_policy=DeadLetterPolicy(dead_letter_topic, max_delivery_attempts, dead_letter_mode)
+            if dead_letter_topic else None,
+            start=StartPosition.TRIM_HORIZON if start == "TRIM_HORIZON" else StartPosition.LATEST)
+    except OrderingLayerError as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(settings.to_json())
+
+
+@subscription.command("describe")
+@click.argument("name")
+@_server_options
+def subscription_describe(name: str, bootstrap: str | None, redis_url: str | None) -> None:
+    """Settings and, per partition, committed offset, end offset, backlog and outstanding (JSON)."""
+    try:
+        click.echo(json.dumps(_admin(bootstrap, redis_url).describe_subscription(name), indent=2))
+    except OrderingLayerError as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
+@subscription.command("delete")
+@click.argument("name")
+@_server_options
+def subscription_delete(name: str, bootstrap: str | None, redis_url: str | None) -> None:
+    """Delete subscription NAME (its settings, state and consumer group)."""
+    try:
+        _admin(bootstrap, redis_url).delete_subscription(name)
+    except OrderingLayerError as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(f"deleted {name}")
+
+
+@main.command("pull")
+@click.argument("subscription_name")
+@click.option("--max-messages", type=click.IntRange(min=1), default=10, show_default=True)
+@click.option("--timeout", type=float, default=5.0, show_default=True, help="Seconds to wait for messages.")
+@click.option("--ack/--no-ack", default=True, show_default=True)
+@_server_options
+def pull(subscription_name: str, max_messages: int, timeout: float, ack: bool, bootstrap: str | None,
+         redis_url: str | None) -> None:
+    """Pull up to --max-messages of SUBSCRIPTION_NAME, print them, and ack them."""
+    endpoints = resolve_endpoints(bootstrap, redis_url)
+    try:
+        with Subscriber({"bootstrap.servers": endpoints.bootstrap}, redis_url=endpoints.redis_url) as subscriber:
+            messages = subscriber.pull(subscription_name, max_messages=max_messages, timeout=timeout)
+            for message in messages:
+                click.echo(f"{message.ordering_key or '-'}\tseq={message.sequence_number}\t"
+                           f"attempt={message.delivery_attempt}\t{message.message_id}\t"
+                           f"{message.data.decode(errors='replace')}")
+                if ack:
+                    message.ack_with_response().result(30)
+                else:
+                    message.nack()
+    except OrderingLayerError as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(f"{len(messages)} messages{' acked' if ack else ' nacked'}", err=True)
+
+
+# -- dead letters ----------------------------------------------------------------------------------
+@main.group()
+def deadletter() -> None:
+    """A subscription's dead letters."""
+
+
+@deadletter.command("list")
+@click.argument("subscription_name")
+@_server_options
+def deadletter_list(subscription_name: str, bootstrap: str | None, redis_url: str | None) -> None:
+    """List the dead letters of SUBSCRIPTION_NAME, in order."""
+    try:
+        letters = _admin(bootstrap, redis_url).list_dead_letters(subscription_name)
+    except OrderingLayerError as exc:
+        raise click.ClickException(str(exc)) from exc
+    for letter in letters:
+        click.echo(f"{letter.ordering_key or '-'}\t{letter.source_topic}:{letter.source_partition}:"
+                   f"{letter.source_offset}\t{letter.reason}\tattempts={letter.delivery_attempts}\t"
+                   f"{letter.last_error or ''}")
+    click.echo(f"{len(letters)} dead letters", err=True)
+
+
+@deadletter.command("redrive")
+@click.argument("subscription_name")
+@click.option("--topic", default=None, help="Republish here instead of the source topic.")
+@_server_options
+def deadletter_redrive(subscription_name: str, topic: str | None, bootstrap: str | None,
+                       redis_url: str | None) -> None:
+    """Republish the dead letters not redriven yet, per key in their original order."""
+    try:
+        letters = _admin(bootstrap, redis_url).redrive_dead_letters(subscription_name, topic=topic)
+    except OrderingLayerError as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(f"redrove {len(letters)} dead letters")

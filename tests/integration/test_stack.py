@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -47,3 +49,23 @@ def test_cli_reports_a_missing_stack(tmp_path: Path) -> None:
     result = CliRunner().invoke(main, ["stack", "env", "--state-dir", str(tmp_path / "none")])
     assert result.exit_code != 0
     assert "ordering-layer stack up" in result.output
+
+
+def test_cli_topic_subscription_publish_pull(endpoints: Any, unique_name: Callable[[str], str]) -> None:
+    """The CLI end to end: topic create, subscription create/describe, publish from stdin, pull with ack."""
+    runner = CliRunner()
+    servers = ["--bootstrap", endpoints.bootstrap, "--redis-url", endpoints.redis_url]
+    topic, name = unique_name("cli-topic"), unique_name("cli-sub")
+    assert runner.invoke(main, ["topic", "create", topic, "--partitions", "2", *servers]).exit_code == 0
+    created = runner.invoke(main, ["subscription", "create", name, "--topic", topic, *servers])
+    assert created.exit_code == 0, created.output
+    published = runner.invoke(main, ["publish", topic, "--key-separator", ":", *servers],
+                              input="k1:first\nk1:second\nk2:third\n")
+    assert published.exit_code == 0, published.output
+    pulled = runner.invoke(main, ["pull", name, "--max-messages", "10", *servers])
+    assert pulled.exit_code == 0, pulled.output
+    lines = [line.split("\t") for line in pulled.output.splitlines() if line.startswith("k")]
+    assert [(line[0], line[-1]) for line in lines if line[0] == "k1"] == [("k1", "first"), ("k1", "second")]
+    described = runner.invoke(main, ["subscription", "describe", name, *servers])
+    assert described.exit_code == 0
+    assert json.loads(described.output)["backlog"] == 0
