@@ -6,12 +6,13 @@ broker's enqueued time.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, ConfigResource, NewPartitions, NewTopic  # type: ignore[attr-defined]
@@ -32,6 +33,27 @@ _LOGGER = logging.getLogger(__name__)
 _TIMEOUT = 30.0
 
 
+_RETRIABLE = {KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE,
+              KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError.NOT_COORDINATOR, KafkaError.COORDINATOR_NOT_AVAILABLE,
+              KafkaError.COORDINATOR_LOAD_IN_PROGRESS, KafkaError._TIMED_OUT}
+
+_T = TypeVar("_T")
+
+
+def _retrying(call: Callable[[], _T], timeout: float = _TIMEOUT) -> _T:
+    """Run a Kafka call, retrying errors that a new topic or a moving leader cause for a while."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return call()
+        except KafkaException as exc:
+            error = exc.args[0]
+            code = error.code() if isinstance(error, KafkaError) else None
+            if code not in _RETRIABLE or time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
 @dataclass(frozen=True)
 class TopicDescription:
     """A topic as the broker describes it."""
@@ -40,6 +62,7 @@ class TopicDescription:
     partitions: int
     replication_factor: int
     config: dict[str, str]
+    partitions_with_leader: int = 0
 
     @property
     def timestamp_type(self) -> str:
@@ -111,14 +134,16 @@ class Admin:
         try:
             offsets = []
             for partition in range(partitions):
-                low, high = consumer.get_watermark_offsets(TopicPartition(topic, partition), timeout=_TIMEOUT)
+                low, high = _retrying(functools.partial(
+                    consumer.get_watermark_offsets, TopicPartition(topic, partition), timeout=_TIMEOUT))
                 offset = low if start.kind == "TRIM_HORIZON" else high
                 if start.timestamp_ms is not None:
-                    found = consumer.offsets_for_times(
-                        [TopicPartition(topic, partition, start.timestamp_ms)], timeout=_TIMEOUT)[0]
+                    found = _retrying(functools.partial(
+                        consumer.offsets_for_times, [TopicPartition(topic, partition, start.timestamp_ms)],
+                        timeout=_TIMEOUT))[0]
                     offset = found.offset if found.offset >= 0 else high
                 offsets.append(TopicPartition(topic, partition, offset))
-            consumer.commit(offsets=offsets, asynchronous=False)
+            _retrying(lambda: consumer.commit(offsets=offsets, asynchronous=False))
         finally:
             consumer.close()
 
@@ -214,7 +239,7 @@ class Admin:
         while True:
             try:
                 described = self.describe_topic(name)
-                if described.partitions >= partitions:
+                if described.partitions >= partitions and described.partitions_with_leader >= partitions:
                     return described
             except TopicError:
                 if time.monotonic() > deadline:
@@ -241,7 +266,8 @@ class Admin:
             raise TopicError(f"describing topic {name!r} failed: {exc.args[0]}", topic=name) from exc
         config = {key: str(entry.value) for key, entry in entries.items() if entry.value is not None}
         replication = len(next(iter(topic.partitions.values())).replicas) if topic.partitions else 0
-        return TopicDescription(name, len(topic.partitions), replication, config)
+        led = sum(1 for p in topic.partitions.values() if p.leader >= 0 and p.error is None)
+        return TopicDescription(name, len(topic.partitions), replication, config, led)
 
     def add_partitions(self, name: str, total: int) -> TopicDescription:
         """Raise a topic's partition count to ``total`` (keys may move; PUB-6 keeps order defined)."""

@@ -52,7 +52,9 @@ class DeliveryChecker:
             self._index[message_id] = (key, index)
 
     def record(self, message_id: str, subscriber: str, attempt: int, action: str, at: float | None = None) -> None:
-        """Record a delivery ("deliver") or what the handler did with it ("ack", "nack", "dead").
+        """Record a delivery ("deliver") or what the handler did with it ("ack", "nack", "dead"), or
+        "release": the handler is about to ack, so the key's next message may come before the "ack"
+        is logged (the ack itself is logged once it took effect).
 
         ``at`` is a wall-clock time (events from other processes); default: now.
         """
@@ -116,7 +118,7 @@ class DeliveryChecker:
         holders: dict[int, str] = {}
         for event in events:
             if event.action != "deliver":
-                if event.action in ("ack", "nack", "dead"):
+                if event.action in ("ack", "nack", "dead", "release"):
                     holders.pop(event.index, None)
                 continue
             live = {i: s for i, s in holders.items()

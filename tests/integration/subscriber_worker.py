@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import threading
@@ -29,6 +30,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=300.0)
     parser.add_argument("--session-ms", type=int, default=6000, help="Kafka session timeout")
     args = parser.parse_args()
+    logging.basicConfig(filename=f"{args.log}.{args.name}.log", level=logging.INFO,
+                        format="%(asctime)s %(threadName)s %(name)s %(levelname)s %(message)s")
     lock = threading.Lock()
     out: IO[str] = open(args.log, "a", buffering=1)  # noqa: SIM115 - lives as long as the process
 
@@ -45,6 +48,7 @@ def main() -> None:
             os._exit(3)
         if args.delay_ms:
             time.sleep(args.delay_ms / 1000)
+        log(message, "release")
         if message.ack_with_response().result(30) == AckResponse.SUCCESS:
             log(message, "ack")
 
