@@ -116,10 +116,8 @@ class StateStore:
         for _ in range(2):
             pipe = self.client.pipeline(transaction=False)
             for subscription, partition, epoch, ops in batches:
-                args: list[int | str] = [epoch, len(ops)]
-                for kind, offset, value in ops:
-                    args.extend((kind, offset, value))
-                pipe.evalsha(self._apply_sha, 4, *partition_keys(subscription, partition), *args)
+                packed = "".join([f"{kind},{offset},{value};" for kind, offset, value in ops])
+                pipe.evalsha(self._apply_sha, 4, *partition_keys(subscription, partition), epoch, packed)
             try:
                 return [ApplyResult(int(r)) for r in pipe.execute()]
             except redis.exceptions.NoScriptError:

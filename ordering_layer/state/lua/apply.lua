@@ -5,7 +5,8 @@
 -- KEYS[3]  attempts hash: offset -> delivery attempts so far (unsettled messages only)
 -- KEYS[4]  leases   hash: offset -> lease deadline, epoch milliseconds
 -- ARGV[1]  the caller's epoch
--- ARGV[2]  op count N, then N ops of 3 arguments each: kind, offset, value
+-- ARGV[2]  the ops, one string "kind,offset,value;" each (one argument keeps client-side encoding
+--          cheap for batches of hundreds of ops):
 --            "d" delivered: attempts[offset] = value (the attempt number); lease set by a later "l"
 --            "l" lease:     leases[offset] = value (deadline ms)
 --            "a" settled:   zadd settled offset; drop attempts and lease
@@ -24,10 +25,7 @@ end
 if current ~= ARGV[1] then
   return 0
 end
-local n = tonumber(ARGV[2])
-local i = 3
-for _ = 1, n do
-  local kind, offset, value = ARGV[i], ARGV[i + 1], ARGV[i + 2]
+for kind, offset, value in string.gmatch(ARGV[2], '(%a),(%d+),(%d+);') do
   if kind == 'd' then
     redis.call('HSET', KEYS[3], offset, value)
   elseif kind == 'l' then
@@ -41,6 +39,5 @@ for _ = 1, n do
   elseif kind == 'w' then
     redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', '(' .. value)
   end
-  i = i + 3
 end
 return result
