@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ordering_layer.config import FlowControl, SubscriptionSettings, require_bootstrap
@@ -17,12 +17,46 @@ from ordering_layer.subscriber.message import Message
 _LOGGER = logging.getLogger(__name__)
 
 
+class CallbackPool:
+    """``workers`` named daemon threads running callbacks from one queue.
+
+    Unlike ``ThreadPoolExecutor`` it makes no Future per task: on the hot path a message hand-off
+    is one queue put.
+    """
+
+    def __init__(self, name: str, workers: int, run: Callable[[Message], None]) -> None:
+        self._queue: queue.SimpleQueue[Message | None] = queue.SimpleQueue()
+        self._run = run
+        self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
+                         for i in range(workers)]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, message: Message) -> None:
+        """Queue one message for a callback."""
+        self._queue.put(message)
+
+    def _work(self) -> None:
+        while True:
+            message = self._queue.get()
+            if message is None:
+                return
+            self._run(message)
+
+    def shutdown(self) -> None:
+        """Let queued callbacks finish, then end the threads."""
+        for _ in self._threads:
+            self._queue.put(None)
+        for thread in self._threads:
+            thread.join()
+
+
 class StreamingPullFuture:
     """Handle of a callback subscription: ``cancel()`` stops it, ``result()`` waits for the end."""
 
-    def __init__(self, engine: Engine, executor: ThreadPoolExecutor) -> None:
+    def __init__(self, engine: Engine, pool: CallbackPool) -> None:
         self.engine = engine
-        self._executor = executor
+        self._pool = pool
         self._done = threading.Event()
         self._lock = threading.Lock()
 
@@ -32,7 +66,7 @@ class StreamingPullFuture:
             if self._done.is_set():
                 return False
             self.engine.close(timeout)
-            self._executor.shutdown(wait=True)
+            self._pool.shutdown()
             self._done.set()
             return True
 
@@ -84,7 +118,6 @@ class Subscriber:
             SubscriptionNotFoundError: the subscription was never created.
         """
         settings = self._store.settings(subscription)
-        executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=f"ordering-layer-cb-{subscription}")
 
         def run(message: Message) -> None:
             try:
@@ -93,14 +126,16 @@ class Subscriber:
                 _LOGGER.warning("callback failed on %r: %r; nacking", message, exc)
                 message.nack(error=repr(exc))
 
+        pool = CallbackPool(f"ordering-layer-cb-{subscription}", max_workers, run)
+
         def on_messages(messages: list[Message]) -> None:
             for message in messages:
-                executor.submit(run, message)
+                pool.submit(message)
 
         engine = Engine(self._kafka, self._store, subscription, settings,
                         flow_control=flow_control or FlowControl(), on_messages=on_messages)
         engine.start()
-        return StreamingPullFuture(engine, executor)
+        return StreamingPullFuture(engine, pool)
 
     def pull(self, subscription: str, max_messages: int = 100, timeout: float = 1.0, *,
              commit_on_get: bool = False, flow_control: FlowControl | None = None) -> list[Message]:
