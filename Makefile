@@ -48,6 +48,8 @@ lint: python-deps
 
 bench: setup
 	$(PY) bench/bench_publish.py
+	$(PY) bench/bench_subscribe.py
+	$(PY) bench/bench_spark.py
 
 clean:
 	-$(VENV)/bin/ordering-layer stack down

@@ -14,10 +14,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import bench_stack, ratio_line
 from ordering_layer import Admin, FlowControl, Message, OrderedProducer, RetryPolicy, Subscriber
 from ordering_layer.stack import Endpoints
+from ordering_layer.subscriber.engine import Engine
 
 
 def publish(endpoints: Endpoints, topic: str, keys: list[str], count: int, payload: bytes = b"x" * 100) -> None:
@@ -97,6 +100,23 @@ def layer_consume(endpoints: Endpoints, admin: Admin, topic: str, count: int, wo
 _INSIDE_SCRIPTS = {"cmdstat_hset", "cmdstat_hdel", "cmdstat_zadd", "cmdstat_zremrangebyscore", "cmdstat_info"}
 
 
+@contextlib.contextmanager
+def leases_off() -> Iterator[None]:
+    """For comparison only: no lease deadlines watched or written (what issue 4 added)."""
+    watch, queue_op = Engine._watch_lease, Engine._queue_op
+
+    def skip_lease_ops(self: Engine, partition: int, op: Any, now: float) -> None:
+        if op[0] != "l":
+            queue_op(self, partition, op, now)
+
+    Engine._watch_lease = lambda self, partition, offset, out: None  # type: ignore[method-assign]
+    Engine._queue_op = skip_lease_ops  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        Engine._watch_lease, Engine._queue_op = watch, queue_op  # type: ignore[method-assign]
+
+
 def redis_round_trips(endpoints: Endpoints) -> int:
     """Commands sent by clients (those the Lua scripts run inside Redis excluded)."""
     stats = redis.Redis.from_url(endpoints.redis_url).info("commandstats")
@@ -120,7 +140,11 @@ def main() -> None:
         before = redis_round_trips(endpoints)
         layer = layer_consume(endpoints, admin, topic, args.messages, args.workers)
         per_message = (redis_round_trips(endpoints) - before) / args.messages
+        with leases_off():
+            unleased = layer_consume(endpoints, admin, topic, args.messages, args.workers)
         print(ratio_line(f"(a) no-op, {args.messages} x 100 B, 10,000 keys", layer, raw))
+        print(ratio_line("(a') the same with lease tracking switched off", unleased, raw))
+        print(f"    leases on / off: {layer / unleased:.2f} (goal >= 0.90)")
         print(f"(d) Redis round trips per message during (a): {per_message:.4f} (goal <= 0.05)")
 
         plain_rate = None
