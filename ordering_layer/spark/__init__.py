@@ -10,5 +10,5 @@ from ordering_layer.spark.reader import read_ordered, read_ordered_stream, undec
 from ordering_layer.spark.restore import restore_order, restore_order_stream
 from ordering_layer.spark.session import local_session
 
-__all__ = ["ExportSummary", "demo_step", "export_ordered", "local_session", "read_ordered", "read_ordered_stream", "restore_order",
-           "restore_order_stream", "undecodable"]
+__all__ = ["ExportSummary", "demo_step", "export_ordered", "local_session", "read_ordered", "read_ordered_stream",
+           "restore_order", "restore_order_stream", "undecodable"]

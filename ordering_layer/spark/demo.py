@@ -54,6 +54,7 @@ def demo_step(endpoints: Endpoints, topic: str, *, out: Callable[[str], None] = 
             F.count_if(bad).alias("undecodable"),
             F.count_if(~bad & F.col("ordering_key").isNotNull()).alias("keyed"),
             F.count_if(~bad & F.col("ordering_key").isNull()).alias("unordered")).first()
+        assert counts is not None  # an aggregate without grouping has one row
         elapsed = time.perf_counter() - start
         messages.unpersist()
     finally:

@@ -10,7 +10,7 @@ from pyspark.sql import SparkSession
 from pyspark.sql import functions as F  # noqa: N812 - Spark's own idiom
 
 from ordering_layer.spark.reader import read_ordered, undecodable
-from ordering_layer.spark.restore import DEFAULT_KEY_BUCKETS, restore_order
+from ordering_layer.spark.restore import restore_order
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ class ExportSummary(NamedTuple):
 
 
 def export_ordered(spark: SparkSession, topic: str, bootstrap: str, out: str, *, files: int = 4,
-                   key_buckets: int = DEFAULT_KEY_BUCKETS, mode: str = "errorifexists",
+                   partitions: int | None = None, mode: str = "errorifexists",
                    starting_offsets: str = "earliest", ending_offsets: str = "latest",
                    undecodable_out: str | None = None) -> ExportSummary:
     """Write ``topic`` to Parquet at ``out`` with one ordered sequence per ordering key.
@@ -40,7 +40,7 @@ def export_ordered(spark: SparkSession, topic: str, bootstrap: str, out: str, *,
         topic, bootstrap: what to read.
         out: the output folder.
         files: how many Parquet files (keys are hashed into them).
-        key_buckets: passed to ``restore_order``.
+        partitions: passed to ``restore_order``.
         mode: Spark's save mode (``errorifexists`` or ``overwrite``).
         starting_offsets, ending_offsets: the Kafka source's range.
         undecodable_out: where to write undecodable records too (Parquet), if given.
@@ -53,7 +53,7 @@ def export_ordered(spark: SparkSession, topic: str, bootstrap: str, out: str, *,
     records = read_ordered(spark, topic, bootstrap, starting_offsets=starting_offsets,
                            ending_offsets=ending_offsets).persist(StorageLevel.MEMORY_AND_DISK)
     try:
-        ordered = (restore_order(records, key_buckets=key_buckets)
+        ordered = (restore_order(records, partitions=partitions)
                    .repartition(files, "ordering_key")
                    .sortWithinPartitions("ordering_key", "key_sequence"))
         ordered.write.mode(mode).parquet(out)

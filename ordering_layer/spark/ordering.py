@@ -71,7 +71,7 @@ class KeyProgress(NamedTuple):
 
 
 class Restored(NamedTuple):
-    """The result of ``restore_frame``.
+    """What ``restore_frame`` returns.
 
     Attributes:
         messages: the delivered messages with ``key_sequence``, ``gap`` and ``late`` added.
@@ -86,13 +86,13 @@ class Restored(NamedTuple):
 class _Entries(NamedTuple):
     """Entries of key sequences as parallel arrays (one element per entry)."""
 
-    code: Array       # the key's code (keys factorized in sorted order)
-    count: Array      # partition count at publish
-    rerouted: Array   # not in the partition its count routes its key to
+    code: Array             # the key's code (keys factorized in sorted order)
+    partition_count: Array  # partition count at publish
+    rerouted: Array         # not in the partition its count routes its key to
     offset: Array
     partition: Array
-    kind: Array       # _PREVIOUS, _CARRIED_GAP, _MESSAGE or _UNDECODABLE
-    row: Array        # row of the frame, -1 for entries from progress
+    kind: Array             # _PREVIOUS, _CARRIED_GAP, _MESSAGE or _UNDECODABLE
+    row: Array              # row of the records, -1 for entries from progress
 
     @staticmethod
     def concat(parts: list[_Entries]) -> _Entries:
@@ -103,10 +103,11 @@ class _Entries(NamedTuple):
 
     def sorted(self) -> _Entries:
         """In sequence order: key, partition count, correctly routed first, offset, kind."""
-        return self.take(np.lexsort((self.kind, self.offset, self.rerouted, self.count, self.code)))
+        return self.take(np.lexsort((self.kind, self.offset, self.rerouted, self.partition_count, self.code)))
 
 
 def _rerouted(keys: Array, counts: Array, partitions: Array) -> Array:
+    """True where a record is not in the partition its stamped count routes its key to."""
     home: dict[tuple[str, int], int] = {}
     flags = np.empty(len(keys), dtype=bool)
     for i, (key, count, partition) in enumerate(zip(keys, counts.tolist(), partitions.tolist(), strict=True)):
@@ -149,50 +150,85 @@ def _previous_entries(progress: Mapping[str, KeyProgress], codes: Mapping[str, i
 def _place_unknown_counts(errors: _Entries, anchors: _Entries) -> _Entries:
     """Undecodable records with an unreadable partition count take the count of their key's nearest
     message in the same partition (earlier first, else later); those with none are dropped."""
-    unknown = np.isnan(errors.count)
+    unknown = np.isnan(errors.partition_count)
     if not unknown.any():
         return errors
     reference = pd.DataFrame({"code": anchors.code, "partition": anchors.partition, "offset": anchors.offset,
-                              "count": anchors.count.astype(float)}).sort_values("offset")
+                              "count": anchors.partition_count.astype(float)}).sort_values("offset")
     probe = pd.DataFrame({"code": errors.code[unknown], "partition": errors.partition[unknown],
                           "offset": errors.offset[unknown], "at": np.flatnonzero(unknown)}).sort_values("offset")
     before = pd.merge_asof(probe, reference, on="offset", by=["code", "partition"], direction="backward")
     after = pd.merge_asof(probe, reference, on="offset", by=["code", "partition"], direction="forward")
-    count = errors.count.copy()
+    count = errors.partition_count.copy()
     count[before["at"].to_numpy()] = before["count"].fillna(after["count"]).to_numpy()
-    placed = errors._replace(count=count)
+    placed = errors._replace(partition_count=count)
     return placed.take(np.flatnonzero(~np.isnan(count)))
 
 
-def restore_frame(frame: pd.DataFrame, progress: Mapping[str, KeyProgress] | None = None, *,
-                  track: bool = False, keep_ids: int = 1000) -> Restored:
-    """Restore per-key order in ``frame`` (rows of any number of keys, all with a key).
+class Records(NamedTuple):
+    """The columns of decoded records that order restoring reads, as arrays (one element per row).
+
+    ``ordering_key`` and ``message_id`` are object arrays (None or NaN for null), ``partition_count``
+    is float (NaN when unreadable), ``broken`` is true for undecodable records.
+    """
+
+    ordering_key: Array
+    message_id: Array
+    partition: Array
+    offset: Array
+    partition_count: Array
+    broken: Array
+
+    @staticmethod
+    def of(frame: pd.DataFrame) -> Records:
+        """The arrays of a pandas frame with the ``read_ordered`` columns."""
+        return Records(frame[KEY].to_numpy(dtype=object), frame["message_id"].to_numpy(dtype=object),
+                       frame["partition"].to_numpy(dtype=np.int64), frame["offset"].to_numpy(dtype=np.int64),
+                       pd.to_numeric(frame["partition_count"]).to_numpy(dtype=float, na_value=np.nan),
+                       frame["error"].notna().to_numpy())
+
+
+class Plan(NamedTuple):
+    """What order restoring makes of a set of records; apply it with ``rows`` (``take``).
+
+    Attributes:
+        rows: the records delivered, in output order: each key's messages in sequence order (keys
+            sorted), then the unordered messages, one per message id.
+        key_sequence: per output row, 1-based number within its key (0 for unordered rows).
+        ordered: per output row, whether it has a key (``key_sequence`` is null where not).
+        gap: per output row, an undecodable record of the key comes just before it.
+        late: per output row, it sorts before a message an earlier micro-batch emitted.
+        progress: per key, the new ``KeyProgress`` (only when asked to track).
+    """
+
+    rows: Array
+    key_sequence: Array
+    ordered: Array
+    gap: Array
+    late: Array
+    progress: dict[str, KeyProgress]
+
+
+def plan_restore(records: Records, progress: Mapping[str, KeyProgress] | None = None, *,
+                 track: bool = False, keep_ids: int = 1000) -> Plan:
+    """Restore per-key order over ``records`` of any number of keys.
+
+    Undecodable records are never delivered; they only mark gaps. Records without a key are
+    unordered messages, delivered once per message id.
 
     Args:
-        frame: decoded records: ``ordering_key``, ``message_id``, ``partition``, ``offset``,
-            ``partition_count`` and ``error`` (null for decodable records), plus any columns that
-            pass through. Rows with an ``error`` are never returned; they only mark gaps.
-        progress: per key, where earlier micro-batches left it (streaming); keys not in it
-            start fresh.
+        records: the records' columns.
+        progress: per key, where earlier micro-batches left it (streaming); keys not in it start
+            fresh: numbering continues from ``emitted``, ids in ``seen_ids`` are dropped.
         track: also compute each key's new ``KeyProgress``.
         keep_ids: how many recent message ids of a key the new progress remembers.
-
-    Returns:
-        The delivered messages sorted by key and sequence order, without ``error``, with
-        ``key_sequence`` (1-based, continuing ``progress.emitted``), ``gap`` and ``late`` (a
-        message that sorts before one an earlier micro-batch emitted; it is emitted now).
     """
     progress = progress or {}
-    keys = frame[KEY].to_numpy(dtype=object)
-    message_ids = frame["message_id"].to_numpy(dtype=object)
-    codes, uniques = pd.factorize(keys, sort=True)
-    code_of = {key: code for code, key in enumerate(uniques)}
-    counts = pd.to_numeric(frame["partition_count"]).to_numpy(dtype=float, na_value=np.nan)
-    partitions = frame["partition"].to_numpy(dtype=np.int64)
-    offsets = frame["offset"].to_numpy(dtype=np.int64)
-    broken = frame["error"].notna().to_numpy()
+    keys, message_ids, partitions, offsets, counts, broken = records
+    codes, uniques = pd.factorize(keys, sort=True)  # a null key gets code -1
+    has_key = codes >= 0
 
-    good = np.flatnonzero(~broken)
+    good = np.flatnonzero(~broken & has_key)
     seen = {key: set(state.seen_ids) for key, state in progress.items() if state.seen_ids}
     if seen:
         fresh = [message_ids[i] not in seen.get(keys[i], ()) for i in good]
@@ -201,12 +237,13 @@ def restore_frame(frame: pd.DataFrame, progress: Mapping[str, KeyProgress] | Non
                        offsets[good], partitions[good], np.full(len(good), _MESSAGE), good).sorted()
     # First of each (key, message id) in sequence order.
     id_codes, _ = pd.factorize(message_ids[entries.row])
-    _, first = np.unique(entries.code * (len(frame) + 1) + id_codes, return_index=True)
+    _, first = np.unique(entries.code * (len(keys) + 1) + id_codes, return_index=True)
     messages = entries.take(np.sort(first))
 
-    anchors = _Entries.concat([messages, _previous_entries(progress, code_of)])
+    in_progress = {key: code for code, key in enumerate(uniques) if key in progress} if progress else {}
+    anchors = _Entries.concat([messages, _previous_entries(progress, in_progress)])
     sequence = anchors
-    undecodable = np.flatnonzero(broken)
+    undecodable = np.flatnonzero(broken & has_key)
     if len(undecodable):
         delivered = {(keys[i], message_ids[i]) for i in messages.row}
         delivered.update((key, message_id) for key, ids in seen.items() for message_id in ids)
@@ -215,7 +252,7 @@ def restore_frame(frame: pd.DataFrame, progress: Mapping[str, KeyProgress] | Non
         errors = _place_unknown_counts(_Entries(
             codes[undecodable], counts[undecodable], np.zeros(len(undecodable), dtype=bool), offsets[undecodable],
             partitions[undecodable], np.full(len(undecodable), _UNDECODABLE), undecodable), anchors)
-        errors = errors._replace(rerouted=_rerouted(keys[errors.row], errors.count, errors.partition))
+        errors = errors._replace(rerouted=_rerouted(keys[errors.row], errors.partition_count, errors.partition))
         sequence = _Entries.concat([anchors, errors])
     sequence = sequence.sorted()
 
@@ -237,21 +274,41 @@ def restore_frame(frame: pd.DataFrame, progress: Mapping[str, KeyProgress] | Non
     if progress:
         emitted = np.array([progress[key].emitted if key in progress else 0 for key in uniques], dtype=np.int64)
         numbers = numbers + emitted[message_codes]
+    delivered_rows = sequence.row[is_message]
 
-    rows = sequence.row[is_message]
-    result = frame.iloc[rows].drop(columns=["error"]).reset_index(drop=True)
-    result[KEY_SEQUENCE] = numbers
-    result[GAP] = gap
-    result[LATE] = late
-    tracked = _progress(sequence, gaps_so_far, result, uniques, progress, keep_ids) if track else {}
-    return Restored(result, tracked)
+    loose = np.flatnonzero(~broken & ~has_key)
+    _, first_loose = np.unique(pd.factorize(message_ids[loose])[0], return_index=True)
+    loose = loose[np.sort(first_loose)]
+    unordered = np.zeros(len(loose), dtype=bool)
+    tracked = (_progress(sequence, gaps_so_far, keys[delivered_rows], message_ids[delivered_rows], uniques, progress,
+                         keep_ids) if track else {})
+    return Plan(np.r_[delivered_rows, loose], np.r_[numbers, np.zeros(len(loose), dtype=np.int64)],
+                np.r_[np.ones(len(numbers), dtype=bool), unordered], np.r_[gap, unordered], np.r_[late, unordered],
+                tracked)
 
 
-def _progress(sequence: _Entries, gaps_so_far: Array, result: pd.DataFrame, uniques: Array,
+def restore_frame(frame: pd.DataFrame, progress: Mapping[str, KeyProgress] | None = None, *,
+                  track: bool = False, keep_ids: int = 1000) -> Restored:
+    """``plan_restore`` applied to a pandas frame of decoded records (``read_ordered`` columns).
+
+    Returns:
+        The delivered rows (keys' messages in sequence order, then the unordered ones), without
+        ``error``, with ``key_sequence`` (null for unordered messages), ``gap`` and ``late``; and
+        the progress when ``track``.
+    """
+    plan = plan_restore(Records.of(frame), progress, track=track, keep_ids=keep_ids)
+    result = frame.iloc[plan.rows].drop(columns=["error"]).reset_index(drop=True)
+    result[KEY_SEQUENCE] = pd.arrays.IntegerArray(plan.key_sequence, ~plan.ordered)
+    result[GAP] = plan.gap
+    result[LATE] = plan.late
+    return Restored(result, plan.progress)
+
+
+def _progress(sequence: _Entries, gaps_so_far: Array, delivered_keys: Array, delivered_ids: Array, uniques: Array,
               progress: Mapping[str, KeyProgress], keep_ids: int) -> dict[str, KeyProgress]:
-    """Each key's ``KeyProgress`` after this frame: last position, count, recent ids, open gap."""
+    """Each key's ``KeyProgress`` after these records: last position, count, recent ids, open gap."""
     emitted_ids: dict[str, list[str]] = {}
-    for key, message_id in zip(result[KEY], result["message_id"], strict=True):
+    for key, message_id in zip(delivered_keys, delivered_ids, strict=True):
         emitted_ids.setdefault(key, []).append(message_id)
     tracked: dict[str, KeyProgress] = {}
     for code in np.unique(sequence.code).tolist():
@@ -264,7 +321,7 @@ def _progress(sequence: _Entries, gaps_so_far: Array, result: pd.DataFrame, uniq
         if len(anchors):
             last = anchors[-1]
             tracked[key] = KeyProgress(
-                before.emitted + len(ids), int(sequence.count[last]), bool(sequence.rerouted[last]),
+                before.emitted + len(ids), int(sequence.partition_count[last]), bool(sequence.rerouted[last]),
                 int(sequence.offset[last]), int(sequence.partition[last]),
                 bool(gaps_so_far[mine[-1]] > gaps_so_far[last]), recent)
         else:

@@ -15,7 +15,7 @@ from typing import Any
 import pandas as pd
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F  # noqa: N812 - Spark's own idiom
-from pyspark.sql.functions import pandas_udf
+from pyspark.sql.pandas.functions import pandas_udf
 from pyspark.sql.types import (
     BinaryType,
     IntegerType,
@@ -87,12 +87,15 @@ def decode_frame(keys: pd.Series, values: pd.Series, headers: pd.Series) -> pd.D
     return frame
 
 
-@pandas_udf(DECODED)  # type: ignore[call-overload]
-def decode_envelope(batches: Iterator[tuple[pd.Series, pd.Series, pd.Series]]) -> Iterator[pd.DataFrame]:
-    """Iterator pandas UDF: (key, value, headers) of Spark's Kafka source -> ``DECODED``."""
-    parsed_schema("envelope")  # once per worker process; decode_record reuses it
+def _decode_batches(batches: Iterator[tuple[pd.Series, pd.Series, pd.Series]]) -> Iterator[pd.DataFrame]:
+    parsed_schema("envelope")  # once per worker process, before the partition's first batch
     for keys, values, headers in batches:
         yield decode_frame(keys, values, headers)
+
+
+# Iterator pandas UDF: (key, value, headers) of Spark's Kafka source -> ``DECODED``. pyspark's
+# stubs have no overload for an iterator UDF returning a struct.
+decode_envelope = pandas_udf(_decode_batches, DECODED)  # type: ignore[call-overload]
 
 
 def decoded(raw: DataFrame) -> DataFrame:

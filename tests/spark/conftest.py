@@ -9,9 +9,9 @@ import pytest
 pytest.importorskip("pyspark")
 pytest.importorskip("pandas")
 
-from pyspark.sql import SparkSession  # noqa: E402 - after the skips
+from pyspark.sql import SparkSession
 
-from ordering_layer.spark import local_session  # noqa: E402
+from ordering_layer.spark import local_session
 
 
 @pytest.fixture(scope="session")
