@@ -503,7 +503,9 @@ class Engine:
         messages: list[Message] = []
         for delivery in deliveries:
             record = delivery.record
-            state = self._partitions[record.partition]
+            state = self._partitions.get(record.partition)
+            if state is None:
+                continue  # fenced by the flush that recorded this delivery: the new owner has it
             policy = self.settings.dead_letter_policy
             if record.decoded is None:
                 self._dead_letter(state, delivery, "UNDECODABLE")
