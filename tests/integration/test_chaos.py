@@ -121,14 +121,15 @@ def test_join_and_leave_rebalance_with_fencing(kafka_config: dict[str, Any], end
     """GRP-2, SUB-5, ACK-5: a second subscriber joins (partitions split 2/2) and leaves again; order and
     affinity hold throughout, and an ack from a fenced former owner is refused."""
     topic, name = subscription(partitions=4)
-    checker = publish_keys(kafka_config, topic, keys=60, per_key=40)
+    checker = publish_keys(kafka_config, topic, keys=60, per_key=60)
     fast = {**kafka_config, "session.timeout.ms": 6000, "heartbeat.interval.ms": 500}
-    slow = threading.Event()
 
     def handler(message: Message) -> str:
-        if not slow.is_set():
-            time.sleep(0.002)
+        time.sleep(0.01)
         return "ack"
+
+    def acked_by(subscriber: str) -> int:
+        return sum(1 for e in list(checker.events) if e.subscriber == subscriber and e.action == "ack")
 
     first = Subscriber(fast, redis_url=endpoints.redis_url).subscribe(
         name, recording_callback(checker, "s1", handler), max_workers=6)
@@ -139,7 +140,7 @@ def test_join_and_leave_rebalance_with_fencing(kafka_config: dict[str, Any], end
             name, recording_callback(checker, "s2", handler), max_workers=6)
         wait_until(lambda: len(first.engine.assigned_partitions()) == 2
                    and len(second.engine.assigned_partitions()) == 2, 60, "a 2/2 split")
-        wait_until(lambda: checker.acked_count() >= 1200, 60, "progress on both")
+        wait_until(lambda: acked_by("s2") >= 100, 60, "the second subscriber's progress")
         second.cancel()
         wait_until(lambda: len(first.engine.assigned_partitions()) == 4, 60, "partitions back at the first")
         wait_until(lambda: checker.acked_count() == checker.total(), 120, "every message acked")
