@@ -224,3 +224,23 @@ def test_subscription_settings_and_start_positions(admin: Admin, kafka_config: d
     admin.delete_subscription(latest)
     with pytest.raises(SubscriptionNotFoundError):
         Subscriber(kafka_config, redis_url=endpoints.redis_url).subscribe(latest, lambda m: None)
+
+
+def test_commit_on_get_and_batch_ack(admin: Admin, kafka_config: dict[str, Any], endpoints: Any,
+                                     subscription: Callable[..., tuple[str, str]]) -> None:
+    """GRP-4, GRP-5: with commit_on_get a pull acks what the previous pull returned; a batch can be
+    acked explicitly without fetching more."""
+    topic, name = subscription(partitions=1)
+    publish_keys(kafka_config, topic, keys=2, per_key=2)
+    with Subscriber(kafka_config, redis_url=endpoints.redis_url) as subscriber:
+        first: list[Message] = []
+        deadline = time.monotonic() + 30
+        while not first and time.monotonic() < deadline:
+            first = subscriber.pull(name, max_messages=100, timeout=0.5, commit_on_get=True)
+        assert len(first) == 4
+        assert subscriber.pull(name, max_messages=100, timeout=0.5, commit_on_get=True) == []
+        wait_until(lambda: admin.describe_subscription(name)["backlog"] == 0, 30, "first pull committed")
+        publish_keys(kafka_config, topic, keys=1, per_key=3, prefix="more")
+        batch = pull_until(subscriber, name, 3)
+        Subscriber.acknowledge(batch)
+        wait_until(lambda: admin.describe_subscription(name)["backlog"] == 0, 30, "batch ack committed")
