@@ -68,6 +68,10 @@ class _Pull(NamedTuple):
     future: Future[list[Message]]
 
 
+class _Committed(NamedTuple):
+    offsets: list[tuple[int, int]]
+
+
 class _DeadLettered(NamedTuple):
     partition: int
     epoch: int
@@ -129,6 +133,7 @@ class Engine:
         conf.update({"group.id": subscription, "enable.auto.commit": False, "enable.auto.offset.store": False,
                      "auto.offset.reset": "earliest", "partition.assignment.strategy": "cooperative-sticky"})
         conf.setdefault("logger", logging.getLogger("ordering_layer.kafka.consumer"))
+        conf["on_commit"] = self._on_commit
         self._consumer = Consumer(conf)
         self._producer_config = {k: v for k, v in kafka_config.items()
                                  if not k.startswith(("group.", "session.", "heartbeat.", "max.poll", "auto.",
@@ -274,6 +279,14 @@ class Engine:
             for number in numbers:
                 self._drop(number)
 
+    def _on_commit(self, err: Any, partitions: list[TopicPartition]) -> None:
+        """A commit reached the group coordinator: only now may Redis forget what lies below it."""
+        if err is None:
+            done = [(tp.partition, tp.offset) for tp in partitions
+                    if tp.error is None and tp.topic == self.topic and tp.offset >= 0]
+            if done:
+                self._inbox.put(_Committed(done))
+
     def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         with self._lock:
             for tp in partitions:
@@ -372,6 +385,11 @@ class Engine:
                     self._claim(partition)
         elif isinstance(event, _Pull):
             self._pulls.append(event)
+        elif isinstance(event, _Committed):
+            # Trimming before the commit succeeded would make a new owner redeliver acked messages.
+            for partition, offset in event.offsets:
+                if partition in self._partitions:
+                    self._queue_op(partition, ("w", 0, offset), now)
         elif isinstance(event, _DeadLettered):
             state = self._partitions.get(event.partition)
             if state is not None and state.epoch == event.epoch:
@@ -643,7 +661,6 @@ class Engine:
                 continue
             offsets.append(TopicPartition(self.topic, number, watermark))
             self._committed[number] = watermark
-            self._queue_op(number, ("w", 0, watermark), self._last_commit)
         if not offsets:
             return
         if not sync:
