@@ -40,11 +40,6 @@ class Worker:
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
 
-    @property
-    def stopping(self) -> bool:
-        """True once ``stop`` was called."""
-        return self._stop.is_set()
-
     def _run(self) -> None:
         while not self._stop.is_set():
             try:

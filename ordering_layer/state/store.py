@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
 
@@ -123,12 +123,6 @@ class StateStore:
             except redis.exceptions.NoScriptError:
                 self.client.script_load(self._apply_source)  # type: ignore[no-untyped-call]
         raise redis.exceptions.NoScriptError("apply.lua could not be loaded")
-
-    def epochs(self, subscription: str, partitions: Iterable[int]) -> dict[int, int | None]:
-        """Current owner epoch of each partition (None when unset)."""
-        parts = list(partitions)
-        values = self.client.mget([partition_keys(subscription, p)[0] for p in parts]) if parts else []
-        return {p: int(v) if v is not None else None for p, v in zip(parts, values, strict=True)}
 
     def parked_keys(self, subscription: str) -> set[str]:
         """Ordering keys parked by a ``park_key`` dead-letter policy (DLQ-2)."""

@@ -251,7 +251,3 @@ class PartitionState:
         """The earliest end of a backoff, if any key is backing off."""
         times = [self.keys[k].not_before for k in self.backing_off if k in self.keys]
         return min(times) if times else None
-
-    def outstanding_count(self) -> int:
-        """Deliveries of this partition not yet acked or nacked."""
-        return sum(len(q.outstanding) for q in self.keys.values())
