@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup system-deps python-deps jars demo test test-unit lint bench clean
+.PHONY: setup system-deps python-deps jars demo test test-unit lint bench clean docker-engine images test-docker compose-check
 
 setup: system-deps python-deps jars
 
@@ -45,6 +45,26 @@ test-unit: python-deps
 lint: python-deps
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy ordering_layer tests bench spark
+
+# -- Docker: an engine, images built here without a registry, and the tests through testcontainers --
+# Integration tests run a second time with Kafka and Redis in containers (ORDERING_LAYER_STACK).
+DOCKER_TESTS ?= tests/integration/test_publisher.py tests/integration/test_subscriber.py \
+	tests/integration/test_pytest_plugin.py
+
+# Starts dockerd (vfs storage) when no engine answers; installs docker.io and debootstrap if missing.
+docker-engine:
+	docker/engine.sh
+
+# ordering-layer/debian (debootstrap + docker import), ordering-layer/kafka, ordering-layer/redis.
+images: python-deps jars docker-engine
+	PYTHON=$(abspath $(PY)) docker/build-images.sh
+
+test-docker: setup images
+	ORDERING_LAYER_STACK=testcontainers $(PY) -m pytest -ra $(DOCKER_TESTS)
+
+# docker/compose.yaml up on free ports, a publish and an ordered pull through it, then down.
+compose-check: images
+	PYTHON=$(abspath $(PY)) docker/compose-check.sh
 
 bench: setup
 	$(PY) bench/bench_publish.py

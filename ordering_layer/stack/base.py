@@ -7,9 +7,33 @@ backend runs the processes directly; a container backend runs the same behind te
 
 from __future__ import annotations
 
+import socket
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
+
+#: Broker settings every backend's single-node Kafka uses (besides its listeners and log folder).
+BROKER_SETTINGS: dict[str, str] = {
+    "num.partitions": "1",
+    "auto.create.topics.enable": "false",
+    # A small __consumer_offsets keeps the first group join fast on a 2-core machine.
+    "offsets.topic.num.partitions": "4",
+    "offsets.topic.replication.factor": "1",
+    "transaction.state.log.replication.factor": "1",
+    "transaction.state.log.min.isr": "1",
+    "share.coordinator.state.topic.replication.factor": "1",
+    "share.coordinator.state.topic.min.isr": "1",
+    "group.initial.rebalance.delay.ms": "0",
+    # Lets tests use short session timeouts to detect a killed subscriber quickly.
+    "group.min.session.timeout.ms": "1000",
+}
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 @dataclass(frozen=True)

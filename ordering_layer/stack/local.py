@@ -14,7 +14,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import uuid
@@ -25,7 +24,7 @@ import redis
 from confluent_kafka.admin import AdminClient
 
 from ordering_layer.errors import StackError
-from ordering_layer.stack.base import Endpoints, StackBackend
+from ordering_layer.stack.base import BROKER_SETTINGS, Endpoints, StackBackend, free_port
 from ordering_layer.stack.jars import cache_dir, kafka_jars
 
 _LOGGER = logging.getLogger(__name__)
@@ -51,12 +50,6 @@ def default_state_dir() -> Path:
     """``$ORDERING_LAYER_STACK_DIR`` or ``<cache>/stack``: where the CLI's stack keeps its state."""
     configured = os.environ.get("ORDERING_LAYER_STACK_DIR")
     return Path(configured) if configured else cache_dir() / "stack"
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _alive(pid: int | None) -> bool:
@@ -126,9 +119,9 @@ class LocalStack(StackBackend):
         state = self._load()
         if not state:
             state = {
-                "kafka_port": _free_port(),
-                "controller_port": _free_port(),
-                "redis_port": _free_port(),
+                "kafka_port": free_port(),
+                "controller_port": free_port(),
+                "redis_port": free_port(),
                 "cluster_id": base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("="),
             }
             self._save(state)
@@ -212,18 +205,7 @@ class LocalStack(StackBackend):
             "inter.broker.listener.name": "PLAINTEXT",
             "listener.security.protocol.map": "CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT",
             "log.dirs": str(data),
-            "num.partitions": "1",
-            "auto.create.topics.enable": "false",
-            # A small __consumer_offsets keeps the first group join fast on a 2-core machine.
-            "offsets.topic.num.partitions": "4",
-            "offsets.topic.replication.factor": "1",
-            "transaction.state.log.replication.factor": "1",
-            "transaction.state.log.min.isr": "1",
-            "share.coordinator.state.topic.replication.factor": "1",
-            "share.coordinator.state.topic.min.isr": "1",
-            "group.initial.rebalance.delay.ms": "0",
-            # Lets tests use short session timeouts to detect a killed subscriber quickly.
-            "group.min.session.timeout.ms": "1000",
+            **BROKER_SETTINGS,
         }
         config = self.state_dir / "server.properties"
         config.write_text("".join(f"{k}={v}\n" for k, v in props.items()))

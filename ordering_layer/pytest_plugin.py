@@ -1,0 +1,130 @@
+"""pytest fixtures for projects that test their code against the layer (entry point ``pytest11``).
+
+Installing ``ordering-layer`` registers this plugin, so a user's test module can ask for:
+
+- ``kafka_bootstrap``: ``host:port`` of a real Kafka broker, one per test session;
+- ``redis_url``: ``redis://...`` of a real Redis, one per test session;
+- ``kafka_config``: a confluent-kafka config dict naming that broker;
+- ``ordering_layer_admin``: an :class:`~ordering_layer.Admin` on both;
+- ``subscription_factory``: creates a topic and a subscription of it, with names unique to the
+  test, and deletes them after the test.
+
+Where the services come from: ``ORDERING_LAYER_BOOTSTRAP`` and ``ORDERING_LAYER_REDIS_URL`` name an
+existing cluster; otherwise the project's launcher starts them, as local processes
+(``ORDERING_LAYER_STACK=local``, the default) or in containers (``ORDERING_LAYER_STACK=testcontainers``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ordering_layer.admin import Admin
+from ordering_layer.config import SubscriptionSettings
+from ordering_layer.stack import Endpoints, StackBackend, get_backend
+
+
+@dataclass(frozen=True)
+class CreatedSubscription:
+    """A topic and a subscription of it, made by ``subscription_factory``."""
+
+    topic: str
+    subscription: str
+    settings: SubscriptionSettings
+
+
+def _names_named_by_environment() -> Endpoints | None:
+    bootstrap = os.environ.get("ORDERING_LAYER_BOOTSTRAP")
+    redis_url = os.environ.get("ORDERING_LAYER_REDIS_URL")
+    if bootstrap and redis_url:
+        return Endpoints(bootstrap, redis_url)
+    return None
+
+
+@pytest.fixture(scope="session")
+def ordering_layer_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackBackend | None]:
+    """The session's stack backend, or None when an existing cluster is named by environment."""
+    if _names_named_by_environment() is not None:
+        yield None
+        return
+    backend = get_backend(state_dir=Path(tmp_path_factory.mktemp("ordering-layer-stack")))
+    try:
+        backend.up()
+        yield backend
+    finally:
+        backend.down()
+
+
+@pytest.fixture(scope="session")
+def ordering_layer_endpoints(ordering_layer_stack: StackBackend | None) -> Endpoints:
+    """Bootstrap servers and Redis URL of the session's services."""
+    if ordering_layer_stack is None:
+        named = _names_named_by_environment()
+        assert named is not None
+        return named
+    return ordering_layer_stack.endpoints()
+
+
+@pytest.fixture(scope="session")
+def kafka_bootstrap(ordering_layer_endpoints: Endpoints) -> str:
+    """``host:port`` of the session's Kafka broker."""
+    return ordering_layer_endpoints.bootstrap
+
+
+@pytest.fixture(scope="session")
+def redis_url(ordering_layer_endpoints: Endpoints) -> str:
+    """``redis://host:port/db`` of the session's Redis."""
+    return ordering_layer_endpoints.redis_url
+
+
+@pytest.fixture(scope="session")
+def kafka_config(kafka_bootstrap: str) -> dict[str, Any]:
+    """A confluent-kafka config naming the session's broker."""
+    return {"bootstrap.servers": kafka_bootstrap}
+
+
+@pytest.fixture(scope="session")
+def ordering_layer_admin(kafka_config: dict[str, Any], redis_url: str) -> Admin:
+    """An ``Admin`` on the session's Kafka and Redis."""
+    return Admin(kafka_config, redis_url=redis_url)
+
+
+def unique_test_name(request: pytest.FixtureRequest, prefix: str) -> str:
+    """``<prefix>-<test name>-<8 hex digits>``: a Kafka- and Redis-safe name unique to this test."""
+    test = re.sub(r"[^a-zA-Z0-9]+", "-", request.node.name)[:60].strip("-").lower()
+    return f"{prefix}-{test}-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def subscription_factory(ordering_layer_admin: Admin,
+                         request: pytest.FixtureRequest) -> Iterator[Callable[..., CreatedSubscription]]:
+    """Creates a topic and a subscription of it; both are deleted after the test.
+
+    ``subscription_factory(partitions=3, enable_message_ordering=True, ack_deadline=10.0, ...)``:
+    ``partitions`` sizes the new topic, ``topic=`` subscribes to an existing one instead (not
+    deleted afterwards), and other keywords go to :meth:`Admin.create_subscription`.
+    """
+    made: list[tuple[str, str | None]] = []
+
+    def create(*, partitions: int = 1, topic: str | None = None, **settings: Any) -> CreatedSubscription:
+        own_topic = None
+        if topic is None:
+            topic = own_topic = unique_test_name(request, "topic")
+            ordering_layer_admin.create_topic(topic, partitions=partitions)
+        name = unique_test_name(request, "sub")
+        created = ordering_layer_admin.create_subscription(name, topic=topic, **settings)
+        made.append((name, own_topic))
+        return CreatedSubscription(topic=topic, subscription=name, settings=created)
+
+    yield create
+    for name, own_topic in made:
+        ordering_layer_admin.delete_subscription(name)
+        if own_topic is not None:
+            ordering_layer_admin.delete_topic(own_topic)
