@@ -3,7 +3,7 @@
 # the official apache/kafka image: strip KAFKA_, lower-case, '___' -> '-', '__' -> '_', '_' -> '.'),
 # formats the log directory on first start, and runs the broker in the foreground.
 set -euo pipefail
-config=/opt/kafka/config/server.properties
+config="${KAFKA_SERVER_PROPERTIES:-/opt/kafka/config/server.properties}"
 declare -A props=(
   [process.roles]="broker,controller"
   [node.id]="1"
@@ -22,7 +22,7 @@ declare -A props=(
   [share.coordinator.state.topic.min.isr]="1"
   [group.initial.rebalance.delay.ms]="0"
 )
-skip=" KAFKA_HEAP_OPTS KAFKA_JVM_PERFORMANCE_OPTS KAFKA_OPTS "
+skip=" KAFKA_HEAP_OPTS KAFKA_JVM_PERFORMANCE_OPTS KAFKA_OPTS KAFKA_SERVER_PROPERTIES "
 while IFS='=' read -r name value; do
   [[ "$name" == KAFKA_* ]] || continue
   [[ "$skip" == *" $name "* ]] && continue
@@ -33,7 +33,7 @@ done < <(env)
 : > "$config"
 for key in "${!props[@]}"; do printf '%s=%s\n' "$key" "${props[$key]}" >> "$config"; done
 
-java=(java ${KAFKA_HEAP_OPTS} ${KAFKA_JVM_PERFORMANCE_OPTS:--XX:+UseG1GC -XX:MaxGCPauseMillis=20}
+java=(java ${KAFKA_HEAP_OPTS:-} ${KAFKA_JVM_PERFORMANCE_OPTS:--XX:+UseG1GC -XX:MaxGCPauseMillis=20}
       ${KAFKA_OPTS:-} -Djava.awt.headless=true
       -Dlog4j2.configurationFile=/opt/kafka/config/log4j2.properties -cp '/opt/kafka/libs/*')
 logdir="${props[log.dirs]%%,*}"
