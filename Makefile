@@ -47,8 +47,10 @@ lint: python-deps
 	$(VENV)/bin/mypy ordering_layer tests bench spark
 
 # -- Docker: an engine, images built here without a registry, and the tests through testcontainers --
-# Integration tests run a second time with Kafka and Redis in containers (ORDERING_LAYER_STACK).
+# Integration tests run a second time with Kafka and Redis in containers (ORDERING_LAYER_STACK):
+# publisher, subscriber, chaos (kill -9, rebalance, Redis and broker restarts), launcher, plugin.
 DOCKER_TESTS ?= tests/integration/test_publisher.py tests/integration/test_subscriber.py \
+	tests/integration/test_chaos.py tests/integration/test_stack.py \
 	tests/integration/test_pytest_plugin.py
 
 # Starts dockerd (vfs storage) when no engine answers; installs docker.io and debootstrap if missing.

@@ -1,4 +1,4 @@
-"""The local stack launcher and its CLI."""
+"""The stack launcher (whichever backend ``ORDERING_LAYER_STACK`` names) and its CLI."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import redis
 from click.testing import CliRunner
 
 from ordering_layer.cli import main
-from ordering_layer.stack import StackBackend
+from ordering_layer.errors import StackError
+from ordering_layer.stack import StackBackend, containers
 
 pytestmark = pytest.mark.integration
 
@@ -69,3 +70,18 @@ def test_cli_topic_subscription_publish_pull(endpoints: Any, unique_name: Callab
     described = runner.invoke(main, ["subscription", "describe", name, *servers])
     assert described.exit_code == 0
     assert json.loads(described.output)["backlog"] == 0
+
+
+def test_container_backend_falls_back_to_official_images_and_names_the_fix(
+        restartable: StackBackend, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The testcontainers backend uses the local images, else pulls the official ones; when neither
+    can be had (no registry here) it says to build them."""
+    if not isinstance(restartable, containers.ContainerStack):
+        pytest.skip("container backend only (ORDERING_LAYER_STACK=testcontainers)")
+    assert restartable.status()["kafka"]["image"] == containers.local_images()["kafka"]
+    monkeypatch.setattr(containers, "local_images", lambda: {"redis": "ordering-layer/absent:0"})
+    monkeypatch.setattr(containers, "official_images", lambda: {"redis": "registry.invalid/absent:0"})
+    with pytest.raises(StackError, match=r"ordering-layer/absent:0 \(build it with 'make images'\)"):
+        restartable._image("redis")
+    monkeypatch.setenv("ORDERING_LAYER_REDIS_IMAGE", "example/redis:7")
+    assert restartable._image("redis") == "example/redis:7"
