@@ -26,7 +26,13 @@ from ordering_layer.config import (
     from_mapping,
     require_bootstrap,
 )
-from ordering_layer.envelope import encode_envelope, make_headers
+from ordering_layer.envelope import (
+    ENVELOPE_VERSION,
+    HEADER_ENVELOPE,
+    HEADER_MESSAGE_ID,
+    HEADER_PARTITION_COUNT,
+    encode_envelope,
+)
 from ordering_layer.errors import (
     ConfigError,
     InvalidMessageError,
@@ -36,7 +42,8 @@ from ordering_layer.errors import (
     PublishError,
     TopicError,
 )
-from ordering_layer.publisher.partitioner import partition_for
+from ordering_layer.publisher.future import FINISHED, RUNNING, LightFuture
+from ordering_layer.publisher.partitioner import murmur2
 from ordering_layer.worker import Worker
 
 _LOGGER = logging.getLogger(__name__)
@@ -45,7 +52,15 @@ DeliveryCallback = Callable[[KafkaError | None, KafkaMessage], None]
 
 _ENFORCED = {"enable.idempotence": True, "acks": "all"}
 _ACKS_ALL = {"all", "-1"}
-_INLINE_POLL_EVERY = 256
+_INLINE_POLL_MASK = 255  # the publishing thread serves delivery reports every 256 sends
+# Envelopes without attributes of payloads shorter than _SHORT are built here as head + data +
+# _EMPTY_MAP, with the heads (Avro length prefixes) cut from encode_envelope's own output.
+_SHORT = 2048
+_HEADS = tuple(encode_envelope(bytes(n), {})[:-n - 1] for n in range(_SHORT))
+_EMPTY_MAP = b"\x00"
+_new_future = object.__new__
+_KEY_CACHE_SIZE = 65_536
+_ENVELOPE_HEADER = (HEADER_ENVELOPE, ENVELOPE_VERSION)
 _BUSY_WINDOW = 0.02
 # Per-record overhead of Kafka's record format beyond key, value and header bytes (upper bound).
 _RECORD_OVERHEAD = 64
@@ -122,22 +137,64 @@ def _attributes_from_headers(headers: Mapping[str, Any] | Sequence[tuple[str, An
     return attributes
 
 
-class _Pending:
-    """One record handed to librdkafka and not yet reported; called with its delivery report."""
+class _Topic(NamedTuple):
+    """A topic's cached partition count, the header stamping it, and when to read it again."""
 
-    __slots__ = ("future", "message_id", "on_delivery", "ordering_key", "owner", "topic")
+    partitions: int
+    expires: float
+    count_header: tuple[str, str | bytes | None]
+    header_bytes: int  # bytes of the layer headers except the message id's value, plus overhead
 
-    def __init__(self, owner: OrderedProducer, message_id: str, ordering_key: str | None, topic: str,
-                 future: Future[PublishResult] | None, on_delivery: DeliveryCallback | None) -> None:
-        self.owner = owner
-        self.message_id = message_id
-        self.ordering_key = ordering_key
-        self.topic = topic
-        self.future = future
-        self.on_delivery = on_delivery
 
-    def __call__(self, err: KafkaError | None, msg: KafkaMessage) -> None:
-        self.owner._delivered(self, err, msg)
+class PublishFuture(LightFuture[PublishResult]):
+    """The future ``publish`` returns; also the record's delivery callback.
+
+    One object per message: librdkafka calls ``_on_delivery`` (a bound method, no closure), which
+    stores where the record landed; the ``PublishResult`` is built when first asked for.
+    """
+
+    __slots__ = ("_number", "_offset", "_owner", "_partition", "_stamp")
+    _owner: OrderedProducer
+    _number: int
+    _partition: int  # these three are set by the delivery report
+    _offset: int
+    _stamp: int
+    _on_delivery_cb: DeliveryCallback | None = None  # set for OrderedProducer.produce()
+
+    def __init__(self, owner: OrderedProducer, number: int) -> None:
+        # OrderedProducer._send makes these inline, with the same three assignments.
+        self._state = RUNNING
+        self._owner = owner
+        self._number = number
+
+    @property
+    def message_id(self) -> str:
+        """The id stamped in the record's ``ol-message-id`` header."""
+        return self._owner._message_id(self._number)
+
+    def _value(self) -> PublishResult:
+        result = self._result
+        if result is None:
+            partition, offset = self._partition, self._offset
+            result = self._result = PublishResult(
+                self.message_id, sequence_number(partition, offset), partition, offset,
+                datetime.fromtimestamp(self._stamp / 1000, tz=UTC))
+        return result
+
+    def _on_delivery(self, err: KafkaError | None, msg: KafkaMessage) -> None:
+        if err is None:
+            self._partition = msg.partition()  # type: ignore[assignment]  # never None in a report
+            self._offset = msg.offset()  # type: ignore[assignment]
+            self._stamp = msg.timestamp()[1]
+        else:
+            self._exception = self._owner._failed(msg, err)
+        # LightFuture._complete inlined (one completion per record; nobody waits on most).
+        self._state = FINISHED
+        cond = self._cond
+        if cond is not None:
+            self._wake(cond)
+        if self._on_delivery_cb is not None:
+            self._on_delivery_cb(err, msg)
 
 
 class OrderedProducer:
@@ -169,15 +226,18 @@ class OrderedProducer:
             self._producer = Producer(conf)
         except KafkaException as exc:
             raise ConfigError(f"Kafka producer config refused: {exc.args[0]}") from exc
+        self._produce = self._producer.produce
         self._limit = min(self.settings.max_message_bytes, int(conf.get("message.max.bytes", 1_000_000)))
         self._lock = threading.Lock()
         self._paused: dict[str, BaseException] = {}
-        self._counts: dict[str, tuple[int, float]] = {}
+        self._topics: dict[str, _Topic] = {}
+        # Validated ordering keys (as given, str or bytes) -> (text, record key, murmur2 & 0x7FFFFFFF).
+        self._keys: dict[str | bytes, tuple[str, bytes, int]] = {}
         self._id_prefix = uuid.uuid4().hex[:16] + "-"
+        self._id_prefix_bytes = self._id_prefix.encode()
         self._ids = itertools.count()
         self._closed = False
         self._last_send = 0.0
-        self._sends = 0
         self._poller = Worker("ordering-layer-producer-poll", self._poll_step)
         self._poller.start()
 
@@ -186,14 +246,15 @@ class OrderedProducer:
                 attributes: Mapping[str, str] | None = None) -> Future[PublishResult]:
         """Publish ``data`` with an optional ordering key; the future resolves to a ``PublishResult``.
 
+        The future is a ``concurrent.futures.Future`` (a ``PublishFuture``) that cannot be
+        cancelled: the record is with the Kafka client once ``publish`` returns.
+
         Raises:
             OrderingKeyPausedError: the key is paused after an earlier failure (PUB-2).
             InvalidOrderingKeyError, InvalidMessageError, MessageTooLargeError: bad input (PUB-4).
             TopicError: the topic does not exist.
         """
-        future: Future[PublishResult] = Future()
-        self._send(topic, data, ordering_key, _check_attributes(attributes), future, None)
-        return future
+        return self._send(topic, data, ordering_key, _check_attributes(attributes) if attributes else None, None)
 
     def produce(self, topic: str, value: bytes | str | None = None, key: str | bytes | None = None,
                 *, headers: Mapping[str, Any] | Sequence[tuple[str, Any]] | None = None,
@@ -205,79 +266,122 @@ class OrderedProducer:
         called from the producer's poll thread. Raises like ``publish``.
         """
         data = value.encode() if isinstance(value, str) else (value or b"")
-        self._send(topic, data, key, _attributes_from_headers(headers), None, on_delivery or callback)
+        self._send(topic, data, key, _attributes_from_headers(headers), on_delivery or callback)
 
     def _send(self, topic: str, data: bytes, ordering_key: str | bytes | None,
-              attributes: Mapping[str, str], future: Future[PublishResult] | None,
-              on_delivery: DeliveryCallback | None) -> None:
+              attributes: Mapping[str, str] | None, on_delivery: DeliveryCallback | None) -> PublishFuture:
+        # The hot path: raw produce costs ~5 us per message, so every step here counts (issue 2).
         if self._closed:
             raise PublishError("producer is closed", topic=topic, ordering_key=None)
-        key_text, key_raw = encode_ordering_key(ordering_key)
-        if not isinstance(data, bytes | bytearray | memoryview):
-            raise InvalidMessageError(f"data must be bytes, not {type(data).__name__}")
-        if key_text is not None:
-            cause = self._paused.get(key_text)
-            if cause is not None:
-                raise OrderingKeyPausedError(
-                    f"publishing for ordering key {key_text!r} is paused after a failure; "
-                    "call resume_publish()", topic=topic, ordering_key=key_text) from cause
-        value = encode_envelope(bytes(data), attributes)
-        message_id = f"{self._id_prefix}{next(self._ids):x}"
-        count = self._partition_count(topic)
-        headers = make_headers(message_id, count)
-        size = len(value) + len(key_raw or b"") + sum(len(k) + len(v) for k, v in headers) + _RECORD_OVERHEAD
+        key_text: str | None = None
+        key_raw: bytes | None = None
+        key_hash = 0
+        if ordering_key is not None:
+            try:
+                route = self._keys.get(ordering_key)
+            except TypeError:  # unhashable: not a str or bytes; refused below
+                route = None
+            if route is None:
+                route = self._validate_key(ordering_key)
+            if route is not None:
+                key_text, key_raw, key_hash = route
+                if self._paused:
+                    self._check_not_paused(topic, key_text)
+        if type(data) is not bytes:
+            if not isinstance(data, bytes | bytearray | memoryview):
+                raise InvalidMessageError(f"data must be bytes, not {type(data).__name__}")
+            data = bytes(data)
+        size = len(data)
+        if attributes or size >= _SHORT:
+            value = encode_envelope(data, attributes or {})
+        else:
+            value = b"".join((_HEADS[size], data, _EMPTY_MAP))
+        now = time.monotonic()
+        described = self._topics.get(topic)
+        if described is None or described.expires <= now:
+            described = self._describe(topic, described, now)
+        number = next(self._ids)
+        message_id = b"%s%x" % (self._id_prefix_bytes, number)
+        size = len(value) + len(message_id) + described.header_bytes
+        if key_raw is not None:
+            size += len(key_raw)
         if size > self._limit:
             raise MessageTooLargeError(
                 f"message is {size} bytes encoded; the limit is {self._limit}", size=size, limit=self._limit)
-        kwargs: dict[str, Any] = {"headers": headers,
-                                  "on_delivery": _Pending(self, message_id, key_text, topic, future, on_delivery)}
-        if key_raw is not None:
-            kwargs["key"] = key_raw
-            kwargs["partition"] = partition_for(key_raw, count)
-        self._last_send = time.monotonic()
-        self._sends += 1
-        if not self._sends % _INLINE_POLL_EVERY:
+        # PublishFuture(self, number), without the cost of calling a Python __init__.
+        future = _new_future(PublishFuture)
+        future._state = RUNNING
+        future._owner = self
+        future._number = number
+        if on_delivery is not None:
+            future._on_delivery_cb = on_delivery
+        headers: list[tuple[str, str | bytes | None]] = [
+            (HEADER_MESSAGE_ID, message_id), described.count_header, _ENVELOPE_HEADER]
+        self._last_send = now
+        if not number & _INLINE_POLL_MASK:
             self._producer.poll(0)
+        partition = -1 if key_raw is None else key_hash % described.partitions
+        try:
+            # Positional: topic, value, key, partition, callback, on_delivery, timestamp, headers.
+            self._produce(topic, value, key_raw, partition, future._on_delivery, None, 0, headers)
+        except BufferError:
+            self._produce_when_room(topic, value, key_raw, partition, future, headers)
+        except KafkaException as exc:
+            raise PublishError(f"produce to {topic!r} refused: {exc.args[0]}",
+                               topic=topic, ordering_key=key_text) from exc
+        return future
+
+    def _check_not_paused(self, topic: str, key_text: str) -> None:
+        cause = self._paused.get(key_text)
+        if cause is not None:
+            raise OrderingKeyPausedError(
+                f"publishing for ordering key {key_text!r} is paused after a failure; "
+                "call resume_publish()", topic=topic, ordering_key=key_text) from cause
+
+    def _produce_when_room(self, topic: str, value: bytes, key_raw: bytes | None, partition: int,
+                           future: PublishFuture, headers: list[tuple[str, str | bytes | None]]) -> None:
+        """The local queue is full: wait for deliveries to drain it, as Java's send() blocks."""
         while True:
+            self._producer.poll(0.05)
             try:
-                self._producer.produce(topic, value, **kwargs)
+                self._produce(topic, value, key_raw, partition, future._on_delivery, None, 0, headers)
                 return
             except BufferError:
-                # The local queue is full: wait for deliveries to drain it, as Java's send() blocks.
-                self._producer.poll(0.05)
+                continue
             except KafkaException as exc:
-                raise PublishError(f"produce to {topic!r} refused: {exc.args[0]}",
-                                   topic=topic, ordering_key=key_text) from exc
+                raise PublishError(f"produce to {topic!r} refused: {exc.args[0]}", topic=topic,
+                                   ordering_key=key_raw.decode() if key_raw else None) from exc
 
-    def _delivered(self, pending: _Pending, err: KafkaError | None, msg: KafkaMessage) -> None:
-        key = pending.ordering_key
-        if err is None:
-            if pending.future is not None:
-                partition, offset = msg.partition(), msg.offset()
-                assert partition is not None and offset is not None
-                _, stamp = msg.timestamp()
-                pending.future.set_result(PublishResult(
-                    pending.message_id, sequence_number(partition, offset), partition, offset,
-                    datetime.fromtimestamp(stamp / 1000, tz=UTC)))
-        else:
-            error: PublishError
-            if key is None:
-                error = PublishError(f"publish to {pending.topic!r} failed: {err.str()}",
-                                     topic=pending.topic, ordering_key=None)
-            else:
-                with self._lock:
-                    already = key in self._paused
-                    error_type = OrderingKeyPausedError if already else PublishError
-                    error = error_type(f"publish of ordering key {key!r} to {pending.topic!r} failed: "
-                                       f"{err.str()}; the key is paused until resume_publish()",
-                                       topic=pending.topic, ordering_key=key)
-                    error.__cause__ = KafkaException(err)
-                    self._paused.setdefault(key, error)
-                _LOGGER.warning("ordering key %r paused: %s", key, err.str())
-            if pending.future is not None:
-                pending.future.set_exception(error)
-        if pending.on_delivery is not None:
-            pending.on_delivery(err, msg)
+    def _validate_key(self, ordering_key: str | bytes) -> tuple[str, bytes, int] | None:
+        """Check a key not seen lately (PUB-4) and remember it; None for an empty key."""
+        key_text, key_raw = encode_ordering_key(ordering_key)
+        if key_text is None or key_raw is None:
+            return None
+        route = (key_text, key_raw, murmur2(key_raw) & 0x7FFFFFFF)
+        if len(self._keys) >= _KEY_CACHE_SIZE:
+            self._keys.clear()
+        self._keys[ordering_key] = route
+        return route
+
+    def _message_id(self, number: int) -> str:
+        return f"{self._id_prefix}{number:x}"
+
+    def _failed(self, msg: KafkaMessage, err: KafkaError) -> PublishError:
+        """The error of a record that finally failed; pauses its key (PUB-2)."""
+        topic, raw = msg.topic() or "", msg.key()
+        if not raw:
+            return PublishError(f"publish to {topic!r} failed: {err.str()}", topic=topic, ordering_key=None)
+        key = raw.decode() if isinstance(raw, bytes) else str(raw)
+        with self._lock:
+            already = key in self._paused
+            error_type = OrderingKeyPausedError if already else PublishError
+            error = error_type(f"publish of ordering key {key!r} to {topic!r} failed: "
+                               f"{err.str()}; the key is paused until resume_publish()",
+                               topic=topic, ordering_key=key)
+            error.__cause__ = KafkaException(err)
+            self._paused.setdefault(key, error)
+        _LOGGER.warning("ordering key %r paused: %s", key, err.str())
+        return error
 
     def resume_publish(self, ordering_key: str | bytes) -> None:
         """Allow publishing for a key paused after a failure (PUB-2); harmless if not paused."""
@@ -292,31 +396,32 @@ class OrderedProducer:
         return key_text in self._paused
 
     # -- metadata --------------------------------------------------------------------------------
-    def _partition_count(self, topic: str) -> int:
-        cached = self._counts.get(topic)
-        now = time.monotonic()
-        if cached is not None and cached[1] > now:
-            return cached[0]
+    def _describe(self, topic: str, cached: _Topic | None, now: float) -> _Topic:
+        """Read the topic's partition count (cached for ``metadata_max_age``); the stale one on error."""
         try:
             metadata = self._producer.list_topics(topic, timeout=10)
         except KafkaException as exc:
             if cached is not None:
-                return cached[0]
+                return cached
             raise TopicError(f"cannot read metadata of topic {topic!r}: {exc.args[0]}", topic=topic) from exc
         described = metadata.topics.get(topic)
         if described is None or described.error is not None or not described.partitions:
             if cached is not None:
-                return cached[0]
+                return cached
             reason = described.error.str() if described is not None and described.error else "no partitions"
             raise TopicError(f"topic {topic!r} is not available: {reason}", topic=topic)
         count = len(described.partitions)
-        self._counts[topic] = (count, now + self.settings.metadata_max_age)
-        return count
+        count_header = (HEADER_PARTITION_COUNT, str(count).encode())
+        header_bytes = (len(HEADER_MESSAGE_ID) + len(count_header[0]) + len(count_header[1])
+                        + len(_ENVELOPE_HEADER[0]) + len(_ENVELOPE_HEADER[1]) + _RECORD_OVERHEAD)
+        fresh = _Topic(count, now + self.settings.metadata_max_age, count_header, header_bytes)
+        self._topics[topic] = fresh
+        return fresh
 
     # -- lifecycle -------------------------------------------------------------------------------
     def _poll_step(self) -> float:
         # While publishing is busy the publishing thread serves delivery reports itself (every
-        # _INLINE_POLL_EVERY sends): a second thread running callbacks then would only fight it for
+        # 256 sends): a second thread running callbacks then would only fight it for
         # the GIL. When publishing pauses, this thread keeps futures resolving.
         idle = time.monotonic() - self._last_send
         if idle < _BUSY_WINDOW:
