@@ -65,3 +65,21 @@ def test_user_project_uses_the_plugin_fixtures(pytester: pytest.Pytester, endpoi
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-v", timeout=300)
     result.assert_outcomes(passed=2)
     result.stdout.fnmatch_lines(["*test_orders_arrive_in_key_order PASSED*"])
+
+
+def test_user_project_gets_its_own_stack_from_the_plugin(pytester: pytest.Pytester,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With no cluster named, the plugin starts one Kafka and one Redis for the user's session with
+    the backend ``ORDERING_LAYER_STACK`` names (local processes, or containers), and removes them."""
+    monkeypatch.delenv("ORDERING_LAYER_BOOTSTRAP", raising=False)
+    monkeypatch.delenv("ORDERING_LAYER_REDIS_URL", raising=False)
+    pytester.makepyfile(test_user_project=USER_TEST_MODULE + '''
+
+def test_the_session_stack_is_the_named_backend(ordering_layer_stack):
+    import os
+    assert type(ordering_layer_stack).__name__ == {
+        "local": "LocalStack", "testcontainers": "ContainerStack"}[os.environ.get("ORDERING_LAYER_STACK", "local")]
+    assert ordering_layer_stack.status()["up"]
+''')
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-v", timeout=600)
+    result.assert_outcomes(passed=3)
