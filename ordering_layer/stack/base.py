@@ -7,10 +7,14 @@ backend runs the processes directly; a container backend runs the same behind te
 
 from __future__ import annotations
 
+import json
 import socket
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+from ordering_layer.errors import StackError
 
 #: Broker settings every backend's single-node Kafka uses (besides its listeners and log folder).
 BROKER_SETTINGS: dict[str, str] = {
@@ -85,3 +89,31 @@ class StackBackend(ABC):
     @abstractmethod
     def start_redis(self) -> None:
         """Start Redis again on the same address and wait until it answers PING."""
+
+
+class FolderStateBackend(StackBackend, ABC):
+    """A backend that keeps its state (ports, process or container ids) in ``state_dir/state.json``,
+    so that ``down``, ``status`` and ``env`` of a later CLI call find what ``up`` started."""
+
+    def __init__(self, state_dir: Path) -> None:
+        self.state_dir = state_dir
+        self._state_file = state_dir / "state.json"
+
+    # -- state -----------------------------------------------------------------------------------
+    def _load(self) -> dict[str, Any]:
+        if not self._state_file.exists():
+            return {}
+        loaded: dict[str, Any] = json.loads(self._state_file.read_text())
+        return loaded
+
+    def _save(self, state: dict[str, Any]) -> None:
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self._state_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state, indent=2))
+        tmp.replace(self._state_file)
+
+    def _state_or_fail(self) -> dict[str, Any]:
+        state = self._load()
+        if not state:
+            raise StackError(f"no stack in {self.state_dir}: run 'ordering-layer stack up'")
+        return state

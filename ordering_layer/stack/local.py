@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import json
 import logging
 import os
 import shutil
@@ -24,7 +23,7 @@ import redis
 from confluent_kafka.admin import AdminClient
 
 from ordering_layer.errors import StackError
-from ordering_layer.stack.base import BROKER_SETTINGS, Endpoints, StackBackend, free_port
+from ordering_layer.stack.base import BROKER_SETTINGS, Endpoints, FolderStateBackend, free_port
 from ordering_layer.stack.jars import cache_dir, kafka_jars
 
 _LOGGER = logging.getLogger(__name__)
@@ -84,30 +83,11 @@ def _wait(check: Any, what: str, pid: int, log: Path, timeout: float = _START_TI
     raise StackError(f"{what} did not answer within {timeout:.0f} s; see {log}")
 
 
-class LocalStack(StackBackend):
+class LocalStack(FolderStateBackend):
     """Kafka + Redis as local processes, state kept in ``state_dir``."""
 
     def __init__(self, state_dir: Path | None = None) -> None:
-        self.state_dir = Path(state_dir) if state_dir else default_state_dir()
-        self._state_file = self.state_dir / "state.json"
-
-    # -- state ---------------------------------------------------------------------------------
-    def _load(self) -> dict[str, Any]:
-        if not self._state_file.exists():
-            return {}
-        return dict(json.loads(self._state_file.read_text()))
-
-    def _save(self, state: dict[str, Any]) -> None:
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-        tmp = self._state_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(state, indent=2))
-        tmp.replace(self._state_file)
-
-    def _state_or_fail(self) -> dict[str, Any]:
-        state = self._load()
-        if not state:
-            raise StackError(f"no stack in {self.state_dir}: run 'ordering-layer stack up'")
-        return state
+        super().__init__(Path(state_dir) if state_dir else default_state_dir())
 
     # -- public ----------------------------------------------------------------------------------
     def up(self) -> Endpoints:
