@@ -1,6 +1,8 @@
 """Subscriber benchmarks against raw confluent-kafka, same data, same run (issues 3 and 4).
 
 (a) no-op handler, 100-byte messages, 10,000 keys: layer msgs/s vs a raw consume loop with commits;
+    the goal is about callback mode (``Subscriber.subscribe``); the same workload is also measured
+    through pull mode (``Subscriber.pull`` + ``acknowledge``) and ``OrderedConsumer.consume`` + ack;
 (b) one partition, 5 ms I/O handler, K = 1, 20, 1000 keys: speedup vs a one-at-a-time consumer;
 (c) one key with a 1 s handler among fast keys in one partition: fast keys' throughput vs without it;
 (d) Redis round trips per message during (a), from INFO commandstats: the commands the layer
@@ -8,7 +10,7 @@
     the scripts run inside Redis (HSET, ZADD, HDEL, ...) are counted by Redis too but cost no round
     trip, and several EVALSHAs in one pipeline are still one round trip, so this is an upper bound.
 
-    .venv/bin/python bench/bench_subscribe.py [--messages 100000] [--workers 16]
+    .venv/bin/python bench/bench_subscribe.py [--messages 100000] [--workers 16] [--scenarios abcd]
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from confluent_kafka import Consumer
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import bench_stack, ratio_line
-from ordering_layer import Admin, FlowControl, Message, OrderedProducer, RetryPolicy, Subscriber
+from ordering_layer import Admin, FlowControl, Message, OrderedConsumer, OrderedProducer, RetryPolicy, Subscriber
 from ordering_layer.stack import Endpoints
 from ordering_layer.subscriber.engine import Engine
 
@@ -97,24 +99,58 @@ def layer_consume(endpoints: Endpoints, admin: Admin, topic: str, count: int, wo
     return count / elapsed
 
 
+def layer_pull(endpoints: Endpoints, admin: Admin, topic: str, count: int, batch: int = 500) -> float:
+    """Pull mode on one thread: ``Subscriber.pull`` then ``acknowledge`` the whole batch."""
+    name = f"bench-pull-{uuid.uuid4().hex[:8]}"
+    admin.create_subscription(name, topic=topic, retry_policy=RetryPolicy(0, 0))
+    subscriber = Subscriber({"bootstrap.servers": endpoints.bootstrap}, redis_url=endpoints.redis_url)
+    seen, start = 0, 0.0
+    while seen < count:
+        messages = subscriber.pull(name, max_messages=batch, timeout=1.0)
+        if messages and not start:
+            start = time.perf_counter()
+        subscriber.acknowledge(messages)
+        seen += len(messages)
+    elapsed = time.perf_counter() - start
+    subscriber.close()
+    return count / elapsed
+
+
+def layer_ordered_consumer(endpoints: Endpoints, topic: str, count: int, batch: int = 500) -> float:
+    """``OrderedConsumer`` on one thread: ``consume`` then ``ack`` each message."""
+    consumer = OrderedConsumer({"bootstrap.servers": endpoints.bootstrap,
+                                "group.id": f"bench-oc-{uuid.uuid4().hex[:8]}"}, redis_url=endpoints.redis_url)
+    consumer.subscribe([topic])
+    seen, start = 0, 0.0
+    while seen < count:
+        messages = consumer.consume(batch, 1.0)
+        if messages and not start:
+            start = time.perf_counter()
+        for message in messages:
+            message.ack()
+        seen += len(messages)
+    elapsed = time.perf_counter() - start
+    consumer.close()
+    return count / elapsed
+
+
 _INSIDE_SCRIPTS = {"cmdstat_hset", "cmdstat_hdel", "cmdstat_zadd", "cmdstat_zremrangebyscore", "cmdstat_info"}
 
 
 @contextlib.contextmanager
 def leases_off() -> Iterator[None]:
     """For comparison only: no lease deadlines watched or written (what issue 4 added)."""
-    watch, queue_op = Engine._watch_lease, Engine._queue_op
+    watch, queue_ops = Engine._watch_leases, Engine._queue_ops
 
-    def skip_lease_ops(self: Engine, partition: int, op: Any, now: float) -> None:
-        if op[0] != "l":
-            queue_op(self, partition, op, now)
+    def skip_lease_ops(self: Engine, partition: int, ops: list[Any], now: float) -> None:
+        queue_ops(self, partition, [op for op in ops if op[0] != "l"], now)
 
-    Engine._watch_lease = lambda self, partition, offset, out: None  # type: ignore[method-assign]
-    Engine._queue_op = skip_lease_ops  # type: ignore[method-assign]
+    Engine._watch_leases = lambda self, deadline, keys: None  # type: ignore[method-assign]
+    Engine._queue_ops = skip_lease_ops  # type: ignore[method-assign]
     try:
         yield
     finally:
-        Engine._watch_lease, Engine._queue_op = watch, queue_op  # type: ignore[method-assign]
+        Engine._watch_leases, Engine._queue_ops = watch, queue_ops  # type: ignore[method-assign]
 
 
 def redis_round_trips(endpoints: Endpoints) -> int:
@@ -124,65 +160,86 @@ def redis_round_trips(endpoints: Endpoints) -> int:
 
 
 def main() -> None:
-    """Run (a)..(d) and print the figures and ratios."""
+    """Run the chosen scenarios of (a)..(d) and print the figures and ratios."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--messages", type=int, default=100_000)
     parser.add_argument("--workers", type=int, default=16)
     parser.add_argument("--io-messages", type=int, default=600)
+    parser.add_argument("--scenarios", default="abcd", help="which of a, b, c, d to run (d needs a)")
     args = parser.parse_args()
     with bench_stack() as endpoints:
         admin = Admin({"bootstrap.servers": endpoints.bootstrap}, redis_url=endpoints.redis_url)
+        if "a" in args.scenarios:
+            noop(endpoints, admin, args.messages, args.workers, "d" in args.scenarios)
+        if "b" in args.scenarios:
+            io_bound(endpoints, admin, args.io_messages, args.workers)
+        if "c" in args.scenarios:
+            head_of_line(endpoints, admin, args.workers)
 
-        topic = f"bench-noop-{uuid.uuid4().hex[:8]}"
-        admin.create_topic(topic, partitions=6)
-        publish(endpoints, topic, [f"key-{i}" for i in range(10_000)], args.messages)
-        raw = raw_consume(endpoints, topic, args.messages)
-        before = redis_round_trips(endpoints)
-        layer = layer_consume(endpoints, admin, topic, args.messages, args.workers)
-        per_message = (redis_round_trips(endpoints) - before) / args.messages
-        with leases_off():
-            unleased = layer_consume(endpoints, admin, topic, args.messages, args.workers)
-        print(ratio_line(f"(a) no-op, {args.messages} x 100 B, 10,000 keys", layer, raw))
-        print(ratio_line("(a') the same with lease tracking switched off", unleased, raw))
-        print(f"    leases on / off: {layer / unleased:.2f} (goal >= 0.90)")
-        print(f"(d) Redis round trips per message during (a): {per_message:.4f} (goal <= 0.05)")
 
-        plain_rate = None
-        for keys in (1, 20, 1000):
-            topic = f"bench-io-{keys}-{uuid.uuid4().hex[:8]}"
-            admin.create_topic(topic, partitions=1)
-            publish(endpoints, topic, [f"key-{i}" for i in range(keys)], args.io_messages)
-            if plain_rate is None:
-                plain_rate = raw_consume(endpoints, topic, args.io_messages, 0.005, one_at_a_time=True)
-            rate = layer_consume(endpoints, admin, topic, args.io_messages, args.workers,
-                                 handler=lambda _m: time.sleep(0.005))
-            goal = 0.8 * min(keys, args.workers)
-            print(f"(b) 5 ms handler, 1 partition, K={keys:<5} layer {rate:8,.0f} msg/s   one-at-a-time "
-                  f"{plain_rate:6,.0f} msg/s   speedup {rate / plain_rate:5.1f} (goal >= {goal:.1f})")
+def noop(endpoints: Endpoints, admin: Admin, messages: int, workers: int, round_trips: bool) -> None:
+    """(a), (a') and (d): the same topic read by raw confluent-kafka and by each front end."""
+    topic = f"bench-noop-{uuid.uuid4().hex[:8]}"
+    admin.create_topic(topic, partitions=6)
+    publish(endpoints, topic, [f"key-{i}" for i in range(10_000)], messages)
+    raw = raw_consume(endpoints, topic, messages)
+    before = redis_round_trips(endpoints)
+    layer = layer_consume(endpoints, admin, topic, messages, workers)
+    per_message = (redis_round_trips(endpoints) - before) / messages
+    with leases_off():
+        unleased = layer_consume(endpoints, admin, topic, messages, workers)
+    pulled = layer_pull(endpoints, admin, topic, messages)
+    consumed = layer_ordered_consumer(endpoints, topic, messages)
+    print(ratio_line(f"(a) no-op, {messages} x 100 B, 10,000 keys, callback", layer, raw))
+    print(ratio_line("(a') callback, lease tracking switched off", unleased, raw))
+    print(f"    leases on / off: {layer / unleased:.2f} (goal >= 0.90)")
+    print(ratio_line("(a) the same, pull mode (Subscriber.pull)", pulled, raw))
+    print(ratio_line("(a) the same, OrderedConsumer.consume", consumed, raw))
+    if round_trips:
+        print(f"(d) Redis round trips per message during (a) callback: {per_message:.4f} (goal <= 0.05)")
 
-        fast_keys = [f"fast-{i}" for i in range(200)]
-        fast_count = 200 * 20
-        baseline_topic = f"bench-hol-base-{uuid.uuid4().hex[:8]}"
-        admin.create_topic(baseline_topic, partitions=1)
-        publish(endpoints, baseline_topic, fast_keys, fast_count)
-        slow_topic = f"bench-hol-slow-{uuid.uuid4().hex[:8]}"
-        admin.create_topic(slow_topic, partitions=1)
-        publish(endpoints, slow_topic, [*fast_keys[:100], "slow", *fast_keys[100:]], fast_count + 20)
 
-        def work(message: Message) -> None:
-            time.sleep(1.0 if message.ordering_key == "slow" else 0.001)
+def io_bound(endpoints: Endpoints, admin: Admin, io_messages: int, workers: int) -> None:
+    """(b): one partition, 5 ms handler, K = 1, 20, 1000 keys vs a one-at-a-time consumer."""
+    plain_rate = None
+    for keys in (1, 20, 1000):
+        topic = f"bench-io-{keys}-{uuid.uuid4().hex[:8]}"
+        admin.create_topic(topic, partitions=1)
+        publish(endpoints, topic, [f"key-{i}" for i in range(keys)], io_messages)
+        if plain_rate is None:
+            plain_rate = raw_consume(endpoints, topic, io_messages, 0.005, one_at_a_time=True)
+        rate = layer_consume(endpoints, admin, topic, io_messages, workers,
+                             handler=lambda _m: time.sleep(0.005))
+        goal = 0.8 * min(keys, workers)
+        print(f"(b) 5 ms handler, 1 partition, K={keys:<5} layer {rate:8,.0f} msg/s   one-at-a-time "
+              f"{plain_rate:6,.0f} msg/s   speedup {rate / plain_rate:5.1f} (goal >= {goal:.1f})")
 
-        fast_done = {"n": 0}
 
-        def fast_finished(message: Message) -> bool:
-            if message.ordering_key != "slow":
-                fast_done["n"] += 1
-            return fast_done["n"] >= fast_count
+def head_of_line(endpoints: Endpoints, admin: Admin, workers: int) -> None:
+    """(c): fast keys' throughput with one 1 s key in their partition vs without it."""
+    fast_keys = [f"fast-{i}" for i in range(200)]
+    fast_count = 200 * 20
+    baseline_topic = f"bench-hol-base-{uuid.uuid4().hex[:8]}"
+    admin.create_topic(baseline_topic, partitions=1)
+    publish(endpoints, baseline_topic, fast_keys, fast_count)
+    slow_topic = f"bench-hol-slow-{uuid.uuid4().hex[:8]}"
+    admin.create_topic(slow_topic, partitions=1)
+    publish(endpoints, slow_topic, [*fast_keys[:100], "slow", *fast_keys[100:]], fast_count + 20)
 
-        without = layer_consume(endpoints, admin, baseline_topic, fast_count, args.workers, handler=work)
-        with_slow = layer_consume(endpoints, admin, slow_topic, fast_count, args.workers, handler=work,
-                                  done_when=fast_finished)
-        print(ratio_line("(c) fast keys with a 1 s key in the partition", with_slow, without))
+    def work(message: Message) -> None:
+        time.sleep(1.0 if message.ordering_key == "slow" else 0.001)
+
+    fast_done = {"n": 0}
+
+    def fast_finished(message: Message) -> bool:
+        if message.ordering_key != "slow":
+            fast_done["n"] += 1
+        return fast_done["n"] >= fast_count
+
+    without = layer_consume(endpoints, admin, baseline_topic, fast_count, workers, handler=work)
+    with_slow = layer_consume(endpoints, admin, slow_topic, fast_count, workers, handler=work,
+                              done_when=fast_finished)
+    print(ratio_line("(c) fast keys with a 1 s key in the partition", with_slow, without))
 
 
 if __name__ == "__main__":

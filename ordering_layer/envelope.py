@@ -144,5 +144,30 @@ def decode_record(key: bytes | None, value: bytes | None, headers: Headers | Non
         raise EnvelopeError(f"record key is not valid UTF-8: {key!r}") from exc
     if value is None:
         raise EnvelopeError("record has no value")
+    data, attributes = decode_envelope(value)
+    return DecodedRecord(message_id, partition_count, ordering_key, data, attributes)
+
+
+def decode_envelope(value: bytes) -> tuple[bytes, dict[str, str]]:
+    """Payload and attributes of an envelope; raises ``EnvelopeError`` when it is not one.
+
+    The mirror of ``encode_envelope``'s fast path: a value that is exactly a length, that many
+    payload bytes and an empty attribute map (a lone zero byte) is sliced directly; anything else
+    (attributes, malformed values) goes through fastavro. ``tests/unit/test_envelope.py`` checks
+    both against fastavro.
+    """
+    length = shift = pos = 0
+    size = len(value)
+    while pos < size and pos < 10:
+        byte = value[pos]
+        length |= (byte & 0x7F) << shift
+        pos += 1
+        if not byte & 0x80:
+            length = (length >> 1) ^ -(length & 1)
+            end = pos + length
+            if length >= 0 and end + 1 == size and value[end] == 0:
+                return value[pos:end], {}
+            break
+        shift += 7
     envelope = decode("envelope", value)
-    return DecodedRecord(message_id, partition_count, ordering_key, envelope["data"], envelope["attributes"])
+    return envelope["data"], envelope["attributes"]

@@ -17,6 +17,7 @@ User code never touches this state: it posts ``Settle`` requests, which wake the
 from __future__ import annotations
 
 import heapq
+import itertools
 import logging
 import queue
 import random
@@ -38,6 +39,7 @@ from ordering_layer.errors import EnvelopeError
 from ordering_layer.state import ApplyResult, StateStore
 from ordering_layer.state.store import Op
 from ordering_layer.subscriber.histogram import Histogram, extension_seconds
+from ordering_layer.subscriber.inbox import Inbox
 from ordering_layer.subscriber.message import AckResponse, Message, Settle
 from ordering_layer.subscriber.partition import Delivery, PartitionState, QueueKey, Record
 from ordering_layer.worker import Worker
@@ -87,24 +89,24 @@ class _Outstanding:
     queue_key: QueueKey
     deadline: float
     first_delivery: float
+    check: float = 0.0  # when the lease is looked at next; only the lease watch of this time acts
 
 
 def to_record(msg: KafkaMessage) -> Record:
-    """Decode a fetched Kafka record once; an undecodable one keeps its error (DLQ-4)."""
+    """Decode a fetched Kafka record once; an undecodable one keeps its error (DLQ-4).
+
+    The consumer's headers are already ``(str, bytes | None)`` pairs: they are kept as they come.
+    """
     key, value, headers = msg.key(), msg.value(), msg.headers() or []
     partition, offset = msg.partition(), msg.offset()
     assert partition is not None and offset is not None
     try:
         decoded = decode_record(key, value, headers)
-        error = None
-        ordering_key = decoded.ordering_key
     except EnvelopeError as exc:
-        decoded, error, ordering_key = None, str(exc), None
-    pairs = headers.items() if isinstance(headers, dict) else headers
-    raw_headers = [(str(k), v if isinstance(v, bytes) or v is None else str(v).encode()) for k, v in pairs]
-    size = len(decoded.data) if decoded is not None else len(value or b"")
-    return Record(partition, offset, ordering_key, decoded, error, size, msg.timestamp()[1], key, value,
-                  raw_headers)
+        return Record(partition, offset, None, None, str(exc), len(value or b""), msg.timestamp()[1], key, value,
+                      headers)
+    return Record(partition, offset, decoded.ordering_key, decoded, None, len(decoded.data), msg.timestamp()[1],
+                  key, value, headers)
 
 
 class Engine:
@@ -139,7 +141,7 @@ class Engine:
                                  if not k.startswith(("group.", "session.", "heartbeat.", "max.poll", "auto.",
                                                       "enable.auto", "partition.assignment", "isolation"))}
         self._dlq_producer: Producer | None = None
-        self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._inbox: Inbox[Any] = Inbox()
         self._consumer_calls: queue.SimpleQueue[Callable[[], Any]] = queue.SimpleQueue()
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
@@ -151,8 +153,10 @@ class Engine:
         self._op_count = 0
         self._out: dict[tuple[int, int], _Outstanding] = {}
         self._out_bytes = 0
-        self._leases: list[tuple[float, int, int, int]] = []
+        self._leases: list[tuple[float, int, list[tuple[int, int]]]] = []
+        self._lease_seq = itertools.count()
         self._histogram = Histogram()
+        self._latencies: list[float] = []
         self._parked: set[str] = set()
         self._pulls: deque[_Pull] = deque()
         self._committed: dict[int, int] = {}
@@ -294,15 +298,22 @@ class Engine:
 
     # -- engine thread ---------------------------------------------------------------------------
     def _engine_step(self) -> float:
-        try:
-            events = [self._inbox.get(timeout=self._wait_time())]
-        except queue.Empty:
-            events = []
-        self._collect(events)
+        with self._lock:
+            wait = self._wait_time()
+        inbox = self._inbox
+        # When busy (more than one event waiting) keep gathering for up to _GATHER seconds so that
+        # one Redis round trip serves many messages (ACK-4's batching); a lone event (an idle
+        # subscriber) is handled at once.
+        if inbox.wait(1, wait) and len(inbox) > 1:
+            inbox.wait(_FLUSH_MAX_OPS, _GATHER)
+        events = inbox.take()
         with self._lock:
             now = time.monotonic()
             for event in events:
                 self._handle(event, now)
+            if self._latencies:
+                self._histogram.add_many(self._latencies)
+                self._latencies = []
             self._expire(now)
             deliveries = self._release(now)
             if self._dlq_producer is not None:
@@ -319,28 +330,6 @@ class Engine:
             self._apply_flow_control()
             self._changed.notify_all()
         return 0.0
-
-    def _collect(self, events: list[Any]) -> None:
-        """Drain the inbox; when busy (more than one event waiting), keep gathering for up to
-        _GATHER seconds so that one Redis round trip serves many messages (ACK-4's batching),
-        while a lone event (an idle subscriber) is handled at once."""
-        deadline = 0.0
-        while len(events) < _FLUSH_MAX_OPS:
-            try:
-                events.append(self._inbox.get_nowait())
-                continue
-            except queue.Empty:
-                pass
-            if len(events) < 2:
-                return
-            now = time.monotonic()
-            deadline = deadline or now + _GATHER
-            if now >= deadline:
-                return
-            try:
-                events.append(self._inbox.get(timeout=deadline - now))
-            except queue.Empty:
-                return
 
     def _wait_time(self) -> float:
         wait = 0.1
@@ -359,11 +348,7 @@ class Engine:
 
     def _drain_inbox(self) -> None:
         now = time.monotonic()
-        while True:
-            try:
-                event = self._inbox.get_nowait()
-            except queue.Empty:
-                return
+        for event in self._inbox.take():
             if not isinstance(event, _Pull):
                 self._handle(event, now)
             else:
@@ -414,12 +399,12 @@ class Engine:
             return
         if request.kind == "deadline":
             out.deadline = now + request.seconds
-            self._watch_lease(request.partition, request.offset, out)
+            self._watch_lease((request.partition, request.offset), out)
             self._queue_op(request.partition, ("l", request.offset, _wall_ms(request.seconds)), now)
             self._queue_future(request.partition, request.future)
             return
         if request.kind == "ack":
-            self._histogram.add(now - out.first_delivery)
+            self._latencies.append(now - out.first_delivery)
             state.ack(request.queue_key, request.offset, request.token)
             self._queue_op(request.partition, ("a", request.offset, 0), now)
         else:
@@ -438,71 +423,101 @@ class Engine:
         it lapses and its key is rewound to it.
         """
         settings = self.settings
-        while self._leases and self._leases[0][0] <= now:
-            _, partition, offset, token = heapq.heappop(self._leases)
-            out = self._out.get((partition, offset))
-            state = self._partitions.get(partition)
-            if out is None or out.token != token or state is None:
-                continue
-            if now >= out.deadline - _lease_margin(settings.ack_deadline) and now < out.deadline \
-                    and now - out.first_delivery < settings.max_lease_duration:
-                seconds = extension_seconds(self._histogram, min_extension=settings.min_duration_per_lease_extension,
-                                            max_extension=settings.max_duration_per_lease_extension)
-                out.deadline = now + seconds
-                self._queue_op(partition, ("l", offset, _wall_ms(seconds)), now)
-                self._watch_lease(partition, offset, out)
-            elif now >= out.deadline:
-                _LOGGER.info("%s: lease of %d:%d lapsed; redelivering", self.subscription, partition, offset)
-                state.nack(out.queue_key, offset, token, now, settings.retry_policy.backoff)
-                self._forget(partition, offset)
-                self._queue_op(partition, ("n", offset, 0), now)
-            else:
-                heapq.heappush(self._leases, (out.deadline, partition, offset, token))
+        leases = self._leases
+        while leases and leases[0][0] <= now:
+            check, _, keys = heapq.heappop(leases)
+            for key in keys:
+                out = self._out.get(key)
+                if out is None or out.check != check:
+                    continue  # settled, or watched again since (a new deadline, a redelivery)
+                partition, offset = key
+                state = self._partitions.get(partition)
+                if state is None:
+                    continue
+                if now >= out.deadline - _lease_margin(settings.ack_deadline) and now < out.deadline \
+                        and now - out.first_delivery < settings.max_lease_duration:
+                    seconds = extension_seconds(self._histogram,
+                                                min_extension=settings.min_duration_per_lease_extension,
+                                                max_extension=settings.max_duration_per_lease_extension)
+                    out.deadline = now + seconds
+                    self._queue_op(partition, ("l", offset, _wall_ms(seconds)), now)
+                    self._watch_lease(key, out)
+                elif now >= out.deadline:
+                    _LOGGER.info("%s: lease of %d:%d lapsed; redelivering", self.subscription, partition, offset)
+                    state.nack(out.queue_key, offset, out.token, now, settings.retry_policy.backoff)
+                    self._forget(partition, offset)
+                    self._queue_op(partition, ("n", offset, 0), now)
+                else:
+                    out.check = out.deadline
+                    heapq.heappush(leases, (out.check, next(self._lease_seq), [key]))
 
-    def _watch_lease(self, partition: int, offset: int, out: _Outstanding) -> None:
+    def _watch_lease(self, key: tuple[int, int], out: _Outstanding) -> None:
         """Look at this delivery again shortly before its deadline (extension is jittered)."""
-        check = out.deadline - _lease_margin(self.settings.ack_deadline) * (1.0 - 0.2 * random.random())
-        heapq.heappush(self._leases, (check, partition, offset, out.token))
+        out.check = self._check_time(out.deadline)
+        heapq.heappush(self._leases, (out.check, next(self._lease_seq), [key]))
+
+    def _watch_leases(self, deadline: float, keys: list[tuple[int, int]]) -> None:
+        """One lease watch for the deliveries released together (they share their deadline)."""
+        check = self._check_time(deadline)
+        for key in keys:
+            self._out[key].check = check
+        heapq.heappush(self._leases, (check, next(self._lease_seq), keys))
+
+    def _check_time(self, deadline: float) -> float:
+        return deadline - _lease_margin(self.settings.ack_deadline) * (1.0 - 0.2 * random.random())
 
     def _release(self, now: float) -> list[Delivery]:
         """Release what may go out now, within flow control: callback mode one per key, pull mode
         whole per-key batches up to the waiting pull's size."""
         if self._closing:
             return []
+        limits = self.flow_control
+        budget = limits.max_messages - len(self._out)
         if self._on_messages is None:
             if not self._pulls:
                 return []
-            budget = self._pulls[0].max_messages
-            per_key = budget
+            per_key = self._pulls[0].max_messages
+            budget = min(budget, per_key)
         else:
-            budget = self.flow_control.max_messages - len(self._out)
             per_key = 1
-        budget = min(budget, self.flow_control.max_messages - len(self._out))
+        byte_budget = limits.max_bytes - self._out_bytes
         released: list[Delivery] = []
         for state in self._partitions.values():
+            if budget <= 0 or byte_budget <= 0:
+                break
             if state.revoking:
                 continue
             state.wake(now)
-            for qkey in state.ready_keys():
-                if budget <= 0 or self._out_bytes >= self.flow_control.max_bytes:
-                    return released
-                batch = state.release(qkey, now, min(per_key, budget))
-                state.ready.pop(qkey, None)
-                for delivery in batch:
-                    self._admit(state, delivery, now)
-                released.extend(batch)
+            batch = state.release_ready(now, budget, per_key, byte_budget)
+            if batch:
+                byte_budget -= self._admit(state.partition, batch, now)
                 budget -= len(batch)
+                released.extend(batch)
         return released
 
-    def _admit(self, state: PartitionState, delivery: Delivery, now: float) -> None:
-        record = delivery.record
-        deadline = now + self.settings.ack_deadline
-        self._out[(record.partition, record.offset)] = _Outstanding(
-            delivery.token, record, delivery.queue_key, deadline, now)
-        self._out_bytes += record.size
-        self._watch_lease(record.partition, record.offset, self._out[(record.partition, record.offset)])
-        self._queue_op(record.partition, ("d", record.offset, delivery.attempt), now)
-        self._queue_op(record.partition, ("l", record.offset, _wall_ms(self.settings.ack_deadline)), now)
+    def _admit(self, partition: int, batch: list[Delivery], now: float) -> int:
+        """Take released deliveries as outstanding: their attempts and leases are queued for Redis
+        (flushed before anyone sees them) and watched together. Returns their payload bytes."""
+        ack_deadline = self.settings.ack_deadline
+        deadline = now + ack_deadline
+        lease_ms = _wall_ms(ack_deadline)
+        outstanding = self._out
+        keys = []
+        ops: list[Op] = []
+        size = 0
+        for delivery in batch:
+            record = delivery.record
+            offset = record.offset
+            key = (partition, offset)
+            outstanding[key] = _Outstanding(delivery.token, record, delivery.queue_key, deadline, now)
+            keys.append(key)
+            size += record.size
+            ops.append(("d", offset, delivery.attempt))
+            ops.append(("l", offset, lease_ms))
+        self._out_bytes += size
+        self._queue_ops(partition, ops, now)
+        self._watch_leases(deadline, keys)
+        return size
 
     def _unrelease(self, deliveries: list[Delivery], now: float) -> list[Delivery]:
         """Redis did not take the attempt counts: give the deliveries back before anyone sees them."""
@@ -573,7 +588,7 @@ class Engine:
             "source_topic": self.topic, "source_partition": record.partition, "source_offset": record.offset,
             "sequence_number": sequence, "subscription": self.subscription, "reason": reason,
             "delivery_attempts": attempts, "last_error": last_error, "key": record.raw_key,
-            "value": record.raw_value, "headers": [{"key": k, "value": v} for k, v in record.raw_headers]})
+            "value": record.raw_value, "headers": [{"key": k, "value": v} for k, v in record.header_pairs()]})
         facts = (self.topic, record.partition, record.offset, sequence,
                  record.ordering_key or "", attempts, last_error or "", self.subscription, reason)
         headers: list[tuple[str, str | bytes | None]] = [
@@ -608,6 +623,12 @@ class Engine:
             self._oldest_op = now
         self._op_count += 1
         self._ops.setdefault(partition, []).append(op)
+
+    def _queue_ops(self, partition: int, ops: list[Op], now: float) -> None:
+        if not self._op_count:
+            self._oldest_op = now
+        self._op_count += len(ops)
+        self._ops.setdefault(partition, []).extend(ops)
 
     def _queue_future(self, partition: int, future: Future[AckResponse] | None) -> None:
         if future is not None:

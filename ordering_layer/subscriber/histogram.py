@@ -23,10 +23,16 @@ class Histogram:
 
     def add(self, seconds: float) -> None:
         """Record one ack latency."""
-        bucket = min(MAX_EXTENSION, max(MIN_EXTENSION, math.ceil(seconds)))
+        self.add_many([seconds])
+
+    def add_many(self, latencies: list[float]) -> None:
+        """Record several ack latencies (one lock acquisition)."""
         with self._lock:
-            self._counts[bucket] = self._counts.get(bucket, 0) + 1
-            self._total += 1
+            counts = self._counts
+            for seconds in latencies:
+                bucket = MIN_EXTENSION if seconds <= MIN_EXTENSION else min(MAX_EXTENSION, math.ceil(seconds))
+                counts[bucket] = counts.get(bucket, 0) + 1
+            self._total += len(latencies)
 
     def __len__(self) -> int:
         return self._total

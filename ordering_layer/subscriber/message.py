@@ -117,7 +117,7 @@ class Message:
 
     def headers(self) -> list[tuple[str, bytes | None]]:
         """The record's Kafka headers (layer metadata included)."""
-        return list(self._delivery.record.raw_headers)
+        return self._delivery.record.header_pairs()
 
     def topic(self) -> str:
         """The source topic."""

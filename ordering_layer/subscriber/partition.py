@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
-from ordering_layer.envelope import DecodedRecord
+from ordering_layer.envelope import DecodedRecord, Headers
 
 QueueKey = str | int
 
@@ -36,9 +37,15 @@ class Record:
     timestamp_ms: int
     raw_key: bytes | None
     raw_value: bytes | None
-    raw_headers: list[tuple[str, bytes | None]]
+    raw_headers: Headers
     attempts: int = 0
     last_error: str | None = None
+
+    def header_pairs(self) -> list[tuple[str, bytes | None]]:
+        """The record's Kafka headers as (name, bytes or None) pairs (kept as fetched until asked)."""
+        raw = self.raw_headers
+        pairs = raw.items() if isinstance(raw, Mapping) else raw
+        return [(str(k), v if isinstance(v, bytes) or v is None else str(v).encode()) for k, v in pairs]
 
 
 class OffsetTracker:
@@ -83,8 +90,7 @@ class KeyQueue:
         return not self.outstanding and now >= self.not_before and self.cursor < len(self.records)
 
 
-@dataclass(frozen=True, slots=True)
-class Delivery:
+class Delivery(NamedTuple):
     """One hand-off of a record; ``token`` identifies it for acks (stale tokens are refused)."""
 
     record: Record
@@ -163,20 +169,36 @@ class PartitionState:
         queue = self.keys.get(qkey)
         if queue is None or not queue.releasable(now):
             return []
-        batch = list(itertools.islice(queue.records, queue.cursor, queue.cursor + limit))
+        cursor = queue.cursor
+        records = queue.records
+        batch = [records[cursor]] if limit == 1 else list(itertools.islice(records, cursor, cursor + limit))
         deliveries = []
+        outstanding = queue.outstanding
         for record in batch:
             token = next(_tokens)
-            queue.outstanding[record.offset] = token
+            outstanding[record.offset] = token
             record.attempts += 1
             deliveries.append(Delivery(record, qkey, token, record.attempts))
-        queue.cursor += len(batch)
+        queue.cursor = cursor + len(batch)
         self.buffered -= len(batch)
         return deliveries
 
-    def ready_keys(self) -> Iterator[QueueKey]:
-        """Keys that may have something to release, oldest first (a snapshot)."""
-        return iter(list(self.ready))
+    def release_ready(self, now: float, budget: int, per_key: int, byte_budget: int) -> list[Delivery]:
+        """Release from the ready keys, oldest first: up to ``per_key`` records of each, ``budget``
+        records in all, and no further key once ``byte_budget`` payload bytes are used up. The keys
+        looked at leave the ready set (an ack, a nack or the end of a backoff brings them back)."""
+        released: list[Delivery] = []
+        ready = self.ready
+        for qkey in list(itertools.islice(ready, budget)):
+            if budget <= 0 or byte_budget <= 0:
+                break
+            del ready[qkey]
+            batch = self.release(qkey, now, min(per_key, budget))
+            for delivery in batch:
+                byte_budget -= delivery.record.size
+            released.extend(batch)
+            budget -= len(batch)
+        return released
 
     # -- settlement ------------------------------------------------------------------------------
     def ack(self, qkey: QueueKey, offset: int, token: int) -> bool:

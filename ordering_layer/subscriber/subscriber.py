@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import logging
-import queue
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from ordering_layer.config import FlowControl, SubscriptionSettings, require_bootstrap
@@ -20,33 +20,51 @@ _LOGGER = logging.getLogger(__name__)
 class CallbackPool:
     """``workers`` named daemon threads running callbacks from one queue.
 
-    Unlike ``ThreadPoolExecutor`` it makes no Future per task: on the hot path a message hand-off
-    is one queue put.
+    Unlike ``ThreadPoolExecutor`` it makes no Future per task, and a released batch is handed over
+    in one go: the messages join a deque and only as many idle workers are woken as there are new
+    messages; a worker that is awake takes the next message without waiting on a lock.
     """
 
     def __init__(self, name: str, workers: int, run: Callable[[Message], None]) -> None:
-        self._queue: queue.SimpleQueue[Message | None] = queue.SimpleQueue()
+        self._queue: deque[Message | None] = deque()
         self._run = run
+        self._ready = threading.Condition(threading.Lock())
+        self._idle = 0
         self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
                          for i in range(workers)]
         for thread in self._threads:
             thread.start()
 
-    def submit(self, message: Message) -> None:
-        """Queue one message for a callback."""
-        self._queue.put(message)
+    def submit(self, messages: list[Message]) -> None:
+        """Queue messages for callbacks."""
+        self._put(messages)
+
+    def _put(self, items: Sequence[Message | None]) -> None:
+        self._queue.extend(items)
+        with self._ready:
+            if self._idle:
+                self._ready.notify(min(len(items), self._idle))
 
     def _work(self) -> None:
+        pending, ready = self._queue, self._ready
         while True:
-            message = self._queue.get()
+            try:
+                message = pending.popleft()
+            except IndexError:
+                # Look again under the lock: _put extends before it takes the lock to notify.
+                with ready:
+                    self._idle += 1
+                    while not pending:
+                        ready.wait()
+                    self._idle -= 1
+                continue
             if message is None:
                 return
             self._run(message)
 
     def shutdown(self) -> None:
         """Let queued callbacks finish, then end the threads."""
-        for _ in self._threads:
-            self._queue.put(None)
+        self._put([None] * len(self._threads))
         for thread in self._threads:
             thread.join()
 
@@ -128,12 +146,8 @@ class Subscriber:
 
         pool = CallbackPool(f"ordering-layer-cb-{subscription}", max_workers, run)
 
-        def on_messages(messages: list[Message]) -> None:
-            for message in messages:
-                pool.submit(message)
-
         engine = Engine(self._kafka, self._store, subscription, settings,
-                        flow_control=flow_control or FlowControl(), on_messages=on_messages)
+                        flow_control=flow_control or FlowControl(), on_messages=pool.submit)
         engine.start()
         return StreamingPullFuture(engine, pool)
 

@@ -13,6 +13,8 @@ from ordering_layer.envelope import (
     HEADER_ENVELOPE,
     HEADER_MESSAGE_ID,
     HEADER_PARTITION_COUNT,
+    decode,
+    decode_envelope,
     decode_record,
     encode,
     encode_envelope,
@@ -76,3 +78,21 @@ def test_fast_envelope_encoding_equals_fastavro(size: int, attributes: dict[str,
     """PUB-6: the hot-path envelope encoder writes exactly fastavro's schemaless encoding."""
     data = bytes(range(256)) * (size // 256) + bytes(size % 256)
     assert encode_envelope(data, attributes) == encode("envelope", {"data": data, "attributes": attributes})
+
+
+@pytest.mark.parametrize("size", [0, 1, 63, 64, 127, 128, 8191, 8192, 1_000_000])
+@pytest.mark.parametrize("attributes", [{}, {"a": "1"}, {"kind": "order", "é": "ü" * 70}])
+def test_fast_envelope_decoding_equals_fastavro(size: int, attributes: dict[str, str]) -> None:
+    """PUB-6: the hot-path envelope decoder reads what fastavro reads."""
+    data = bytes(range(256)) * (size // 256) + bytes(size % 256)
+    value = encode("envelope", {"data": data, "attributes": attributes})
+    expected = decode("envelope", value)
+    assert decode_envelope(value) == (expected["data"], expected["attributes"])
+
+
+@pytest.mark.parametrize("value", [b"", b"\x80", b"\x02x", b"\x04x\x00", b"\x02xx", b"\x02x\x00\x00", b"\x01\x00",
+                                   b"\xff" * 11, b"\x02x\x02"])
+def test_fast_envelope_decoding_refuses_what_fastavro_refuses(value: bytes) -> None:
+    """DLQ-4: truncated, over-long, negative-length or trailing-byte values raise EnvelopeError."""
+    with pytest.raises(EnvelopeError):
+        decode_envelope(value)

@@ -21,12 +21,7 @@ def fill(state: PartitionState, keys: list[str | None], start: int = 0) -> None:
 
 def release_all(state: PartitionState, limit: int = 1) -> list[tuple[str | int, int, int]]:
     """(queue key, offset, token) of everything releasable now."""
-    out = []
-    for qkey in state.ready_keys():
-        for delivery in state.release(qkey, 0.0, limit):
-            out.append((qkey, delivery.record.offset, delivery.token))
-        state.ready.pop(qkey, None)
-    return out
+    return [(d.queue_key, d.record.offset, d.token) for d in state.release_ready(0.0, 10**9, limit, 10**9)]
 
 
 def test_offset_tracker_commits_lowest_unsettled() -> None:
