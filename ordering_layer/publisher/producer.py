@@ -59,6 +59,8 @@ _SHORT = 2048
 _HEADS = tuple(encode_envelope(bytes(n), {})[:-n - 1] for n in range(_SHORT))
 _EMPTY_MAP = b"\x00"
 _new_future = object.__new__
+_new_tuple = tuple.__new__
+_monotonic = time.monotonic
 _KEY_CACHE_SIZE = 65_536
 _ENVELOPE_HEADER = (HEADER_ENVELOPE, ENVELOPE_VERSION)
 _BUSY_WINDOW = 0.02
@@ -149,8 +151,8 @@ class _Topic(NamedTuple):
 class PublishFuture(LightFuture[PublishResult]):
     """The future ``publish`` returns; also the record's delivery callback.
 
-    One object per message: librdkafka calls ``_on_delivery`` (a bound method, no closure), which
-    stores where the record landed; the ``PublishResult`` is built when first asked for.
+    One object per message: it is the delivery callback itself (no closure or bound method per
+    message), stores where the record landed, and builds the ``PublishResult`` when first asked.
     """
 
     __slots__ = ("_number", "_offset", "_owner", "_partition", "_stamp")
@@ -176,12 +178,14 @@ class PublishFuture(LightFuture[PublishResult]):
         result = self._result
         if result is None:
             partition, offset = self._partition, self._offset
-            result = self._result = PublishResult(
-                self.message_id, sequence_number(partition, offset), partition, offset,
-                datetime.fromtimestamp(self._stamp / 1000, tz=UTC))
+            # PublishResult(...) without its Python-level __new__; fields in declaration order.
+            result = self._result = _new_tuple(PublishResult, (
+                f"{self._owner._id_prefix}{self._number:x}", (partition << 48) | offset, partition, offset,
+                datetime.fromtimestamp(self._stamp / 1000, tz=UTC)))
         return result
 
-    def _on_delivery(self, err: KafkaError | None, msg: KafkaMessage) -> None:
+    def __call__(self, err: KafkaError | None, msg: KafkaMessage) -> None:
+        """The record's delivery report (called by librdkafka through ``poll``/``flush``)."""
         if err is None:
             self._partition = msg.partition()  # type: ignore[assignment]  # never None in a report
             self._offset = msg.offset()  # type: ignore[assignment]
@@ -228,6 +232,8 @@ class OrderedProducer:
             raise ConfigError(f"Kafka producer config refused: {exc.args[0]}") from exc
         self._produce = self._producer.produce
         self._limit = min(self.settings.max_message_bytes, int(conf.get("message.max.bytes", 1_000_000)))
+        # A value up to this size fits with any valid key and the layer headers (ids < 64 hex digits).
+        self._unchecked_size = self._limit - MAX_ORDERING_KEY_BYTES - _RECORD_OVERHEAD - 256
         self._lock = threading.Lock()
         self._paused: dict[str, BaseException] = {}
         self._topics: dict[str, _Topic] = {}
@@ -237,7 +243,7 @@ class OrderedProducer:
         self._id_prefix_bytes = self._id_prefix.encode()
         self._ids = itertools.count()
         self._closed = False
-        self._last_send = 0.0
+        self._last_inline_poll = 0.0
         self._poller = Worker("ordering-layer-producer-poll", self._poll_step)
         self._poller.start()
 
@@ -285,29 +291,25 @@ class OrderedProducer:
                 route = self._validate_key(ordering_key)
             if route is not None:
                 key_text, key_raw, key_hash = route
-                if self._paused:
-                    self._check_not_paused(topic, key_text)
         if type(data) is not bytes:
             if not isinstance(data, bytes | bytearray | memoryview):
                 raise InvalidMessageError(f"data must be bytes, not {type(data).__name__}")
             data = bytes(data)
+        if self._paused and key_text is not None:
+            self._check_not_paused(topic, key_text)
         size = len(data)
         if attributes or size >= _SHORT:
             value = encode_envelope(data, attributes or {})
         else:
             value = b"".join((_HEADS[size], data, _EMPTY_MAP))
-        now = time.monotonic()
         described = self._topics.get(topic)
-        if described is None or described.expires <= now:
-            described = self._describe(topic, described, now)
+        if described is None or described[1] <= _monotonic():  # [1]: expires
+            described = self._describe(topic, described)
+        partitions, _, count_header, header_bytes = described
         number = next(self._ids)
         message_id = b"%s%x" % (self._id_prefix_bytes, number)
-        size = len(value) + len(message_id) + described.header_bytes
-        if key_raw is not None:
-            size += len(key_raw)
-        if size > self._limit:
-            raise MessageTooLargeError(
-                f"message is {size} bytes encoded; the limit is {self._limit}", size=size, limit=self._limit)
+        if len(value) > self._unchecked_size:  # else it fits whatever key and headers it has
+            self._check_size(len(value) + len(message_id) + header_bytes + len(key_raw or b""))
         # PublishFuture(self, number), without the cost of calling a Python __init__.
         future = _new_future(PublishFuture)
         future._state = RUNNING
@@ -315,21 +317,29 @@ class OrderedProducer:
         future._number = number
         if on_delivery is not None:
             future._on_delivery_cb = on_delivery
-        headers: list[tuple[str, str | bytes | None]] = [
-            (HEADER_MESSAGE_ID, message_id), described.count_header, _ENVELOPE_HEADER]
-        self._last_send = now
         if not number & _INLINE_POLL_MASK:
-            self._producer.poll(0)
-        partition = -1 if key_raw is None else key_hash % described.partitions
+            self._inline_poll()
         try:
             # Positional: topic, value, key, partition, callback, on_delivery, timestamp, headers.
-            self._produce(topic, value, key_raw, partition, future._on_delivery, None, 0, headers)
+            self._produce(topic, value, key_raw, -1 if key_raw is None else key_hash % partitions, future,
+                          None, 0, [(HEADER_MESSAGE_ID, message_id), count_header, _ENVELOPE_HEADER])
         except BufferError:
-            self._produce_when_room(topic, value, key_raw, partition, future, headers)
+            self._produce_when_room(topic, value, key_raw, -1 if key_raw is None else key_hash % partitions,
+                                    future, [(HEADER_MESSAGE_ID, message_id), count_header, _ENVELOPE_HEADER])
         except KafkaException as exc:
             raise PublishError(f"produce to {topic!r} refused: {exc.args[0]}",
                                topic=topic, ordering_key=key_text) from exc
         return future
+
+    def _check_size(self, size: int) -> None:
+        if size > self._limit:
+            raise MessageTooLargeError(
+                f"message is {size} bytes encoded; the limit is {self._limit}", size=size, limit=self._limit)
+
+    def _inline_poll(self) -> None:
+        """Serve delivery reports on the publishing thread, every 256 sends (see ``_poll_step``)."""
+        self._producer.poll(0)
+        self._last_inline_poll = _monotonic()
 
     def _check_not_paused(self, topic: str, key_text: str) -> None:
         cause = self._paused.get(key_text)
@@ -344,7 +354,7 @@ class OrderedProducer:
         while True:
             self._producer.poll(0.05)
             try:
-                self._produce(topic, value, key_raw, partition, future._on_delivery, None, 0, headers)
+                self._produce(topic, value, key_raw, partition, future, None, 0, headers)
                 return
             except BufferError:
                 continue
@@ -396,7 +406,7 @@ class OrderedProducer:
         return key_text in self._paused
 
     # -- metadata --------------------------------------------------------------------------------
-    def _describe(self, topic: str, cached: _Topic | None, now: float) -> _Topic:
+    def _describe(self, topic: str, cached: _Topic | None) -> _Topic:
         """Read the topic's partition count (cached for ``metadata_max_age``); the stale one on error."""
         try:
             metadata = self._producer.list_topics(topic, timeout=10)
@@ -414,16 +424,17 @@ class OrderedProducer:
         count_header = (HEADER_PARTITION_COUNT, str(count).encode())
         header_bytes = (len(HEADER_MESSAGE_ID) + len(count_header[0]) + len(count_header[1])
                         + len(_ENVELOPE_HEADER[0]) + len(_ENVELOPE_HEADER[1]) + _RECORD_OVERHEAD)
-        fresh = _Topic(count, now + self.settings.metadata_max_age, count_header, header_bytes)
+        fresh = _Topic(count, time.monotonic() + self.settings.metadata_max_age, count_header, header_bytes)
         self._topics[topic] = fresh
         return fresh
 
     # -- lifecycle -------------------------------------------------------------------------------
     def _poll_step(self) -> float:
-        # While publishing is busy the publishing thread serves delivery reports itself (every
-        # 256 sends): a second thread running callbacks then would only fight it for
-        # the GIL. When publishing pauses, this thread keeps futures resolving.
-        idle = time.monotonic() - self._last_send
+        # While publishing is busy the publishing thread serves delivery reports itself (every 256
+        # sends): a second thread running callbacks then would only fight it for the GIL. Once
+        # no such poll happened for _BUSY_WINDOW (publishing paused, or too slow to reach 256
+        # sends soon), this thread keeps futures resolving.
+        idle = time.monotonic() - self._last_inline_poll
         if idle < _BUSY_WINDOW:
             return _BUSY_WINDOW - idle
         self._producer.poll(0.1)

@@ -220,3 +220,21 @@ def test_drop_in_produce_flush_and_close_lose_nothing(kafka_config: dict[str, An
     assert numbers == set(range(20_000))
     with pytest.raises(PublishError, match="closed"):
         producer.publish(topic, b"late")
+
+
+def test_futures_resolve_while_publishing_slowly(kafka_config: dict[str, Any],
+                                                 topic_factory: Callable[..., str]) -> None:
+    """PUB-3: a steady trickle of publishes (never 256 in a row that the publishing thread would
+    poll after) still sees its futures resolve promptly, served by the background poll thread."""
+    topic = topic_factory(partitions=2)
+    with OrderedProducer(kafka_config) as producer:
+        producer.publish(topic, b"warm-up", ordering_key="k").result(timeout=30)
+        futures: list[Future[PublishResult]] = []
+        late = 0
+        for n in range(150):
+            futures.append(producer.publish(topic, str(n).encode(), ordering_key=f"k{n % 5}"))
+            time.sleep(0.01)
+            if n >= 50 and not futures[n - 50].done():  # published ~0.5 s ago
+                late += 1
+        assert late <= 5
+        assert all(f.result(timeout=30).offset >= 0 for f in futures)

@@ -11,7 +11,12 @@ from confluent_kafka import KafkaError
 
 from ordering_layer import OrderedProducer, PublishResult
 from ordering_layer.envelope import HEADER_MESSAGE_ID, HEADER_PARTITION_COUNT, decode_record, encode_envelope
-from ordering_layer.errors import InvalidOrderingKeyError, OrderingKeyPausedError, PublishError
+from ordering_layer.errors import (
+    InvalidOrderingKeyError,
+    MessageTooLargeError,
+    OrderingKeyPausedError,
+    PublishError,
+)
 from ordering_layer.publisher import producer as producer_module
 from ordering_layer.publisher.partitioner import partition_for
 
@@ -159,3 +164,22 @@ def test_envelope_fast_path_equals_encoder(sent: tuple[OrderedProducer, list[tup
     producer.publish("t", data, ordering_key="k")
     producer.publish("t", memoryview(data))  # type: ignore[arg-type]
     assert calls[0][1] == calls[1][1] == encode_envelope(data, {})
+
+
+def test_size_limit_counts_value_key_and_headers() -> None:
+    producer = OrderedProducer({"bootstrap.servers": "127.0.0.1:9", "log_level": 0},
+                               settings={"max_message_bytes": 3000})
+    try:
+        calls: list[tuple[Any, ...]] = []
+        producer._produce = lambda *args, **kwargs: calls.append(args)
+        producer._topics["t"] = producer_module._Topic(6, float("inf"), (HEADER_PARTITION_COUNT, b"6"), 100)
+        message_id = len(producer._id_prefix) + 1  # the first ids have one hex digit
+        key = "k" * 500
+        fits = 3000 - 100 - message_id - len(key) - 3  # envelope: 2-byte length and the empty map
+        producer.publish("t", b"x" * fits, ordering_key=key)
+        with pytest.raises(MessageTooLargeError, match="3001 bytes"):
+            producer.publish("t", b"x" * (fits + 1), ordering_key=key)
+        producer.publish("t", b"x" * (fits + 1), ordering_key=key[1:])
+        assert len(calls) == 2
+    finally:
+        producer.close(0)
