@@ -47,6 +47,7 @@ from ordering_layer.worker import Worker
 _LOGGER = logging.getLogger(__name__)
 
 _FETCH_BATCH = 500
+_PAUSED_POLL = 0.005
 _FLUSH_MAX_OPS = 500
 _FLUSH_MAX_AGE = 0.005
 _GATHER = 0.002
@@ -233,7 +234,7 @@ class Engine:
                 call()
             except KafkaException as exc:
                 _LOGGER.warning("%s: consumer call failed: %s", self.subscription, exc)
-        messages = self._consumer.consume(_FETCH_BATCH, 0.1)
+        messages = self._consumer.consume(_FETCH_BATCH, _PAUSED_POLL if self._fetch_paused else 0.1)
         records = []
         for msg in messages:
             if msg.error() is not None:
@@ -389,31 +390,36 @@ class Engine:
                         state.nack(event.queue_key, event.offset, out.token, now, lambda _: 1.0)
 
     def _settle(self, request: Settle, now: float) -> None:
-        state = self._partitions.get(request.partition)
+        partition, offset = request.partition, request.offset
+        state = self._partitions.get(partition)
         if state is None or state.epoch != request.epoch:
             _resolve(request.future, AckResponse.LEASE_LOST)
             return
-        out = self._out.get((request.partition, request.offset))
+        key = (partition, offset)
+        out = self._out.get(key)
         if out is None or out.token != request.token:
             _resolve(request.future, AckResponse.INVALID_ACK_ID)
             return
-        if request.kind == "deadline":
-            out.deadline = now + request.seconds
-            self._watch_lease((request.partition, request.offset), out)
-            self._queue_op(request.partition, ("l", request.offset, _wall_ms(request.seconds)), now)
-            self._queue_future(request.partition, request.future)
-            return
-        if request.kind == "ack":
+        kind = request.kind
+        if kind == "ack":
             self._latencies.append(now - out.first_delivery)
-            state.ack(request.queue_key, request.offset, request.token)
-            self._queue_op(request.partition, ("a", request.offset, 0), now)
+            state.ack(request.queue_key, offset, request.token)
+            self._queue_op(partition, ("a", offset, 0), now)
+        elif kind == "deadline":
+            out.deadline = now + request.seconds
+            self._watch_lease(key, out)
+            self._queue_op(partition, ("l", offset, _wall_ms(request.seconds)), now)
+            self._queue_future(partition, request.future)
+            return
         else:
-            state.nack(request.queue_key, request.offset, request.token, now, self.settings.retry_policy.backoff)
+            state.nack(request.queue_key, offset, request.token, now, self.settings.retry_policy.backoff)
             if request.error:
                 out.record.last_error = request.error
-            self._queue_op(request.partition, ("n", request.offset, 0), now)
-        self._forget(request.partition, request.offset)
-        self._queue_future(request.partition, request.future)
+            self._queue_op(partition, ("n", offset, 0), now)
+        del self._out[key]
+        self._out_bytes -= out.record.size
+        if request.future is not None:
+            self._queue_future(partition, request.future)
 
     def _expire(self, now: float) -> None:
         """Leases: extend those still held (ACK-2), give back those that lapsed (ACK-1, SUB-4).
@@ -534,22 +540,24 @@ class Engine:
         if not deliveries:
             return
         messages: list[Message] = []
+        partitions, parked, topic, submit = self._partitions, self._parked, self.topic, self.submit
+        policy = self.settings.dead_letter_policy
+        max_attempts = policy.max_delivery_attempts if policy is not None else None
         for delivery in deliveries:
             record = delivery.record
-            state = self._partitions.get(record.partition)
+            state = partitions.get(record.partition)
             if state is None:
                 continue  # fenced by the flush that recorded this delivery: the new owner has it
-            policy = self.settings.dead_letter_policy
             if record.decoded is None:
                 self._dead_letter(state, delivery, "UNDECODABLE")
                 continue
-            if policy is not None and delivery.attempt > policy.max_delivery_attempts:
+            if max_attempts is not None and delivery.attempt > max_attempts:
                 self._dead_letter(state, delivery, "MAX_DELIVERY_ATTEMPTS")
                 continue
-            if record.ordering_key is not None and record.ordering_key in self._parked:
+            if parked and record.ordering_key in parked:  # park_key adds to this same set as it goes
                 self._dead_letter(state, delivery, "PARKED_KEY")
                 continue
-            messages.append(Message(delivery, self.topic, state.epoch, self.submit))
+            messages.append(Message(delivery, topic, state.epoch, submit))
         if not messages:
             return
         if self._on_messages is not None:
@@ -678,7 +686,9 @@ class Engine:
             if only is not None and number not in only:
                 continue
             watermark = state.tracker.watermark
-            if watermark is None or self._committed.get(number) == watermark:
+            # An async commit is only queued for the fetch thread, which may stop before it runs:
+            # the sync commits of revoke and close never trust it.
+            if watermark is None or (not sync and self._committed.get(number) == watermark):
                 continue
             offsets.append(TopicPartition(self.topic, number, watermark))
             self._committed[number] = watermark

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -20,6 +21,8 @@ from ordering_layer import (
     Subscriber,
 )
 from ordering_layer.errors import ConfigError, SubscriptionExistsError, SubscriptionNotFoundError
+from ordering_layer.state import ApplyResult, StateStore
+from ordering_layer.state.store import partition_keys
 from tests.checker import wait_until
 from tests.integration.conftest import publish_keys, pull_until, recording_callback
 
@@ -244,3 +247,47 @@ def test_commit_on_get_and_batch_ack(admin: Admin, kafka_config: dict[str, Any],
         batch = pull_until(subscriber, name, 3)
         Subscriber.acknowledge(batch)
         wait_until(lambda: admin.describe_subscription(name)["backlog"] == 0, 30, "batch ack committed")
+
+
+def test_batched_redis_writes_equal_one_by_one(endpoints: Any, unique_name: Callable[[str], str]) -> None:
+    """ACK-4, ACK-5: apply.lua sends runs of one command as one call; the state equals applying the
+    ops one by one (random op streams, long runs that need several calls, and the epoch fence)."""
+    store = StateStore(endpoints.redis_url)
+    rng = random.Random(3)
+    for trial in range(40):
+        name = unique_name(f"lua{trial}")
+        epoch = store.claim(name, 0).epoch
+        settled: set[int] = set()
+        attempts: dict[int, int] = {}
+        leases: dict[int, int] = {}
+        for size in (rng.choice([1, 40, 3000]), 2500):
+            ops = []
+            for _ in range(size):
+                kind = rng.choice("dlanw" if rng.random() < 0.05 else "dlan")
+                offset, value = rng.randrange(40), rng.randrange(1, 10**6)
+                ops.append((kind, offset, value))
+                if kind == "d":
+                    attempts[offset] = value
+                elif kind == "l":
+                    leases[offset] = value
+                elif kind == "a":
+                    settled.add(offset)
+                    attempts.pop(offset, None)
+                    leases.pop(offset, None)
+                elif kind == "n":
+                    leases.pop(offset, None)
+                else:
+                    settled = {o for o in settled if o >= value}
+            assert store.apply_many([(name, 0, epoch, ops)]) == [ApplyResult.APPLIED]
+        keys = partition_keys(name, 0)
+        assert {int(o) for o in store.client.zrange(keys[1], 0, -1)} == settled
+        assert {int(k): int(v) for k, v in store.client.hgetall(keys[2]).items()} == attempts
+        assert {int(k): int(v) for k, v in store.client.hgetall(keys[3]).items()} == leases
+    name = unique_name("lua-run")
+    epoch = store.claim(name, 0).epoch
+    run = [("d", o, 1) for o in range(5001)] + [("l", o, 7) for o in range(5001)]
+    run += [("a", o, 0) for o in range(0, 5001, 2)]
+    assert store.apply_many([(name, 0, epoch, run)]) == [ApplyResult.APPLIED]
+    keys = partition_keys(name, 0)
+    assert (store.client.hlen(keys[2]), store.client.hlen(keys[3]), store.client.zcard(keys[1])) == (2500, 2500, 2501)
+    assert store.apply_many([(name, 0, epoch - 1, run)]) == [ApplyResult.FENCED]

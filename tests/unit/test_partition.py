@@ -116,3 +116,24 @@ def test_retry_policy_backoff_doubles_within_bounds() -> None:
     policy = RetryPolicy(minimum_backoff=10, maximum_backoff=600)
     assert [policy.backoff(n) for n in range(1, 9)] == [10, 20, 40, 80, 160, 320, 600, 600]
     assert policy.backoff(0) == 0
+
+
+def test_release_ready_respects_message_and_byte_budgets_and_keeps_the_rest_ready() -> None:
+    """SUB-7: a step releases at most the budgets allow; unreleased keys stay ready, oldest first."""
+    state = PartitionState(0, 1, ordered=True)
+    fill(state, ["a", "b", "c", "d"])
+    first = state.release_ready(0.0, 2, 1, 10**9)
+    assert [(d.queue_key, d.record.offset) for d in first] == [("a", 0), ("b", 1)]
+    assert list(state.ready) == ["c", "d"]
+    # each record here is 1 byte: a byte budget of 1 lets one key go, then stops
+    assert [(d.queue_key, d.record.offset) for d in state.release_ready(0.0, 10, 1, 1)] == [("c", 2)]
+    assert list(state.ready) == ["d"]
+
+
+def test_release_ready_in_pull_mode_hands_out_a_batch_per_key() -> None:
+    """SUB-1 (pull): one batch per key, in offset order, cut at the budget."""
+    state = PartitionState(0, 1, ordered=True)
+    fill(state, ["a", "a", "b", "a", "b"])
+    batch = state.release_ready(0.0, 4, 10, 10**9)
+    assert [(d.queue_key, d.record.offset) for d in batch] == [("a", 0), ("a", 1), ("a", 3), ("b", 2)]
+    assert state.release_ready(0.0, 10, 10, 10**9) == []

@@ -15,6 +15,11 @@
 -- Returns 1 when applied, 0 when fenced (another owner claimed the partition), 2 when the epoch
 -- key was gone (Redis lost its state): the caller's epoch is adopted and the ops applied; what was
 -- lost can only cause redelivery, never loss (Kafka keeps the messages and the committed offset).
+--
+-- Consecutive writes of one command to one key are sent as one multi-field call (HSET, HDEL, ZADD
+-- with many pairs): the ops of a key keep their order (a run is sent before that key gets another
+-- command), and different keys are independent, so the outcome is that of applying the ops one by
+-- one, with a fraction of the calls (and of the AOF entries they propagate).
 local result = 1
 local current = redis.call('GET', KEYS[1])
 if not current then
@@ -25,19 +30,45 @@ end
 if current ~= ARGV[1] then
   return 0
 end
+local CHUNK = 4000  -- arguments per call (even, so pairs stay whole); keeps unpack() within Lua's stack
+local command = {}
+local args = {{}, {}, {}, {}}
+local function send(k)
+  local list = args[k]
+  for i = 1, #list, CHUNK do
+    redis.call(command[k], KEYS[k], unpack(list, i, math.min(i + CHUNK - 1, #list)))
+  end
+  args[k] = {}
+end
+local function add(k, name, a, b)
+  if command[k] ~= name then
+    send(k)
+    command[k] = name
+  end
+  local list = args[k]
+  list[#list + 1] = a
+  if b then
+    list[#list + 1] = b
+  end
+end
 for kind, offset, value in string.gmatch(ARGV[2], '(%a),(%d+),(%d+);') do
   if kind == 'd' then
-    redis.call('HSET', KEYS[3], offset, value)
+    add(3, 'HSET', offset, value)
   elseif kind == 'l' then
-    redis.call('HSET', KEYS[4], offset, value)
+    add(4, 'HSET', offset, value)
   elseif kind == 'a' then
-    redis.call('ZADD', KEYS[2], offset, offset)
-    redis.call('HDEL', KEYS[3], offset)
-    redis.call('HDEL', KEYS[4], offset)
+    add(2, 'ZADD', offset, offset)
+    add(3, 'HDEL', offset)
+    add(4, 'HDEL', offset)
   elseif kind == 'n' then
-    redis.call('HDEL', KEYS[4], offset)
+    add(4, 'HDEL', offset)
   elseif kind == 'w' then
+    send(2)
+    command[2] = nil
     redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', '(' .. value)
   end
+end
+for k = 2, 4 do
+  send(k)
 end
 return result

@@ -1,0 +1,70 @@
+"""The engine's inbox: posts from many threads, batched take, wake-ups only when armed."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from ordering_layer.subscriber.inbox import Inbox
+
+
+def test_take_returns_everything_in_order() -> None:
+    """Events come out oldest first, all at once."""
+    inbox: Inbox[int] = Inbox()
+    for n in range(5):
+        inbox.put(n)
+    assert len(inbox) == 5
+    assert inbox.take() == [0, 1, 2, 3, 4]
+    assert inbox.take() == []
+
+
+def test_wait_returns_at_once_when_enough_is_waiting_and_times_out_otherwise() -> None:
+    """A consumer asking for more than is waiting sleeps until the timeout."""
+    inbox: Inbox[int] = Inbox()
+    inbox.put(1)
+    assert inbox.wait(1, 10.0)
+    started = time.monotonic()
+    assert not inbox.wait(2, 0.05)
+    assert time.monotonic() - started >= 0.04
+
+
+def test_a_post_wakes_a_waiting_consumer_only_at_the_armed_length() -> None:
+    """An idle consumer is woken by the first post; a gathering one by the n-th, not before."""
+    inbox: Inbox[int] = Inbox()
+    woke = threading.Event()
+
+    def consumer() -> None:
+        inbox.wait(3, 10.0)
+        woke.set()
+
+    thread = threading.Thread(target=consumer)
+    thread.start()
+    time.sleep(0.05)
+    inbox.put(1)
+    inbox.put(2)
+    assert not woke.wait(0.1)
+    inbox.put(3)
+    assert woke.wait(5.0)
+    thread.join()
+
+
+def test_no_post_is_lost_between_many_posters_and_the_consumer() -> None:
+    """Posts racing the consumer's sleep are all taken, and the consumer never sleeps past one."""
+    inbox: Inbox[int] = Inbox()
+    posters, per_poster = 4, 5000
+    got: list[int] = []
+
+    def post(base: int) -> None:
+        for n in range(per_poster):
+            inbox.put(base + n)
+
+    threads = [threading.Thread(target=post, args=(p * per_poster,)) for p in range(posters)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 30.0
+    while len(got) < posters * per_poster and time.monotonic() < deadline:
+        assert inbox.wait(1, 5.0) or len(got) == posters * per_poster
+        got.extend(inbox.take())
+    for thread in threads:
+        thread.join()
+    assert sorted(got) == list(range(posters * per_poster))
