@@ -55,3 +55,6 @@ echo "kafka: ordering-layer/kafka:$kafka_version"
 # 3. Redis: Debian's redis-server.
 docker build -q --build-arg "BASE=$BASE_IMAGE" -t "ordering-layer/redis:7" "$here/redis" >/dev/null
 echo "redis: ordering-layer/redis:7"
+
+# Earlier builds of these images, now untagged, only take disk space (a lot of it with vfs).
+docker image prune -f --filter label=org.ordering-layer.image >/dev/null
