@@ -15,13 +15,21 @@ if [ -n "$missing" ]; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq $missing >/dev/null
 fi
 if docker info >/dev/null 2>&1; then echo "docker engine: running"; exit 0; fi
+# A daemon killed without cleanup (kill -9, the end of a session) leaves its pid file behind, and
+# a new dockerd refuses to start while it exists.
+pidfile=/var/run/docker.pid
+if [ -f "$pidfile" ] && ! kill -0 "$(cat "$pidfile" 2>/dev/null)" 2>/dev/null; then
+  echo "docker engine: removing stale $pidfile"
+  $SUDO rm -f "$pidfile"
+fi
 log="${DOCKERD_LOG:-/tmp/ordering-layer-dockerd.log}"
 echo "docker engine: starting dockerd --storage-driver=vfs (log: $log)"
-$SUDO sh -c "nohup dockerd --storage-driver=vfs >'$log' 2>&1 &"
+$SUDO sh -c "nohup dockerd --storage-driver=vfs >'$log' 2>&1 & echo \$! >'$log.pid'"
 for _ in $(seq 1 120); do
   docker info >/dev/null 2>&1 && { echo "docker engine: running"; exit 0; }
+  kill -0 "$(cat "$log.pid")" 2>/dev/null || break
   sleep 0.5
 done
-echo "docker engine did not answer within 60 s; see $log" >&2
+echo "docker engine did not start (or answer within 60 s); see $log" >&2
 tail -20 "$log" >&2
 exit 1
