@@ -9,7 +9,7 @@ Two threads and one lock:
 * the *engine* thread takes everything else from the inbox (records, acks, nacks, deadline changes,
   pull requests), releases what each key may release, records the attempts and leases in Redis in
   one pipeline *before* handing the messages out, expires leases, commits offsets and applies flow
-  control by pausing the fetch.
+  control by holding, then pausing, the fetch.
 
 User code never touches this state: it posts ``Settle`` requests, which wake the engine at once.
 """
@@ -54,6 +54,11 @@ _GATHER = 0.002
 _COMMIT_INTERVAL = 1.0
 _MAX_BUFFERED = 20_000
 _RESUME_FRACTION = 0.8
+# Over the flow-control limit the fetch thread first only stops taking records from the consumer:
+# librdkafka keeps what it prefetched (bounded by its queued.* settings). A real pause() throws that
+# prefetch away and costs a refetch of ~0.2-0.5 s on resume, so it is used only when the limit
+# holds longer than this (and rebalance callbacks, served by consume(), must not wait long).
+_HOLD_BEFORE_PAUSE = 1.0
 _REVOKE_GRACE = 30.0
 
 DLQ_HEADERS = ("ol-dlq-source-topic", "ol-dlq-source-partition", "ol-dlq-source-offset",
@@ -162,7 +167,9 @@ class Engine:
         self._pulls: deque[_Pull] = deque()
         self._committed: dict[int, int] = {}
         self._last_commit = 0.0
-        self._fetch_paused = False
+        self._fetch_held = False  # engine: over the flow-control limit, take no records
+        self._held_since = 0.0
+        self._fetch_paused = False  # fetch thread: the assignment is paused in the consumer
         self._closing = False
         self._fetcher = Worker(f"ordering-layer-fetch-{subscription}", self._fetch_step)
         self._engine = Worker(f"ordering-layer-engine-{subscription}", self._engine_step)
@@ -214,7 +221,8 @@ class Engine:
         with self._lock:
             return {"outstanding": len(self._out), "outstanding_bytes": self._out_bytes,
                     "buffered": sum(p.buffered for p in self._partitions.values()),
-                    "partitions": len(self._partitions), "fetch_paused": int(self._fetch_paused)}
+                    "partitions": len(self._partitions), "fetch_held": int(self._fetch_held),
+                    "fetch_paused": int(self._fetch_paused)}
 
     def assigned_partitions(self) -> list[int]:
         """Partitions this subscriber owns now."""
@@ -234,6 +242,13 @@ class Engine:
                 call()
             except KafkaException as exc:
                 _LOGGER.warning("%s: consumer call failed: %s", self.subscription, exc)
+        if self._fetch_held:
+            if not self._fetch_paused:
+                if time.monotonic() - self._held_since < _HOLD_BEFORE_PAUSE:
+                    return _PAUSED_POLL  # SUB-7: no records taken while over the limit
+                self._pause_assignment(True)
+        elif self._fetch_paused:
+            self._pause_assignment(False)
         messages = self._consumer.consume(_FETCH_BATCH, _PAUSED_POLL if self._fetch_paused else 0.1)
         records = []
         for msg in messages:
@@ -712,20 +727,21 @@ class Engine:
         under = (len(self._out) < limits.max_messages * _RESUME_FRACTION
                  and self._out_bytes < limits.max_bytes * _RESUME_FRACTION
                  and buffered < _MAX_BUFFERED * _RESUME_FRACTION)
-        if over and not self._fetch_paused:
-            self._set_fetch(pause=True)
-        elif under and self._fetch_paused:
-            self._set_fetch(pause=False)
+        if over and not self._fetch_held:
+            self._held_since = time.monotonic()
+            self._fetch_held = True
+        elif under and self._fetch_held:
+            self._fetch_held = False
 
-    def _set_fetch(self, *, pause: bool) -> None:
+    def _pause_assignment(self, pause: bool) -> None:
+        """Fetch thread: pause or resume the whole assignment in the consumer."""
         self._fetch_paused = pause
-
-        def apply() -> None:
-            assignment = self._consumer.assignment()
-            if assignment:
+        assignment = self._consumer.assignment()
+        if assignment:
+            try:
                 (self._consumer.pause if pause else self._consumer.resume)(assignment)
-
-        self._consumer_calls.put(apply)
+            except KafkaException as exc:
+                _LOGGER.warning("%s: %s failed: %s", self.subscription, "pause" if pause else "resume", exc)
 
     # -- bookkeeping -----------------------------------------------------------------------------
     def _forget(self, partition: int, offset: int) -> None:
