@@ -143,7 +143,9 @@ def leases_off() -> Iterator[None]:
     watch, queue_ops = Engine._watch_leases, Engine._queue_ops
 
     def skip_lease_ops(self: Engine, partition: int, ops: list[Any], now: float) -> None:
-        queue_ops(self, partition, [op for op in ops if op[0] != "l"], now)
+        # "l" and "b" write lease deadlines; "e" is a delivery with the batch's lease, "d" one without.
+        kept = [("d", op[1], op[2]) if op[0] == "e" else op for op in ops if op[0] not in ("l", "b")]
+        queue_ops(self, partition, kept, now)
 
     Engine._watch_leases = lambda self, deadline, keys: None  # type: ignore[method-assign]
     Engine._queue_ops = skip_lease_ops  # type: ignore[method-assign]

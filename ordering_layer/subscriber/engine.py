@@ -524,7 +524,7 @@ class Engine:
         lease_ms = _wall_ms(ack_deadline)
         outstanding = self._out
         keys = []
-        ops: list[Op] = []
+        ops: list[Op] = [("b", 0, lease_ms)]  # the batch's lease deadline, for the "e" ops after it
         size = 0
         for delivery in batch:
             record = delivery.record
@@ -533,8 +533,7 @@ class Engine:
             outstanding[key] = _Outstanding(delivery.token, record, delivery.queue_key, deadline, now)
             keys.append(key)
             size += record.size
-            ops.append(("d", offset, delivery.attempt))
-            ops.append(("l", offset, lease_ms))
+            ops.append(("e", offset, delivery.attempt))
         self._out_bytes += size
         self._queue_ops(partition, ops, now)
         self._watch_leases(deadline, keys)

@@ -262,12 +262,19 @@ def test_batched_redis_writes_equal_one_by_one(endpoints: Any, unique_name: Call
         leases: dict[int, int] = {}
         for size in (rng.choice([1, 40, 3000]), 2500):
             ops = []
+            batch_lease = rng.randrange(1, 10**6)
+            ops.append(("b", 0, batch_lease))
             for _ in range(size):
-                kind = rng.choice("dlanw" if rng.random() < 0.05 else "dlan")
+                kind = rng.choice("dlanw" if rng.random() < 0.05 else "dlaneeb")
                 offset, value = rng.randrange(40), rng.randrange(1, 10**6)
+                if kind == "b":
+                    batch_lease = value
                 ops.append((kind, offset, value))
                 if kind == "d":
                     attempts[offset] = value
+                elif kind == "e":
+                    attempts[offset] = value
+                    leases[offset] = batch_lease
                 elif kind == "l":
                     leases[offset] = value
                 elif kind == "a":
@@ -276,7 +283,7 @@ def test_batched_redis_writes_equal_one_by_one(endpoints: Any, unique_name: Call
                     leases.pop(offset, None)
                 elif kind == "n":
                     leases.pop(offset, None)
-                else:
+                elif kind == "w":
                     settled = {o for o in settled if o >= value}
             assert store.apply_many([(name, 0, epoch, ops)]) == [ApplyResult.APPLIED]
         keys = partition_keys(name, 0)

@@ -9,6 +9,8 @@
 --          cheap for batches of hundreds of ops):
 --            "d" delivered: attempts[offset] = value (the attempt number); lease set by a later "l"
 --            "l" lease:     leases[offset] = value (deadline ms)
+--            "b" batch lease: the lease deadline (value, ms) of the "e" ops that follow (offset 0)
+--            "e" delivered under the batch lease: attempts[offset] = value; leases[offset] = it
 --            "a" settled:   zadd settled offset; drop attempts and lease
 --            "n" nack:      drop lease (the message stays unsettled)
 --            "w" watermark: committed offset is value: forget everything below it
@@ -51,8 +53,14 @@ local function add(k, name, a, b)
     list[#list + 1] = b
   end
 end
+local batch_lease = nil
 for kind, offset, value in string.gmatch(ARGV[2], '(%a),(%d+),(%d+);') do
-  if kind == 'd' then
+  if kind == 'e' then
+    add(3, 'HSET', offset, value)
+    add(4, 'HSET', offset, batch_lease)
+  elseif kind == 'b' then
+    batch_lease = value
+  elseif kind == 'd' then
     add(3, 'HSET', offset, value)
   elseif kind == 'l' then
     add(4, 'HSET', offset, value)
