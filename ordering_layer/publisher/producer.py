@@ -180,7 +180,7 @@ class PublishFuture(LightFuture[PublishResult]):
             partition, offset = self._partition, self._offset
             # PublishResult(...) without its Python-level __new__; fields in declaration order.
             result = self._result = _new_tuple(PublishResult, (
-                f"{self._owner._id_prefix}{self._number:x}", (partition << 48) | offset, partition, offset,
+                self._owner._message_id(self._number), (partition << 48) | offset, partition, offset,
                 datetime.fromtimestamp(self._stamp / 1000, tz=UTC)))
         return result
 

@@ -469,12 +469,12 @@ class Engine:
                     self._forget(partition, offset)
                     self._queue_op(partition, ("n", offset, 0), now)
                 else:
-                    out.check = out.deadline
-                    heapq.heappush(leases, (out.check, next(self._lease_seq), [key]))
+                    self._watch_lease(key, out, check=out.deadline)
 
-    def _watch_lease(self, key: tuple[int, int], out: _Outstanding) -> None:
-        """Look at this delivery again shortly before its deadline (extension is jittered)."""
-        out.check = self._check_time(out.deadline)
+    def _watch_lease(self, key: tuple[int, int], out: _Outstanding, check: float | None = None) -> None:
+        """Look at this delivery again at ``check``, by default shortly before its deadline
+        (extension is jittered)."""
+        out.check = self._check_time(out.deadline) if check is None else check
         heapq.heappush(self._leases, (out.check, next(self._lease_seq), [key]))
 
     def _watch_leases(self, deadline: float, keys: list[tuple[int, int]]) -> None:
