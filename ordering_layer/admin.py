@@ -183,7 +183,7 @@ class Admin:
         their original order; return what was republished (DLQ-5)."""
         return redrive(self._config, subscription, self._dead_letter_topic(subscription), topic)
 
-    def release_key(self, subscription: str, ordering_key: str) -> bool:
+    def release_key(self, subscription: str, ordering_key: str | bytes) -> bool:
         """Release a key parked by a ``park_key`` policy; its next messages are delivered again."""
         return self.store.release_key(subscription, ordering_key)
 

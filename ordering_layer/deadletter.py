@@ -1,8 +1,10 @@
 """Reading and redriving a subscription's dead-letter topic (DLQ-5).
 
 Dead letters are read with a plain consumer; a redrive republishes each source record byte for byte
-(key, value, headers, so the message id is kept and duplicates stay detectable) to the source topic
-or another one, partition by partition in dead-letter order, so each key keeps its original order.
+(key, value, headers) to the source topic or another one, partition by partition in dead-letter
+order, so each key keeps its original order. The message id is kept: a record that had no
+``ol-message-id`` header (its id was its sequence number in the source) gets one with that id, so
+duplicates stay detectable.
 Redrive progress is committed in the consumer group ``<subscription>.redrive``.
 """
 
@@ -17,9 +19,9 @@ from typing import Any
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, Producer, TopicPartition
 
-from ordering_layer.envelope import HEADER_PARTITION_COUNT, decode
-from ordering_layer.errors import ConfigError, EnvelopeError, PublishError
+from ordering_layer.errors import ConfigError, PublishError, RecordFormatError
 from ordering_layer.publisher.partitioner import partition_for
+from ordering_layer.record import HEADER_MESSAGE_ID, HEADER_PARTITION_COUNT, decode, display_key
 
 _LOGGER = logging.getLogger(__name__)
 _TIMEOUT = 30.0
@@ -45,11 +47,19 @@ class DeadLetter:
 
     @property
     def ordering_key(self) -> str | None:
-        """The source record's ordering key, when it was valid UTF-8."""
-        try:
-            return self.key.decode() if self.key else None
-        except UnicodeDecodeError:
-            return None
+        """The source record's ordering key as text (see ``record.display_key``); None when unordered."""
+        return display_key(self.key) or None
+
+    @property
+    def message_id(self) -> str:
+        """The source message's id: its ``ol-message-id`` header, else its decimal sequence number."""
+        for name, value in self.headers:
+            if name == HEADER_MESSAGE_ID and value:
+                try:
+                    return value.decode()
+                except UnicodeDecodeError:
+                    break
+        return str(self.sequence_number)
 
 
 def _consumer(kafka_config: Mapping[str, Any], group: str) -> Consumer:
@@ -70,7 +80,7 @@ def _read(consumer: Consumer, topic: str, starts: dict[int, int], ends: dict[int
             assert partition is not None and offset is not None
             try:
                 record = decode("dead_letter", msg.value() or b"")
-            except EnvelopeError:
+            except RecordFormatError:
                 _LOGGER.warning("dead-letter record %s:%d:%d is not a DeadLetter record", topic, partition, offset)
             else:
                 letters.append(DeadLetter(
@@ -125,8 +135,9 @@ def redrive(kafka_config: Mapping[str, Any], subscription: str, dead_letter_topi
             if not topic:
                 raise ConfigError("dead letter without a source topic: name target_topic")
             count = len(producer.list_topics(topic, timeout=_TIMEOUT).topics[topic].partitions)
-            headers = [(k, v) for k, v in letter.headers if k != HEADER_PARTITION_COUNT]
+            headers = [(k, v) for k, v in letter.headers if k not in (HEADER_PARTITION_COUNT, HEADER_MESSAGE_ID)]
             headers.append((HEADER_PARTITION_COUNT, str(count).encode()))
+            headers.append((HEADER_MESSAGE_ID, letter.message_id.encode()))
             kwargs: dict[str, Any] = {"headers": headers, "key": letter.key,
                                       "on_delivery": lambda err, _m: failures.append(str(err)) if err else None}
             if letter.key:

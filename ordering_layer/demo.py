@@ -1,7 +1,8 @@
 """The demo job (``ordering-layer demo``, ``make demo``): publish over many keys and prove the order.
 
 It publishes a per-key numbered workload with ``OrderedProducer``, reads the topic back with a
-plain confluent-kafka consumer (every key in one partition, in publish order, sequence numbers
+plain confluent-kafka consumer (plain Kafka records: key = ordering key, value = payload, headers =
+attributes; every key in one partition, in publish order, sequence numbers
 ``partition << 48 | offset``), consumes it through an ordered subscription that nacks some
 messages (per-key order with cascade redelivery, nothing lost), and lets Spark restore the
 per-key order from the same topic.
@@ -22,8 +23,8 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
 from ordering_layer.admin import Admin
 from ordering_layer.config import DeadLetterPolicy, RetryPolicy
-from ordering_layer.envelope import decode_record
 from ordering_layer.publisher import OrderedProducer, PublishResult
+from ordering_layer.record import attributes_of
 from ordering_layer.stack import Endpoints
 from ordering_layer.subscriber import Message, Subscriber
 
@@ -50,7 +51,11 @@ def run(endpoints: Endpoints, *, messages: int, keys: int, partitions: int,
     out(f"published {messages} messages over {keys} ordering keys in {elapsed:.2f} s "
         f"({messages / elapsed:,.0f} msg/s, idempotent, acks=all)")
 
-    received = _read_back(endpoints.bootstrap, topic, messages)
+    received, sample = _read_back(endpoints.bootstrap, topic, messages)
+    out("a record as any Kafka client reads it (key = ordering key, value = payload, headers = attributes):")
+    out(f"  {sample}")
+    out(f"  see them with kcat: kcat -C -b {endpoints.bootstrap} -t {topic} -c 3 -e "
+        "-f 'partition %p offset %o key %k value %s headers %h\\n'")
     per_key: dict[str, list[tuple[int, int, int]]] = defaultdict(list)
     for partition, offset, key, number in received:
         per_key[key].append((partition, offset, number))
@@ -146,23 +151,28 @@ def _spark_step(endpoints: Endpoints, topic: str, out: Callable[[str], None]) ->
     return ("SPK-2 Spark restored per-key order", ok)
 
 
-def _read_back(bootstrap: str, topic: str, expected: int) -> list[tuple[int, int, str, int]]:
+def _read_back(bootstrap: str, topic: str, expected: int) -> tuple[list[tuple[int, int, str, int]], str]:
+    """Read the topic with a plain confluent-kafka consumer: (partition, offset, key, n) rows, sorted,
+    and one record shown as that consumer sees it."""
     consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"demo-reader-{uuid.uuid4().hex}",
                          "enable.auto.commit": False})
     try:
         partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
         consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in partitions])
         rows: list[tuple[int, int, str, int]] = []
+        sample = ""
         deadline = time.monotonic() + 60
         while len(rows) < expected and time.monotonic() < deadline:
             for record in consumer.consume(1000, 0.5):
                 if record.error() is not None:
                     continue
-                decoded = decode_record(record.key(), record.value(), record.headers())
+                key, value, headers = record.key(), record.value(), record.headers()
                 partition, offset = record.partition(), record.offset()
-                assert partition is not None and offset is not None and decoded.ordering_key is not None
-                rows.append((partition, offset, decoded.ordering_key, int(decoded.attributes["n"])))
+                assert partition is not None and offset is not None and key is not None
+                if not sample:
+                    sample = f"key={key!r} value={value!r} headers={headers!r}"
+                rows.append((partition, offset, key.decode(), int(attributes_of(headers)["n"])))
         rows.sort()
-        return rows
+        return rows, sample
     finally:
         consumer.close()

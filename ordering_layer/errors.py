@@ -50,8 +50,8 @@ class OrderingKeyPausedError(PublishError):
     """Publishing for this ordering key is paused after a failure until ``resume_publish`` (PUB-2)."""
 
 
-class EnvelopeError(OrderingLayerError, ValueError):
-    """A Kafka record cannot be decoded as a layer message (DLQ-4)."""
+class RecordFormatError(OrderingLayerError, ValueError):
+    """A record of the layer's own (dead letter, schedule, snapshot) cannot be decoded."""
 
 
 class TopicError(OrderingLayerError):
@@ -97,3 +97,12 @@ class InvalidMessageError(OrderingLayerError, ValueError):
 
 class TopicExistsError(TopicError):
     """``create_topic`` named a topic that exists already."""
+
+
+class UnsupportedOperationError(OrderingLayerError, NotImplementedError):
+    """A confluent-kafka method the ordered wrappers cannot offer (for example transactions, or a
+    ``seek`` of one partition, which would break per-key order and per-message acks)."""
+
+    def __init__(self, operation: str, reason: str) -> None:
+        super().__init__(f"{operation} is not supported by ordering_layer: {reason}")
+        self.operation = operation

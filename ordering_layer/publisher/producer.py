@@ -1,17 +1,16 @@
 """``OrderedProducer``: a drop-in ``confluent_kafka.Producer`` that keeps per-key order (PUB-1..PUB-4, PUB-6).
 
 Every record is idempotent with ``acks=all`` and routed by its ordering key with Kafka's murmur2
-partitioner against a cached partition count, which is stamped into the record's headers. A final
-delivery failure of a key pauses that key (PUB-2) until ``resume_publish``.
+partitioner against a cached partition count. The record is plain Kafka: key = ordering key, value =
+payload, headers = attributes plus ``ol-partition-count`` (and ``ol-message-id`` only for a
+caller-chosen id). A final delivery failure of a key pauses that key (PUB-2) until ``resume_publish``.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import time
-import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from datetime import UTC, datetime
@@ -26,13 +25,6 @@ from ordering_layer.config import (
     from_mapping,
     require_bootstrap,
 )
-from ordering_layer.envelope import (
-    ENVELOPE_VERSION,
-    HEADER_ENVELOPE,
-    HEADER_MESSAGE_ID,
-    HEADER_PARTITION_COUNT,
-    encode_envelope,
-)
 from ordering_layer.errors import (
     ConfigError,
     InvalidMessageError,
@@ -41,31 +33,39 @@ from ordering_layer.errors import (
     OrderingKeyPausedError,
     PublishError,
     TopicError,
+    UnsupportedOperationError,
 )
 from ordering_layer.publisher.future import FINISHED, RUNNING, LightFuture
 from ordering_layer.publisher.partitioner import murmur2
+from ordering_layer.record import (
+    HEADER_MESSAGE_ID,
+    HEADER_PARTITION_COUNT,
+    MAX_MESSAGE_ID_BYTES,
+    RESERVED_PREFIX,
+    HeaderValue,
+    display_key,
+)
 from ordering_layer.worker import Worker
 
 _LOGGER = logging.getLogger(__name__)
 
 DeliveryCallback = Callable[[KafkaError | None, KafkaMessage], None]
+ProduceHeaders = Mapping[str, HeaderValue] | Sequence[tuple[str, HeaderValue]]
 
 _ENFORCED = {"enable.idempotence": True, "acks": "all"}
 _ACKS_ALL = {"all", "-1"}
 _INLINE_POLL_MASK = 255  # the publishing thread serves delivery reports every 256 sends
-# Envelopes without attributes of payloads shorter than _SHORT are built here as head + data +
-# _EMPTY_MAP, with the heads (Avro length prefixes) cut from encode_envelope's own output.
-_SHORT = 2048
-_HEADS = tuple(encode_envelope(bytes(n), {})[:-n - 1] for n in range(_SHORT))
-_EMPTY_MAP = b"\x00"
 _new_future = object.__new__
 _new_tuple = tuple.__new__
 _monotonic = time.monotonic
 _KEY_CACHE_SIZE = 65_536
-_ENVELOPE_HEADER = (HEADER_ENVELOPE, ENVELOPE_VERSION)
 _BUSY_WINDOW = 0.02
-# Per-record overhead of Kafka's record format beyond key, value and header bytes (upper bound).
+# Per-record overhead of Kafka's record format beyond key, value and header bytes (upper bound),
+# and per header (name and value lengths as varints).
 _RECORD_OVERHEAD = 64
+_HEADER_OVERHEAD = 10
+_UNCHECKED_HEADER_BYTES = 512
+_TRANSACTIONS = "transactions (the layer's per-key pause and ordering are per record, not per transaction)"
 
 
 class PublishResult(NamedTuple):
@@ -112,31 +112,51 @@ def encode_ordering_key(ordering_key: str | bytes | None) -> tuple[str | None, b
     return text, raw
 
 
-def _check_attributes(attributes: Mapping[str, str] | None) -> Mapping[str, str]:
-    if not attributes:
-        return {}
+def attribute_headers(attributes: Mapping[str, str]) -> list[tuple[str, HeaderValue]]:
+    """Attributes (str -> str) as record headers; refuses other types and ``ol-`` names (PUB-4, PUB-6)."""
+    headers: list[tuple[str, HeaderValue]] = []
     for name, value in attributes.items():
         if not isinstance(name, str) or not isinstance(value, str):
             raise InvalidMessageError(f"attributes must map str to str; got {name!r}: {value!r}")
-    return attributes
+        if name.startswith(RESERVED_PREFIX):
+            raise InvalidMessageError(f"attribute name {name!r} uses the reserved prefix {RESERVED_PREFIX!r}")
+        headers.append((name, value.encode()))
+    return headers
 
 
-def _attributes_from_headers(headers: Mapping[str, Any] | Sequence[tuple[str, Any]] | None) -> dict[str, str]:
-    """The drop-in ``produce(headers=...)`` become attributes: str or UTF-8 bytes values."""
+def produce_headers(headers: ProduceHeaders | None) -> list[tuple[str, HeaderValue]]:
+    """``produce(headers=...)`` as confluent-kafka takes them (a mapping or pairs; values str, bytes
+    or None), passed through byte for byte; ``ol-`` names are refused (PUB-6)."""
     if not headers:
-        return {}
-    pairs = headers.items() if isinstance(headers, Mapping) else headers
-    attributes: dict[str, str] = {}
-    for name, value in pairs:
-        if isinstance(value, bytes):
-            try:
-                value = value.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise InvalidMessageError(f"header {name!r} is not UTF-8 text") from exc
-        if not isinstance(name, str) or not isinstance(value, str):
-            raise InvalidMessageError(f"headers must map str to str or bytes; got {name!r}: {value!r}")
-        attributes[name] = value
-    return attributes
+        return []
+    pairs = list(headers.items()) if isinstance(headers, Mapping) else list(headers)
+    for pair in pairs:
+        if not isinstance(pair, tuple) or len(pair) != 2:
+            raise InvalidMessageError(f"headers must be (name, value) pairs; got {pair!r}")
+        name, value = pair
+        if not isinstance(name, str) or not (value is None or isinstance(value, str | bytes)):
+            raise InvalidMessageError(f"headers must map str to str, bytes or None; got {name!r}: {value!r}")
+        if name.startswith(RESERVED_PREFIX):
+            raise InvalidMessageError(f"header name {name!r} uses the reserved prefix {RESERVED_PREFIX!r}")
+    return pairs
+
+
+def _check_message_id(message_id: str | None) -> bytes | None:
+    if message_id is None:
+        return None
+    if not isinstance(message_id, str) or not message_id:
+        raise InvalidMessageError(f"message_id must be a non-empty str, got {message_id!r}")
+    raw = message_id.encode()
+    if len(raw) > MAX_MESSAGE_ID_BYTES:
+        raise InvalidMessageError(f"message_id is {len(raw)} bytes; at most {MAX_MESSAGE_ID_BYTES} are allowed")
+    return raw
+
+
+def _header_bytes(headers: Sequence[tuple[str, HeaderValue]]) -> int:
+    size = 0
+    for name, value in headers:
+        size += len(name) + _HEADER_OVERHEAD + (len(value) if value is not None else 0)
+    return size
 
 
 class _Topic(NamedTuple):
@@ -144,8 +164,8 @@ class _Topic(NamedTuple):
 
     partitions: int
     expires: float
-    count_header: tuple[str, str | bytes | None]
-    header_bytes: int  # bytes of the layer headers except the message id's value, plus overhead
+    count_header: tuple[str, HeaderValue]
+    header_bytes: int  # bytes of the count header, plus the record overhead
 
 
 class PublishFuture(LightFuture[PublishResult]):
@@ -155,32 +175,27 @@ class PublishFuture(LightFuture[PublishResult]):
     message), stores where the record landed, and builds the ``PublishResult`` when first asked.
     """
 
-    __slots__ = ("_number", "_offset", "_owner", "_partition", "_stamp")
+    __slots__ = ("_offset", "_owner", "_partition", "_stamp")
     _owner: OrderedProducer
-    _number: int
     _partition: int  # these three are set by the delivery report
     _offset: int
     _stamp: int
+    _message_id: str | None = None  # a caller-chosen id (else the decimal sequence number)
     _on_delivery_cb: DeliveryCallback | None = None  # set for OrderedProducer.produce()
 
-    def __init__(self, owner: OrderedProducer, number: int) -> None:
-        # OrderedProducer._send makes these inline, with the same three assignments.
+    def __init__(self, owner: OrderedProducer) -> None:
+        # OrderedProducer._send makes these inline, with the same assignments.
         self._state = RUNNING
         self._owner = owner
-        self._number = number
-
-    @property
-    def message_id(self) -> str:
-        """The id stamped in the record's ``ol-message-id`` header."""
-        return self._owner._message_id(self._number)
 
     def _value(self) -> PublishResult:
         result = self._result
         if result is None:
             partition, offset = self._partition, self._offset
+            number = (partition << 48) | offset
             # PublishResult(...) without its Python-level __new__; fields in declaration order.
             result = self._result = _new_tuple(PublishResult, (
-                self._owner._message_id(self._number), (partition << 48) | offset, partition, offset,
+                self._message_id or str(number), number, partition, offset,
                 datetime.fromtimestamp(self._stamp / 1000, tz=UTC)))
         return result
 
@@ -202,7 +217,10 @@ class PublishFuture(LightFuture[PublishResult]):
 
 
 class OrderedProducer:
-    """Publishes with ordering keys; same config dict as ``confluent_kafka.Producer``.
+    """Publishes with ordering keys; takes what ``confluent_kafka.Producer`` takes.
+
+    ``OrderedProducer(conf)``, ``OrderedProducer(conf, **more)`` and ``OrderedProducer(**conf)``
+    all work as they do for confluent-kafka (keyword settings override the dict's).
 
     Args:
         config: confluent-kafka settings, passed through; ``bootstrap.servers`` is required and
@@ -214,15 +232,17 @@ class OrderedProducer:
             would break ordering.
     """
 
-    def __init__(self, config: Mapping[str, Any],
-                 settings: PublisherSettings | Mapping[str, Any] | None = None) -> None:
-        require_bootstrap(config)
+    def __init__(self, config: Mapping[str, Any] | None = None, /, *,
+                 settings: PublisherSettings | Mapping[str, Any] | None = None, **kwargs: Any) -> None:
+        conf = {**(config or {}), **kwargs}
+        require_bootstrap(conf)
         self.settings = from_mapping(PublisherSettings, settings)
-        conf = dict(config)
         if str(conf.get("enable.idempotence", True)).lower() not in ("true", "1"):
             raise ConfigError("OrderedProducer needs enable.idempotence=true for in-key order (PUB-1)")
         if str(conf.get("acks", "all")).lower() not in _ACKS_ALL:
             raise ConfigError(f"OrderedProducer needs acks=all (PUB-1); got acks={conf['acks']!r}")
+        if conf.get("transactional.id"):
+            raise UnsupportedOperationError("transactional.id", _TRANSACTIONS)
         conf.update(_ENFORCED)
         conf.setdefault("linger.ms", 5)
         conf.setdefault("logger", logging.getLogger("ordering_layer.kafka.producer"))
@@ -232,16 +252,15 @@ class OrderedProducer:
             raise ConfigError(f"Kafka producer config refused: {exc.args[0]}") from exc
         self._produce = self._producer.produce
         self._limit = min(self.settings.max_message_bytes, int(conf.get("message.max.bytes", 1_000_000)))
-        # A value up to this size fits with any valid key and the layer headers (ids < 64 hex digits).
-        self._unchecked_size = self._limit - MAX_ORDERING_KEY_BYTES - _RECORD_OVERHEAD - 256
+        # A record whose value is up to this size fits with any valid key and up to
+        # _UNCHECKED_HEADER_BYTES of headers (record overhead included): no size sum needed.
+        self._unchecked_size = self._limit - MAX_ORDERING_KEY_BYTES - _UNCHECKED_HEADER_BYTES
         self._lock = threading.Lock()
         self._paused: dict[str, BaseException] = {}
         self._topics: dict[str, _Topic] = {}
         # Validated ordering keys (as given, str or bytes) -> (text, record key, murmur2 & 0x7FFFFFFF).
         self._keys: dict[str | bytes, tuple[str, bytes, int]] = {}
-        self._id_prefix = uuid.uuid4().hex[:16] + "-"
-        self._id_prefix_bytes = self._id_prefix.encode()
-        self._ids = itertools.count()
+        self._sent = 0
         self._closed = False
         self._last_inline_poll = 0.0
         self._poller = Worker("ordering-layer-producer-poll", self._poll_step)
@@ -249,34 +268,57 @@ class OrderedProducer:
 
     # -- publishing ------------------------------------------------------------------------------
     def publish(self, topic: str, data: bytes, ordering_key: str | bytes | None = None,
-                attributes: Mapping[str, str] | None = None) -> Future[PublishResult]:
+                attributes: Mapping[str, str] | None = None, *, message_id: str | None = None,
+                ) -> Future[PublishResult]:
         """Publish ``data`` with an optional ordering key; the future resolves to a ``PublishResult``.
 
-        The future is a ``concurrent.futures.Future`` (a ``PublishFuture``) that cannot be
-        cancelled: the record is with the Kafka client once ``publish`` returns.
+        The record is key = ordering key, value = ``data``, headers = ``attributes`` (UTF-8) plus
+        ``ol-partition-count``. ``message_id`` (optional, at most 256 bytes) is kept in an
+        ``ol-message-id`` header for duplicate detection; without it the message id is the
+        decimal sequence number. The future cannot be cancelled: the record is with the Kafka
+        client once ``publish`` returns.
 
         Raises:
             OrderingKeyPausedError: the key is paused after an earlier failure (PUB-2).
-            InvalidOrderingKeyError, InvalidMessageError, MessageTooLargeError: bad input (PUB-4).
+            InvalidOrderingKeyError, InvalidMessageError, MessageTooLargeError: bad input, including
+                attribute names starting with ``ol-`` (PUB-4).
             TopicError: the topic does not exist.
         """
-        return self._send(topic, data, ordering_key, _check_attributes(attributes) if attributes else None, None)
+        headers = attribute_headers(attributes) if attributes else None
+        return self._send(topic, data, ordering_key, headers, message_id, None, -1, 0)
 
     def produce(self, topic: str, value: bytes | str | None = None, key: str | bytes | None = None,
-                *, headers: Mapping[str, Any] | Sequence[tuple[str, Any]] | None = None,
-                on_delivery: DeliveryCallback | None = None, callback: DeliveryCallback | None = None,
-                ) -> None:
-        """The shape of ``confluent_kafka.Producer.produce``: ``key`` is the ordering key.
+                partition: int = -1, callback: DeliveryCallback | None = None,
+                on_delivery: DeliveryCallback | None = None, timestamp: int = 0,
+                headers: ProduceHeaders | None = None) -> None:
+        """``confluent_kafka.Producer.produce``, argument for argument; ``key`` is the ordering key.
 
-        ``headers`` become the message's attributes; ``on_delivery(err, msg)`` (or ``callback``) is
-        called from the producer's poll thread. Raises like ``publish``.
+        ``headers`` pass through byte for byte (names starting with ``ol-`` are refused);
+        ``on_delivery(err, msg)`` (or ``callback``) is called with confluent-kafka's ``Message``.
+        ``partition`` routes the record there instead of by key (per-key order then rests on the
+        caller's routing). ``timestamp`` passes through, though topics the layer creates keep the
+        broker's append time. Raises like ``publish``; a null value is an empty payload.
         """
         data = value.encode() if isinstance(value, str) else (value or b"")
-        self._send(topic, data, key, _attributes_from_headers(headers), on_delivery or callback)
+        self._send(topic, data, key, produce_headers(headers) or None, None, on_delivery or callback,
+                   partition, timestamp)
+
+    def produce_batch(self, topic: str, messages: list[dict[str, Any]], partition: int = -1,
+                      callback: DeliveryCallback | None = None, on_delivery: DeliveryCallback | None = None,
+                      ) -> int:
+        """``confluent_kafka.Producer.produce_batch``: each dict takes ``produce``'s keywords
+        (``value``, ``key``, ``partition``, ``timestamp``, ``headers``, ``callback``); returns how many
+        were queued (all of them, or it raises like ``produce``)."""
+        for message in messages:
+            self.produce(topic, message.get("value"), message.get("key"), message.get("partition", partition),
+                         message.get("callback") or callback, on_delivery, message.get("timestamp", 0),
+                         message.get("headers"))
+        return len(messages)
 
     def _send(self, topic: str, data: bytes, ordering_key: str | bytes | None,
-              attributes: Mapping[str, str] | None, on_delivery: DeliveryCallback | None) -> PublishFuture:
-        # The hot path: raw produce costs ~5 us per message, so every step here counts (issue 2).
+              headers: list[tuple[str, HeaderValue]] | None, message_id: str | None,
+              on_delivery: DeliveryCallback | None, partition: int, timestamp: int) -> PublishFuture:
+        # The hot path: raw produce costs ~5 us per message, so every step here counts.
         if self._closed:
             raise PublishError("producer is closed", topic=topic, ordering_key=None)
         key_text: str | None = None
@@ -297,35 +339,39 @@ class OrderedProducer:
             data = bytes(data)
         if self._paused and key_text is not None:
             self._check_not_paused(topic, key_text)
-        size = len(data)
-        if attributes or size >= _SHORT:
-            value = encode_envelope(data, attributes or {})
-        else:
-            value = b"".join((_HEADS[size], data, _EMPTY_MAP))
         described = self._topics.get(topic)
         if described is None or described[1] <= _monotonic():  # [1]: expires
             described = self._describe(topic, described)
         partitions, _, count_header, header_bytes = described
-        number = next(self._ids)
-        message_id = b"%s%x" % (self._id_prefix_bytes, number)
-        if len(value) > self._unchecked_size:  # else it fits whatever key and headers it has
-            self._check_size(len(value) + len(message_id) + header_bytes + len(key_raw or b""))
-        # PublishFuture(self, number), without the cost of calling a Python __init__.
+        if headers is None:
+            record_headers = [count_header]
+        else:
+            record_headers = [count_header, *headers]
+            header_bytes += _header_bytes(headers)
+        raw_id = None if message_id is None else _check_message_id(message_id)
+        if raw_id is not None:
+            record_headers.append((HEADER_MESSAGE_ID, raw_id))
+            header_bytes += len(HEADER_MESSAGE_ID) + len(raw_id) + _HEADER_OVERHEAD
+        if len(data) > self._unchecked_size or header_bytes > _UNCHECKED_HEADER_BYTES:
+            self._check_size(len(data) + header_bytes + len(key_raw or b""))
+        # PublishFuture(self), without the cost of calling a Python __init__.
         future = _new_future(PublishFuture)
         future._state = RUNNING
         future._owner = self
-        future._number = number
+        if message_id is not None:
+            future._message_id = message_id
         if on_delivery is not None:
             future._on_delivery_cb = on_delivery
-        if not number & _INLINE_POLL_MASK:
+        self._sent = sent = self._sent + 1
+        if not sent & _INLINE_POLL_MASK:
             self._inline_poll()
+        if partition < 0 and key_raw is not None:
+            partition = key_hash % partitions
         try:
             # Positional: topic, value, key, partition, callback, on_delivery, timestamp, headers.
-            self._produce(topic, value, key_raw, -1 if key_raw is None else key_hash % partitions, future,
-                          None, 0, [(HEADER_MESSAGE_ID, message_id), count_header, _ENVELOPE_HEADER])
+            self._produce(topic, data, key_raw, partition, future, None, timestamp, record_headers)
         except BufferError:
-            self._produce_when_room(topic, value, key_raw, -1 if key_raw is None else key_hash % partitions,
-                                    future, [(HEADER_MESSAGE_ID, message_id), count_header, _ENVELOPE_HEADER])
+            self._produce_when_room(topic, data, key_raw, partition, future, timestamp, record_headers)
         except KafkaException as exc:
             raise PublishError(f"produce to {topic!r} refused: {exc.args[0]}",
                                topic=topic, ordering_key=key_text) from exc
@@ -349,12 +395,12 @@ class OrderedProducer:
                 "call resume_publish()", topic=topic, ordering_key=key_text) from cause
 
     def _produce_when_room(self, topic: str, value: bytes, key_raw: bytes | None, partition: int,
-                           future: PublishFuture, headers: list[tuple[str, str | bytes | None]]) -> None:
+                           future: PublishFuture, timestamp: int, headers: list[tuple[str, HeaderValue]]) -> None:
         """The local queue is full: wait for deliveries to drain it, as Java's send() blocks."""
         while True:
             self._producer.poll(0.05)
             try:
-                self._produce(topic, value, key_raw, partition, future, None, 0, headers)
+                self._produce(topic, value, key_raw, partition, future, None, timestamp, headers)
                 return
             except BufferError:
                 continue
@@ -373,15 +419,12 @@ class OrderedProducer:
         self._keys[ordering_key] = route
         return route
 
-    def _message_id(self, number: int) -> str:
-        return f"{self._id_prefix}{number:x}"
-
     def _failed(self, msg: KafkaMessage, err: KafkaError) -> PublishError:
         """The error of a record that finally failed; pauses its key (PUB-2)."""
         topic, raw = msg.topic() or "", msg.key()
         if not raw:
             return PublishError(f"publish to {topic!r} failed: {err.str()}", topic=topic, ordering_key=None)
-        key = raw.decode() if isinstance(raw, bytes) else str(raw)
+        key = display_key(raw) if isinstance(raw, bytes) else str(raw)
         with self._lock:
             already = key in self._paused
             error_type = OrderingKeyPausedError if already else PublishError
@@ -422,8 +465,7 @@ class OrderedProducer:
             raise TopicError(f"topic {topic!r} is not available: {reason}", topic=topic)
         count = len(described.partitions)
         count_header = (HEADER_PARTITION_COUNT, str(count).encode())
-        header_bytes = (len(HEADER_MESSAGE_ID) + len(count_header[0]) + len(count_header[1])
-                        + len(_ENVELOPE_HEADER[0]) + len(_ENVELOPE_HEADER[1]) + _RECORD_OVERHEAD)
+        header_bytes = len(count_header[0]) + len(count_header[1]) + _HEADER_OVERHEAD + _RECORD_OVERHEAD
         fresh = _Topic(count, time.monotonic() + self.settings.metadata_max_age, count_header, header_bytes)
         self._topics[topic] = fresh
         return fresh
@@ -440,16 +482,56 @@ class OrderedProducer:
         self._producer.poll(0.1)
         return 0.0
 
-    def poll(self, timeout: float = 0.0) -> int:
-        """Serve delivery callbacks (also done by a background thread); as ``Producer.poll``."""
-        return int(self._producer.poll(timeout))
+    def poll(self, timeout: float | None = None) -> int:
+        """Serve delivery callbacks, as ``Producer.poll``: wait up to ``timeout`` seconds (None or
+        negative: until a callback is served or nothing is left in flight). A background thread
+        serves them too, so a program that never polls still gets its callbacks."""
+        if timeout is not None and timeout >= 0:
+            return int(self._producer.poll(timeout))
+        while True:
+            served = int(self._producer.poll(0.1))
+            if served or not len(self._producer):
+                return served
 
     def flush(self, timeout: float | None = None) -> int:
         """Wait until every queued record is delivered or failed; return how many remain."""
         return int(self._producer.flush(-1 if timeout is None else timeout))
 
+    def purge(self, in_queue: bool = True, in_flight: bool = True, blocking: bool = True) -> None:
+        """Drop queued (and in-flight) records, as ``Producer.purge``; their callbacks report
+        ``_PURGE_QUEUE``/``_PURGE_INFLIGHT`` errors, which pause their keys (PUB-2)."""
+        self._producer.purge(in_queue, in_flight, blocking)
+
+    def list_topics(self, topic: str | None = None, timeout: float = -1) -> Any:
+        """Cluster metadata, as ``Producer.list_topics``."""
+        return self._producer.list_topics(topic, timeout)
+
     def __len__(self) -> int:
         return len(self._producer)
+
+    def __bool__(self) -> bool:
+        return True  # an empty queue does not make the producer false (``__len__`` would)
+
+    # -- what the ordered producer does not offer -------------------------------------------------
+    def init_transactions(self, timeout: float = -1) -> None:
+        """Not supported: raises ``UnsupportedOperationError``."""
+        raise UnsupportedOperationError("init_transactions", _TRANSACTIONS)
+
+    def begin_transaction(self) -> None:
+        """Not supported: raises ``UnsupportedOperationError``."""
+        raise UnsupportedOperationError("begin_transaction", _TRANSACTIONS)
+
+    def commit_transaction(self, timeout: float = -1) -> None:
+        """Not supported: raises ``UnsupportedOperationError``."""
+        raise UnsupportedOperationError("commit_transaction", _TRANSACTIONS)
+
+    def abort_transaction(self, timeout: float = -1) -> None:
+        """Not supported: raises ``UnsupportedOperationError``."""
+        raise UnsupportedOperationError("abort_transaction", _TRANSACTIONS)
+
+    def send_offsets_to_transaction(self, positions: Any, group_metadata: Any, timeout: float = -1) -> None:
+        """Not supported: raises ``UnsupportedOperationError``."""
+        raise UnsupportedOperationError("send_offsets_to_transaction", _TRANSACTIONS)
 
     def close(self, timeout: float | None = None) -> int:
         """Flush, then stop the poll thread. Returns the number of records still undelivered."""

@@ -124,16 +124,16 @@ class StateStore:
                 self.client.script_load(self._apply_source)  # type: ignore[no-untyped-call]
         raise redis.exceptions.NoScriptError("apply.lua could not be loaded")
 
-    def parked_keys(self, subscription: str) -> set[str]:
-        """Ordering keys parked by a ``park_key`` dead-letter policy (DLQ-2)."""
-        return {k.decode() for k in self.client.smembers(f"{settings_key(subscription)}:parked")}
+    def parked_keys(self, subscription: str) -> set[bytes]:
+        """Ordering keys (record key bytes) parked by a ``park_key`` dead-letter policy (DLQ-2)."""
+        return set(self.client.smembers(f"{settings_key(subscription)}:parked"))
 
-    def park_key(self, subscription: str, ordering_key: str) -> None:
+    def park_key(self, subscription: str, ordering_key: bytes) -> None:
         """Park a key: its later messages follow its dead letter until ``release_key``."""
         self.client.sadd(f"{settings_key(subscription)}:parked", ordering_key)
 
-    def release_key(self, subscription: str, ordering_key: str) -> bool:
-        """Release a parked key; True when it was parked."""
+    def release_key(self, subscription: str, ordering_key: str | bytes) -> bool:
+        """Release a parked key (text is taken as UTF-8); True when it was parked."""
         return bool(self.client.srem(f"{settings_key(subscription)}:parked", ordering_key))
 
     def outstanding(self, subscription: str, partition: int) -> int:

@@ -27,15 +27,14 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import redis
 from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
 from confluent_kafka import Message as KafkaMessage
 
 from ordering_layer.config import FlowControl, SubscriptionSettings
-from ordering_layer.envelope import decode_record, encode
-from ordering_layer.errors import EnvelopeError
+from ordering_layer.record import HeaderPairs, display_key, encode, read_metadata
 from ordering_layer.state import ApplyResult, StateStore
 from ordering_layer.state.store import Op
 from ordering_layer.subscriber.histogram import Histogram, extension_seconds
@@ -60,6 +59,7 @@ _RESUME_FRACTION = 0.8
 # holds longer than this (and rebalance callbacks, served by consume(), must not wait long).
 _HOLD_BEFORE_PAUSE = 1.0
 _REVOKE_GRACE = 30.0
+_MALFORMED_LOGGED = 10  # malformed-metadata warnings logged one by one; then every 1000th
 
 DLQ_HEADERS = ("ol-dlq-source-topic", "ol-dlq-source-partition", "ol-dlq-source-offset",
                "ol-dlq-sequence-number", "ol-dlq-key", "ol-dlq-attempts", "ol-dlq-last-error",
@@ -99,20 +99,13 @@ class _Outstanding:
 
 
 def to_record(msg: KafkaMessage) -> Record:
-    """Decode a fetched Kafka record once; an undecodable one keeps its error (DLQ-4).
-
-    The consumer's headers are already ``(str, bytes | None)`` pairs: they are kept as they come.
-    """
-    key, value, headers = msg.key(), msg.value(), msg.headers() or []
+    """A fetched Kafka record with its layer metadata read once; any record is a message (PUB-7)."""
+    key, value = msg.key(), msg.value()
+    headers = cast(HeaderPairs | None, msg.headers())  # a list of pairs for fetched records
     partition, offset = msg.partition(), msg.offset()
     assert partition is not None and offset is not None
-    try:
-        decoded = decode_record(key, value, headers)
-    except EnvelopeError as exc:
-        return Record(partition, offset, None, None, str(exc), len(value or b""), msg.timestamp()[1], key, value,
-                      headers)
-    return Record(partition, offset, decoded.ordering_key, decoded, None, len(decoded.data), msg.timestamp()[1],
-                  key, value, headers)
+    return Record(partition, offset, key or None, value, headers, read_metadata(headers),
+                  len(value) if value else 0, msg.timestamp()[1])
 
 
 class Engine:
@@ -163,7 +156,7 @@ class Engine:
         self._lease_seq = itertools.count()
         self._histogram = Histogram()
         self._latencies: list[float] = []
-        self._parked: set[str] = set()
+        self._parked: set[bytes] = set()
         self._pulls: deque[_Pull] = deque()
         self._committed: dict[int, int] = {}
         self._last_commit = 0.0
@@ -171,6 +164,7 @@ class Engine:
         self._held_since = 0.0
         self._fetch_paused = False  # fetch thread: the assignment is paused in the consumer
         self._closing = False
+        self.malformed_records = 0  # records whose ol- metadata was ignored (DLQ-4)
         self._fetcher = Worker(f"ordering-layer-fetch-{subscription}", self._fetch_step)
         self._engine = Worker(f"ordering-layer-engine-{subscription}", self._engine_step)
 
@@ -255,10 +249,22 @@ class Engine:
             if msg.error() is not None:
                 _LOGGER.warning("fetch error on %s: %s", self.subscription, msg.error())
                 continue
-            records.append(to_record(msg))
+            record = to_record(msg)
+            if record.metadata.malformed is not None:
+                self._malformed_metadata(record)
+            records.append(record)
         if records:
             self._inbox.put(_Fetched(records))
         return 0.0
+
+    def _malformed_metadata(self, record: Record) -> None:
+        """DLQ-4: malformed ``ol-`` headers are ignored; the record is delivered as a plain record."""
+        self.malformed_records += 1
+        count = self.malformed_records
+        if count <= _MALFORMED_LOGGED or count % 1000 == 0:
+            _LOGGER.warning("%s: record %d:%d has malformed layer metadata (%s), ignored; delivered as a plain "
+                            "record (%d such records so far)", self.subscription, record.partition,
+                            record.offset, record.metadata.malformed, count)
 
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         for tp in partitions:
@@ -562,13 +568,10 @@ class Engine:
             state = partitions.get(record.partition)
             if state is None:
                 continue  # fenced by the flush that recorded this delivery: the new owner has it
-            if record.decoded is None:
-                self._dead_letter(state, delivery, "UNDECODABLE")
-                continue
             if max_attempts is not None and delivery.attempt > max_attempts:
                 self._dead_letter(state, delivery, "MAX_DELIVERY_ATTEMPTS")
                 continue
-            if parked and record.ordering_key in parked:  # park_key adds to this same set as it goes
+            if parked and record.key in parked:  # park_key adds to this same set as it goes
                 self._dead_letter(state, delivery, "PARKED_KEY")
                 continue
             messages.append(Message(delivery, topic, state.epoch, submit))
@@ -592,27 +595,21 @@ class Engine:
         """
         record = delivery.record
         policy = self.settings.dead_letter_policy
-        undecodable = record.decoded is None
+        assert policy is not None  # only attempts beyond a policy's maximum and parked keys come here
         attempts = delivery.attempt - 1
-        last_error = record.error if undecodable else record.last_error
-        if (reason == "MAX_DELIVERY_ATTEMPTS" and policy is not None and policy.mode == "park_key"
-                and record.ordering_key is not None and self.settings.enable_message_ordering):
-            self._parked.add(record.ordering_key)
-            self._store.park_key(self.subscription, record.ordering_key)
-        if policy is None:
-            # Nowhere to put an undecodable record: settle it so it cannot block the partition.
-            _LOGGER.error("%s: undecodable record %d:%d settled without a dead-letter topic: %s",
-                          self.subscription, record.partition, record.offset, record.error)
-            self._inbox.put(_DeadLettered(record.partition, state.epoch, delivery.queue_key, record.offset, None))
-            return
+        last_error = record.last_error
+        if (reason == "MAX_DELIVERY_ATTEMPTS" and policy.mode == "park_key"
+                and record.key and self.settings.enable_message_ordering):
+            self._parked.add(record.key)
+            self._store.park_key(self.subscription, record.key)
         sequence = (record.partition << 48) | record.offset
         value = encode("dead_letter", {
             "source_topic": self.topic, "source_partition": record.partition, "source_offset": record.offset,
             "sequence_number": sequence, "subscription": self.subscription, "reason": reason,
-            "delivery_attempts": attempts, "last_error": last_error, "key": record.raw_key,
-            "value": record.raw_value, "headers": [{"key": k, "value": v} for k, v in record.header_pairs()]})
+            "delivery_attempts": attempts, "last_error": last_error, "key": record.key,
+            "value": record.value, "headers": [{"key": k, "value": _header_bytes(v)} for k, v in record.headers or ()]})
         facts = (self.topic, record.partition, record.offset, sequence,
-                 record.ordering_key or "", attempts, last_error or "", self.subscription, reason)
+                 display_key(record.key), attempts, last_error or "", self.subscription, reason)
         headers: list[tuple[str, str | bytes | None]] = [
             (name, str(fact).encode()) for name, fact in zip(DLQ_HEADERS, facts, strict=True)]
         if self._dlq_producer is None:
@@ -624,7 +621,7 @@ class Engine:
         def delivered(err: Any, _msg: Any) -> None:
             self._inbox.put(_DeadLettered(key[0], key[1], key[2], key[3], None if err is None else str(err)))
 
-        self._dlq_producer.produce(policy.topic, value, key=record.raw_key, headers=headers, on_delivery=delivered)
+        self._dlq_producer.produce(policy.topic, value, key=record.key, headers=headers, on_delivery=delivered)
         self._dlq_producer.poll(0)
         _LOGGER.warning("%s: dead-lettering %d:%d (%s, %d attempts)", self.subscription, record.partition,
                         record.offset, reason, attempts)
@@ -760,6 +757,10 @@ class Engine:
             self._forget(*key)
         if state is not None:
             _LOGGER.info("%s: released partition %d", self.subscription, partition)
+
+
+def _header_bytes(value: str | bytes | None) -> bytes | None:
+    return value.encode() if isinstance(value, str) else value
 
 
 def _resolve(future: Future[AckResponse] | None, status: AckResponse) -> None:

@@ -10,6 +10,7 @@ from typing import NamedTuple
 
 from confluent_kafka import TIMESTAMP_LOG_APPEND_TIME, KafkaError
 
+from ordering_layer.record import HeaderPairs, attributes_of, display_key
 from ordering_layer.subscriber.partition import Delivery, QueueKey
 
 
@@ -37,31 +38,49 @@ class Settle(NamedTuple):
 
 
 class Message:
-    """A delivered message.
+    """A delivered message: a Kafka record, with Pub/Sub fields and confluent-kafka accessors.
 
-    Pub/Sub fields: ``data``, ``attributes``, ``ordering_key``, ``message_id``, ``sequence_number``,
-    ``enqueued_time``, ``delivery_attempt``; methods ``ack``, ``nack``, ``modify_ack_deadline``,
-    ``ack_with_response``. confluent-kafka accessors: ``key()``, ``value()`` (the payload),
-    ``headers()``, ``topic()``, ``partition()``, ``offset()``, ``timestamp()``, ``error()``.
+    Pub/Sub fields: ``data`` (the record value; empty for a null value), ``attributes`` (headers
+    outside ``ol-`` with UTF-8 values), ``ordering_key`` (the record key as text, see
+    ``record.display_key``; empty when unordered), ``message_id`` (the ``ol-message-id`` header, else
+    the decimal sequence number), ``sequence_number``, ``enqueued_time``, ``delivery_attempt``;
+    methods ``ack``, ``nack``, ``modify_ack_deadline``, ``ack_with_response``. confluent-kafka
+    accessors return the record as fetched: ``key()``, ``value()``, ``headers()``, ``topic()``,
+    ``partition()``, ``offset()``, ``timestamp()``, ``error()``.
     """
 
-    __slots__ = ("_delivery", "_epoch", "_submit", "_topic", "attributes", "data", "delivery_attempt",
-                 "message_id", "ordering_key", "sequence_number")
+    __slots__ = ("_delivery", "_epoch", "_submit", "_topic", "data", "delivery_attempt")
 
     def __init__(self, delivery: Delivery, topic: str, epoch: int, submit: Callable[[Settle], None]) -> None:
-        record = delivery.record
-        decoded = record.decoded
-        assert decoded is not None
         self._delivery = delivery
         self._topic = topic
         self._epoch = epoch
         self._submit = submit
-        self.data: bytes = decoded.data
-        self.attributes: dict[str, str] = decoded.attributes
-        self.ordering_key: str = decoded.ordering_key or ""
-        self.message_id: str = decoded.message_id
-        self.sequence_number: int = (record.partition << 48) | record.offset
+        self.data: bytes = delivery.record.value or b""
         self.delivery_attempt: int = delivery.attempt
+
+    @property
+    def attributes(self) -> dict[str, str]:
+        """The record's headers outside ``ol-`` whose values are UTF-8 text."""
+        return attributes_of(self._delivery.record.headers)
+
+    @property
+    def ordering_key(self) -> str:
+        """The ordering key as text (bytes that are not UTF-8 as ``\\xNN``); empty when unordered.
+        ``key()`` gives the exact bytes, which are what the layer orders by."""
+        return display_key(self._delivery.record.key)
+
+    @property
+    def message_id(self) -> str:
+        """The ``ol-message-id`` header when the publisher set one, else the decimal sequence number."""
+        record = self._delivery.record
+        return record.metadata.message_id or str((record.partition << 48) | record.offset)
+
+    @property
+    def sequence_number(self) -> int:
+        """``partition << 48 | offset`` (PUB-3)."""
+        record = self._delivery.record
+        return (record.partition << 48) | record.offset
 
     @property
     def enqueued_time(self) -> datetime:
@@ -108,16 +127,16 @@ class Message:
 
     # -- confluent-kafka Message shape --------------------------------------------------------------
     def key(self) -> bytes | None:
-        """The record key: the ordering key as UTF-8 bytes (None when unordered)."""
-        return self._delivery.record.raw_key
+        """The record key as fetched (the ordering key's bytes; None when the record has none)."""
+        return self._delivery.record.key
 
-    def value(self) -> bytes:
-        """The payload (the envelope's data)."""
-        return self.data
+    def value(self) -> bytes | None:
+        """The record value as fetched (the payload; None for a null value)."""
+        return self._delivery.record.value
 
-    def headers(self) -> list[tuple[str, bytes | None]]:
-        """The record's Kafka headers (layer metadata included)."""
-        return self._delivery.record.header_pairs()
+    def headers(self) -> HeaderPairs | None:
+        """The record's headers as fetched (``ol-`` metadata included); None when it has none."""
+        return self._delivery.record.headers
 
     def topic(self) -> str:
         """The source topic."""
@@ -136,7 +155,7 @@ class Message:
         return TIMESTAMP_LOG_APPEND_TIME, self._delivery.record.timestamp_ms
 
     def error(self) -> KafkaError | None:
-        """Always None: errors are raised, and undecodable records go to the dead-letter topic."""
+        """Always None: fetch errors are handled by the subscriber, never returned as messages."""
         return None
 
     def __repr__(self) -> str:

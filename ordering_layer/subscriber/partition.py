@@ -15,37 +15,33 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from ordering_layer.envelope import DecodedRecord, Headers
+from ordering_layer.record import HeaderPairs, RecordMetadata
 
-QueueKey = str | int
+QueueKey = bytes | int
 
 
 @dataclass(slots=True, eq=False)
 class Record:
-    """A fetched Kafka record and what the layer knows of it."""
+    """A fetched Kafka record, as fetched, and the layer metadata read from it once.
+
+    ``key`` is the ordering key as the record's bytes (None when absent or empty: unordered); keys
+    are compared as bytes, so a key of any producer is an ordering key (PUB-7).
+    """
 
     partition: int
     offset: int
-    ordering_key: str | None
-    decoded: DecodedRecord | None
-    error: str | None
+    key: bytes | None
+    value: bytes | None
+    headers: HeaderPairs | None
+    metadata: RecordMetadata
     size: int
     timestamp_ms: int
-    raw_key: bytes | None
-    raw_value: bytes | None
-    raw_headers: Headers
     attempts: int = 0
     last_error: str | None = None
-
-    def header_pairs(self) -> list[tuple[str, bytes | None]]:
-        """The record's Kafka headers as (name, bytes or None) pairs (kept as fetched until asked)."""
-        raw = self.raw_headers
-        pairs = raw.items() if isinstance(raw, Mapping) else raw
-        return [(str(k), v if isinstance(v, bytes) or v is None else str(v).encode()) for k, v in pairs]
 
 
 class OffsetTracker:
@@ -133,8 +129,9 @@ class PartitionState:
     # -- intake ----------------------------------------------------------------------------------
     def queue_key(self, record: Record) -> QueueKey:
         """Ordered subscriptions queue by ordering key; unordered records queue alone."""
-        if self.ordered and record.ordering_key is not None and record.error is None:
-            return record.ordering_key
+        key = record.key
+        if self.ordered and key:
+            return key
         return record.offset
 
     def add(self, record: Record) -> bool:
