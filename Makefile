@@ -9,10 +9,12 @@ export PYTHONUNBUFFERED := 1
 
 setup: system-deps python-deps jars
 
-# Debian packages: redis-server (the local Redis), Maven (fetches the Kafka and Spark jars), Java 17.
+# Debian packages: redis-server (the local Redis), Maven (fetches the Kafka and Spark jars), Java 17,
+# kcat (a Kafka client this project did not write: the interoperability tests and the README use it).
 system-deps:
 	@missing=""; \
 	command -v redis-server >/dev/null || missing="$$missing redis-server"; \
+	command -v kcat >/dev/null || missing="$$missing kcat"; \
 	command -v mvn >/dev/null || missing="$$missing maven"; \
 	command -v java >/dev/null || missing="$$missing openjdk-17-jre-headless"; \
 	if [ -n "$$missing" ]; then \

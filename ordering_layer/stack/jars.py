@@ -81,6 +81,12 @@ def kafka_jars() -> Path:
     return fetch("kafka", kafka_version())
 
 
+def kafka_tools_jars() -> Path:
+    """The folder holding Kafka's command-line tools (ConsoleProducer, ...), fetched on first use;
+    they run with the broker's jars on the class path too."""
+    return fetch("kafka-tools", pinned_version("kafka-tools", "kafka.version"))
+
+
 def spark_kafka_jars() -> list[Path]:
     """The jars of Spark's Kafka source (``spark.jars``), fetched on first use."""
     return sorted(fetch("spark-kafka", spark_version()).glob("*.jar"))
@@ -90,6 +96,7 @@ def main() -> None:
     """``python -m ordering_layer.stack.jars``: fetch every pinned jar set (used by ``make setup``)."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     print(f"kafka {kafka_version()}: {kafka_jars()}")
+    print(f"kafka-tools {kafka_version()}: {kafka_tools_jars()}")
     print(f"spark-kafka {spark_version()}: {len(spark_kafka_jars())} jars")
 
 

@@ -66,6 +66,26 @@ DLQ_HEADERS = ("ol-dlq-source-topic", "ol-dlq-source-partition", "ol-dlq-source-
                "ol-dlq-subscription", "ol-dlq-reason")
 
 
+RebalanceCallback = Callable[[list[TopicPartition]], None]
+
+
+class RebalanceHooks(NamedTuple):
+    """User code told of partitions assigned, revoked (before they are let go) and lost."""
+
+    on_assign: RebalanceCallback | None = None
+    on_revoke: RebalanceCallback | None = None
+    on_lost: RebalanceCallback | None = None
+
+
+def _tell(callback: RebalanceCallback | None, partitions: list[TopicPartition], what: str) -> None:
+    if callback is None:
+        return
+    try:
+        callback(partitions)
+    except Exception:
+        _LOGGER.exception("%s callback failed", what)
+
+
 class _Fetched(NamedTuple):
     records: list[Record]
 
@@ -119,17 +139,21 @@ class Engine:
         flow_control: limits on outstanding messages and bytes (SUB-7).
         on_messages: callback mode: receives each released batch (one message per key at a time);
             None for pull mode, where ``pull`` releases on demand.
+        rebalance: user callbacks told of assignments, revocations and losses (after the engine
+            has claimed, resp. before it lets go), on the fetch thread.
     """
 
     def __init__(self, kafka_config: Mapping[str, Any], store: StateStore, subscription: str,
                  settings: SubscriptionSettings, *, flow_control: FlowControl,
-                 on_messages: Callable[[list[Message]], None] | None) -> None:
+                 on_messages: Callable[[list[Message]], None] | None,
+                 rebalance: RebalanceHooks | None = None) -> None:
         self.subscription = subscription
         self.settings = settings
         self.topic = settings.topic
         self.flow_control = flow_control
         self._store = store
         self._on_messages = on_messages
+        self._rebalance = rebalance or RebalanceHooks()
         conf = {k: v for k, v in kafka_config.items() if k != "group.id"}
         conf.update({"group.id": subscription, "enable.auto.commit": False, "enable.auto.offset.store": False,
                      "auto.offset.reset": "earliest", "partition.assignment.strategy": "cooperative-sticky"})
@@ -218,6 +242,11 @@ class Engine:
                     "partitions": len(self._partitions), "fetch_held": int(self._fetch_held),
                     "fetch_paused": int(self._fetch_paused)}
 
+    @property
+    def consumer(self) -> Consumer:
+        """The Kafka consumer, for metadata queries only (librdkafka serves them from any thread)."""
+        return self._consumer
+
     def assigned_partitions(self) -> list[int]:
         """Partitions this subscriber owns now."""
         with self._lock:
@@ -269,6 +298,7 @@ class Engine:
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         for tp in partitions:
             self._claim(tp.partition)
+        _tell(self._rebalance.on_assign, partitions, "on_assign")
 
     def _claim(self, partition: int) -> bool:
         try:
@@ -290,6 +320,7 @@ class Engine:
         return True
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        _tell(self._rebalance.on_revoke, partitions, "on_revoke")
         numbers = [tp.partition for tp in partitions]
         with self._lock:
             for number in numbers:
@@ -317,6 +348,7 @@ class Engine:
         with self._lock:
             for tp in partitions:
                 self._drop(tp.partition)
+        _tell(self._rebalance.on_lost, partitions, "on_lost")
 
     # -- engine thread ---------------------------------------------------------------------------
     def _engine_step(self) -> float:

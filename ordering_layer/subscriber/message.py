@@ -49,7 +49,7 @@ class Message:
     ``partition()``, ``offset()``, ``timestamp()``, ``error()``.
     """
 
-    __slots__ = ("_delivery", "_epoch", "_submit", "_topic", "data", "delivery_attempt")
+    __slots__ = ("_delivery", "_epoch", "_submit", "_topic", "data", "delivery_attempt", "settled")
 
     def __init__(self, delivery: Delivery, topic: str, epoch: int, submit: Callable[[Settle], None]) -> None:
         self._delivery = delivery
@@ -58,6 +58,7 @@ class Message:
         self._submit = submit
         self.data: bytes = delivery.record.value or b""
         self.delivery_attempt: int = delivery.attempt
+        self.settled = False  # an ack or nack was sent (the answer may still be pending)
 
     @property
     def attributes(self) -> dict[str, str]:
@@ -95,6 +96,8 @@ class Message:
     def _send(self, kind: str, seconds: float = 0.0, error: str | None = None,
               future: Future[AckResponse] | None = None) -> None:
         d = self._delivery
+        if kind != "deadline":
+            self.settled = True
         self._submit(Settle(kind, d.record.partition, self._epoch, d.queue_key, d.record.offset, d.token,
                             seconds, error, future))
 

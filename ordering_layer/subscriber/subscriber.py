@@ -1,4 +1,4 @@
-"""Front ends over the engine: Pub/Sub-shaped ``Subscriber`` and drop-in ``OrderedConsumer``."""
+"""The Pub/Sub-shaped front end over the engine: ``Subscriber`` (callback and pull modes)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from ordering_layer.config import FlowControl, SubscriptionSettings, require_bootstrap
-from ordering_layer.errors import ConfigError, SubscriptionNotFoundError
+from ordering_layer.config import FlowControl, require_bootstrap
+from ordering_layer.errors import ConfigError
 from ordering_layer.state import StateStore
+from ordering_layer.subscriber.consumer import redis_url_from
 from ordering_layer.subscriber.engine import Engine
 from ordering_layer.subscriber.message import Message
 
@@ -114,13 +115,13 @@ class Subscriber:
     Args:
         kafka_config: confluent-kafka settings (``bootstrap.servers`` required; e.g.
             ``session.timeout.ms`` passes through).
-        redis_url: the Redis holding the subscriptions' state.
+        redis_url: the Redis holding the subscriptions' state (default ``$ORDERING_LAYER_REDIS_URL``).
     """
 
-    def __init__(self, kafka_config: Mapping[str, Any], *, redis_url: str) -> None:
+    def __init__(self, kafka_config: Mapping[str, Any], *, redis_url: str | None = None) -> None:
         require_bootstrap(kafka_config)
         self._kafka = dict(kafka_config)
-        self._store = StateStore(redis_url)
+        self._store = StateStore(redis_url_from(redis_url))
         self._pull_engines: dict[str, Engine] = {}
         self._last_pull: dict[str, list[Message]] = {}
         self._lock = threading.Lock()
@@ -194,63 +195,3 @@ class Subscriber:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-
-class OrderedConsumer:
-    """The shape of ``confluent_kafka.Consumer`` with per-key order and per-message acks.
-
-    ``group.id`` names the subscription; if it does not exist yet, ``subscribe`` creates it with
-    ordering enabled and default settings. ``poll``/``consume`` return ``Message`` objects with the
-    confluent-kafka accessors plus ``ack()``/``nack()``; a key's next message comes after its
-    previous one is acked.
-    """
-
-    def __init__(self, config: Mapping[str, Any], *, redis_url: str, flow_control: FlowControl | None = None) -> None:
-        require_bootstrap(config)
-        if not config.get("group.id"):
-            raise ConfigError("OrderedConsumer needs 'group.id' (the subscription name)")
-        self._config = dict(config)
-        self._store = StateStore(redis_url)
-        self._flow_control = flow_control or FlowControl()
-        self._engine: Engine | None = None
-
-    def subscribe(self, topics: list[str]) -> None:
-        """Subscribe to one topic (a subscription consumes exactly one)."""
-        if len(topics) != 1:
-            raise ConfigError("OrderedConsumer subscribes to exactly one topic")
-        name = str(self._config["group.id"])
-        try:
-            settings = self._store.settings(name)
-        except SubscriptionNotFoundError:
-            settings = SubscriptionSettings(topic=topics[0])
-            self._store.create_settings(name, settings)
-            settings = self._store.settings(name)
-        if settings.topic != topics[0]:
-            raise ConfigError(f"subscription {name!r} consumes {settings.topic!r}, not {topics[0]!r}")
-        self._engine = Engine(self._config, self._store, name, settings, flow_control=self._flow_control,
-                              on_messages=None)
-        self._engine.start()
-
-    def _require(self) -> Engine:
-        if self._engine is None:
-            raise ConfigError("call subscribe() first")
-        return self._engine
-
-    def poll(self, timeout: float | None = None) -> Message | None:
-        """One message, or None after ``timeout`` seconds (default 1 s)."""
-        messages = self._require().pull(1, 1.0 if timeout is None or timeout < 0 else timeout)
-        return messages[0] if messages else None
-
-    def consume(self, num_messages: int = 1, timeout: float = -1) -> list[Message]:
-        """Up to ``num_messages`` (one batch per key at most), waiting up to ``timeout`` s (default 1 s)."""
-        return self._require().pull(num_messages, 1.0 if timeout < 0 else timeout)
-
-    def assignment(self) -> list[int]:
-        """Partitions owned now."""
-        return self._require().assigned_partitions()
-
-    def close(self) -> None:
-        """Commit what is settled and leave the group."""
-        if self._engine is not None:
-            self._engine.close()
-            self._engine = None

@@ -2,23 +2,18 @@
 
 from __future__ import annotations
 
-import io
-import json
 import time
 from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import Future, wait
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 from typing import Any
 
-import fastavro
 import pytest
 from confluent_kafka import TIMESTAMP_LOG_APPEND_TIME, KafkaError, Producer
 from confluent_kafka import Message as KafkaMessage
 
 from ordering_layer import Admin, OrderedProducer, PublishResult
-from ordering_layer.envelope import HEADER_MESSAGE_ID, HEADER_PARTITION_COUNT, decode, decode_record
 from ordering_layer.errors import (
     ConfigError,
     InvalidMessageError,
@@ -28,12 +23,11 @@ from ordering_layer.errors import (
     PublishError,
     TopicError,
 )
+from ordering_layer.record import HEADER_MESSAGE_ID, HEADER_PARTITION_COUNT
 from ordering_layer.stack import StackBackend
 from tests.kafka_helpers import end_offsets, headers_of, read_topic
 
 pytestmark = pytest.mark.integration
-
-SCHEMAS = Path(__file__).resolve().parents[2] / "schemas"
 
 
 def test_in_key_order_many_keys_and_partitions(kafka_config: dict[str, Any],
@@ -54,10 +48,9 @@ def test_in_key_order_many_keys_and_partitions(kafka_config: dict[str, Any],
     seen: dict[str, list[int]] = defaultdict(list)
     partitions: dict[str, set[int]] = defaultdict(set)
     for record in sorted(records, key=lambda r: (r.partition(), r.offset())):
-        decoded = decode_record(record.key(), record.value(), record.headers())
-        assert decoded.ordering_key is not None
-        seen[decoded.ordering_key].append(int(decoded.data.decode().split(":")[1]))
-        partitions[decoded.ordering_key].add(record.partition())
+        key = record.key().decode()
+        seen[key].append(int(record.value().decode().split(":")[1]))
+        partitions[key].add(record.partition())
     assert all(seen[key] == list(range(60)) for key in keys)
     assert all(len(partitions[key]) == 1 for key in keys)
 
@@ -81,6 +74,7 @@ def test_publish_result_identity(kafka_config: dict[str, Any], topic_factory: Ca
     with OrderedProducer(kafka_config) as producer:
         futures = [producer.publish(topic, b"x", ordering_key=f"k{i % 7}") for i in range(300)]
         futures.append(producer.publish(topic, b"unordered"))
+        futures.append(producer.publish(topic, b"chosen id", ordering_key="k0", message_id="order-17"))
         results = [f.result(timeout=30) for f in futures]
     after = datetime.now(UTC) + timedelta(seconds=5)
 
@@ -92,20 +86,23 @@ def test_publish_result_identity(kafka_config: dict[str, Any], topic_factory: Ca
         assert result.sequence_number >> 48 == result.partition
         assert result.sequence_number & ((1 << 48) - 1) == result.offset
         record = by_position[(result.partition, result.offset)]
-        assert headers_of(record)[HEADER_MESSAGE_ID] == result.message_id.encode()
+        if result.message_id == "order-17":
+            assert headers_of(record)[HEADER_MESSAGE_ID] == b"order-17"
+        else:  # PUB-6: no id header; the id is the decimal sequence number
+            assert HEADER_MESSAGE_ID not in headers_of(record)
+            assert result.message_id == str(result.sequence_number)
         kind, stamp = record.timestamp()
         assert kind == TIMESTAMP_LOG_APPEND_TIME
         assert result.enqueued_time == datetime.fromtimestamp(stamp / 1000, tz=UTC)
         assert before <= result.enqueued_time <= after
 
 
-def test_envelope_headers_and_partition_count_stamp(admin: Admin, kafka_config: dict[str, Any],
-                                                    topic_factory: Callable[..., str]) -> None:
-    """PUB-6: the value is plain schemaless Avro, metadata is in headers, and the partition count
-    used to route each record is stamped, also after partitions are added."""
+def test_plain_records_and_partition_count_stamp(admin: Admin, kafka_config: dict[str, Any],
+                                                 topic_factory: Callable[..., str]) -> None:
+    """PUB-6: a plain consumer reads key = ordering key, value = payload, headers = attributes; the
+    partition count used to route each record is stamped, also after partitions are added."""
     topic = topic_factory(partitions=2)
     assert admin.describe_topic(topic).timestamp_type == "LogAppendTime"
-    schema = fastavro.parse_schema(json.loads((SCHEMAS / "envelope.avsc").read_text()))
     with OrderedProducer(kafka_config, settings={"metadata_max_age": 0.5}) as producer:
         first = [producer.publish(topic, b"before", ordering_key=f"k{i}", attributes={"phase": "1"})
                  for i in range(20)]
@@ -123,10 +120,12 @@ def test_envelope_headers_and_partition_count_stamp(admin: Admin, kafka_config: 
         kafka_config["bootstrap.servers"], topic).values()))
     stamps: dict[bytes, set[int]] = {}
     for record in records:
-        plain: Any = fastavro.schemaless_reader(io.BytesIO(record.value()), schema, None)
-        count = int(headers_of(record)[HEADER_PARTITION_COUNT])
-        stamps[plain["data"]] = stamps.get(plain["data"], set()) | {count}
+        headers = headers_of(record)
+        count = int(headers[HEADER_PARTITION_COUNT])
+        stamps[record.value()] = stamps.get(record.value(), set()) | {count}
         assert record.partition() < count
+        assert record.key().startswith(b"k") and headers["phase"] in (b"1", b"2")
+        assert set(headers) == {HEADER_PARTITION_COUNT, "phase"}
     assert stamps[b"before"] == {2}
     assert 5 in stamps[b"after"]
 
@@ -158,8 +157,7 @@ def test_pause_on_failure_and_resume(restartable: StackBackend, kafka_config: di
         resumed = producer.publish(topic, b"resumed", ordering_key="doomed").result(timeout=60)
     records = read_topic(kafka_config["bootstrap.servers"], topic, 3)
     stored = sorted(r.value() for r in records)
-    assert [decode_record(r.key(), r.value(), r.headers()).data for r in records
-            if r.key() == b"doomed"] == [b"resumed"]
+    assert [r.value() for r in records if r.key() == b"doomed"] == [b"resumed"]
     assert len(stored) == 3
     assert resumed.partition == next(r.partition() for r in records if r.key() == b"doomed")
 
@@ -216,7 +214,9 @@ def test_drop_in_produce_flush_and_close_lose_nothing(kafka_config: dict[str, An
     assert len(reports) == 20_000
     assert all(err is None for err, _ in reports)
     assert sum(end_offsets(kafka_config["bootstrap.servers"], topic).values()) == 20_000
-    numbers = {int(decode("envelope", msg.value())["attributes"]["n"]) for _, msg in reports}
+    records = read_topic(kafka_config["bootstrap.servers"], topic, 20_000)
+    numbers = {int(headers_of(record)["n"]) for record in records}
+    assert all(record.value() == f"v{headers_of(record)['n'].decode()}".encode() for record in records)
     assert numbers == set(range(20_000))
     with pytest.raises(PublishError, match="closed"):
         producer.publish(topic, b"late")

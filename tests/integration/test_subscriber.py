@@ -153,10 +153,12 @@ def test_flow_control_bounds_outstanding(kafka_config: dict[str, Any], endpoints
 
 def test_ordered_consumer_drop_in(kafka_config: dict[str, Any], endpoints: Any, topic_factory: Callable[..., str],
                                   unique_name: Callable[[str], str]) -> None:
-    """SUB-1: the confluent-kafka shaped OrderedConsumer polls per-key ordered messages with acks."""
+    """SUB-1, DRP-2: the confluent-kafka shaped OrderedConsumer polls per-key ordered messages with acks;
+    a new group starts where ``auto.offset.reset`` says (earliest here; confluent's default is latest)."""
     topic = topic_factory(partitions=2)
     checker = publish_keys(kafka_config, topic, keys=5, per_key=8)
-    consumer = OrderedConsumer({**kafka_config, "group.id": unique_name("group")}, redis_url=endpoints.redis_url)
+    consumer = OrderedConsumer({**kafka_config, "group.id": unique_name("group"), "auto.offset.reset": "earliest",
+                                "enable.auto.commit": False}, redis_url=endpoints.redis_url)
     consumer.subscribe([topic])
     try:
         deadline = time.monotonic() + 60

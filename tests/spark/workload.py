@@ -16,9 +16,9 @@ from collections.abc import Callable
 from typing import Any
 
 from confluent_kafka import Producer
+from ordering_layer.envelope import HEADER_MESSAGE_ID, encode_envelope, make_headers
 
 from ordering_layer import Admin, OrderedProducer, PublishResult
-from ordering_layer.envelope import HEADER_MESSAGE_ID, encode_envelope, make_headers
 from ordering_layer.publisher.partitioner import partition_for
 from tests.kafka_helpers import headers_of, read_topic
 

@@ -3,23 +3,22 @@
 from __future__ import annotations
 
 from ordering_layer.config import RetryPolicy
-from ordering_layer.envelope import DecodedRecord
+from ordering_layer.record import RecordMetadata
 from ordering_layer.subscriber.partition import OffsetTracker, PartitionState, Record
 
 NO_BACKOFF = RetryPolicy(0, 0).backoff
 
 
-def record(offset: int, key: str | None, partition: int = 0) -> Record:
-    decoded = DecodedRecord(f"m{offset}", 1, key, b"x", {})
-    return Record(partition, offset, key, decoded, None, 1, 0, key.encode() if key else None, b"", [])
+def record(offset: int, key: bytes | None, partition: int = 0) -> Record:
+    return Record(partition, offset, key, b"x", [], RecordMetadata(None, 1, None), 1, 0)
 
 
-def fill(state: PartitionState, keys: list[str | None], start: int = 0) -> None:
+def fill(state: PartitionState, keys: list[bytes | None], start: int = 0) -> None:
     for offset, key in enumerate(keys, start):
         state.add(record(offset, key))
 
 
-def release_all(state: PartitionState, limit: int = 1) -> list[tuple[str | int, int, int]]:
+def release_all(state: PartitionState, limit: int = 1) -> list[tuple[bytes | int, int, int]]:
     """(queue key, offset, token) of everything releasable now."""
     return [(d.queue_key, d.record.offset, d.token) for d in state.release_ready(0.0, 10**9, limit, 10**9)]
 
@@ -43,32 +42,32 @@ def test_offset_tracker_commits_lowest_unsettled() -> None:
 def test_one_outstanding_per_key_and_keys_independent() -> None:
     """SUB-1, SUB-2: one message per key at a time, in order; other keys are not held back."""
     state = PartitionState(0, 1, ordered=True)
-    fill(state, ["a", "b", "a", "b", "a"])
+    fill(state, [b"a", b"b", b"a", b"b", b"a"])
     first = release_all(state)
-    assert [(k, o) for k, o, _ in first] == [("a", 0), ("b", 1)]
+    assert [(k, o) for k, o, _ in first] == [(b"a", 0), (b"b", 1)]
     assert release_all(state) == []
-    assert state.ack("b", 1, first[1][2])
+    assert state.ack(b"b", 1, first[1][2])
     second = release_all(state)
-    assert [(k, o) for k, o, _ in second] == [("b", 3)]
-    assert state.ack("a", 0, first[0][2])
-    assert [(k, o) for k, o, _ in release_all(state)] == [("a", 2)]
+    assert [(k, o) for k, o, _ in second] == [(b"b", 3)]
+    assert state.ack(b"a", 0, first[0][2])
+    assert [(k, o) for k, o, _ in release_all(state)] == [(b"a", 2)]
     assert state.tracker.watermark == 2
 
 
 def test_nack_rewinds_key_and_cascades_acked_messages() -> None:
     """SUB-4: a nack of m redelivers m and every later delivered message of its key, acked ones too."""
     state = PartitionState(0, 1, ordered=True)
-    fill(state, ["k", "k", "k", "k", "other"])
+    fill(state, [b"k", b"k", b"k", b"k", b"other"])
     batch = release_all(state, limit=10)
     assert [o for _, o, _ in batch] == [0, 1, 2, 3, 4]
     tokens = {o: t for _, o, t in batch}
-    assert state.ack("k", 2, tokens[2])
-    assert state.ack("k", 3, tokens[3])
-    assert state.ack("other", 4, tokens[4])
-    assert state.nack("k", 1, tokens[1], 0.0, NO_BACKOFF)
-    assert not state.ack("k", 3, tokens[3]), "a stale token is refused"
+    assert state.ack(b"k", 2, tokens[2])
+    assert state.ack(b"k", 3, tokens[3])
+    assert state.ack(b"other", 4, tokens[4])
+    assert state.nack(b"k", 1, tokens[1], 0.0, NO_BACKOFF)
+    assert not state.ack(b"k", 3, tokens[3]), "a stale token is refused"
     assert release_all(state, limit=10) == [], "offset 0 is still outstanding: one batch per key"
-    assert state.ack("k", 0, tokens[0])
+    assert state.ack(b"k", 0, tokens[0])
     again = release_all(state, limit=10)
     assert [o for _, o, _ in again] == [1, 2, 3]
     assert state.tracker.watermark == 1
@@ -77,16 +76,16 @@ def test_nack_rewinds_key_and_cascades_acked_messages() -> None:
 def test_backoff_holds_only_its_key() -> None:
     """DLQ-1: after a nack the key waits out its backoff; other keys do not."""
     state = PartitionState(0, 1, ordered=True)
-    fill(state, ["slow", "fast", "fast"])
+    fill(state, [b"slow", b"fast", b"fast"])
     first = {k: t for k, _, t in release_all(state)}
-    assert state.nack("slow", 0, first["slow"], 100.0, RetryPolicy(10, 600).backoff)
-    assert state.ack("fast", 1, first["fast"])
-    assert [k for k, _, _ in release_all(state)] == ["fast"]
+    assert state.nack(b"slow", 0, first[b"slow"], 100.0, RetryPolicy(10, 600).backoff)
+    assert state.ack(b"fast", 1, first[b"fast"])
+    assert [k for k, _, _ in release_all(state)] == [b"fast"]
     assert state.next_wake() == 110.0
     state.wake(109.0)
-    assert "slow" not in state.ready
+    assert b"slow" not in state.ready
     state.wake(110.0)
-    assert "slow" in state.ready
+    assert b"slow" in state.ready
 
 
 def test_recovery_walk_skips_settled_keys_and_cascades_the_rest() -> None:
@@ -94,20 +93,20 @@ def test_recovery_walk_skips_settled_keys_and_cascades_the_rest() -> None:
     unsettled record is delivered from it on, later settled records included."""
     settled = frozenset({0, 1, 3, 4})
     state = PartitionState(0, 2, ordered=True, settled_before=settled, attempts_before={2: 1})
-    fill(state, ["done", "k", "k", "k", "done2", "new"])
+    fill(state, [b"done", b"k", b"k", b"k", b"done2", b"new"])
     released = release_all(state)
-    assert [(k, o) for k, o, _ in released] == [("k", 2), ("new", 5)]
-    delivery_attempts = state.keys["k"].records[0].attempts
+    assert [(k, o) for k, o, _ in released] == [(b"k", 2), (b"new", 5)]
+    delivery_attempts = state.keys[b"k"].records[0].attempts
     assert delivery_attempts == 2, "attempts survive the crash (ACK-6)"
-    assert state.ack("k", 2, released[0][2])
-    assert [(k, o) for k, o, _ in release_all(state)] == [("k", 3)], "settled 3 is redelivered: k cascades"
+    assert state.ack(b"k", 2, released[0][2])
+    assert [(k, o) for k, o, _ in release_all(state)] == [(b"k", 3)], "settled 3 is redelivered: k cascades"
     assert state.tracker.watermark == 3
 
 
 def test_unordered_records_are_independent() -> None:
     """SUB-6: without ordering every record is released at once, even of one key."""
     state = PartitionState(0, 1, ordered=False)
-    fill(state, ["k", "k", "k"])
+    fill(state, [b"k", b"k", b"k"])
     assert [o for _, o, _ in release_all(state)] == [0, 1, 2]
 
 
@@ -121,19 +120,19 @@ def test_retry_policy_backoff_doubles_within_bounds() -> None:
 def test_release_ready_respects_message_and_byte_budgets_and_keeps_the_rest_ready() -> None:
     """SUB-7: a step releases at most the budgets allow; unreleased keys stay ready, oldest first."""
     state = PartitionState(0, 1, ordered=True)
-    fill(state, ["a", "b", "c", "d"])
+    fill(state, [b"a", b"b", b"c", b"d"])
     first = state.release_ready(0.0, 2, 1, 10**9)
-    assert [(d.queue_key, d.record.offset) for d in first] == [("a", 0), ("b", 1)]
-    assert list(state.ready) == ["c", "d"]
+    assert [(d.queue_key, d.record.offset) for d in first] == [(b"a", 0), (b"b", 1)]
+    assert list(state.ready) == [b"c", b"d"]
     # each record here is 1 byte: a byte budget of 1 lets one key go, then stops
-    assert [(d.queue_key, d.record.offset) for d in state.release_ready(0.0, 10, 1, 1)] == [("c", 2)]
-    assert list(state.ready) == ["d"]
+    assert [(d.queue_key, d.record.offset) for d in state.release_ready(0.0, 10, 1, 1)] == [(b"c", 2)]
+    assert list(state.ready) == [b"d"]
 
 
 def test_release_ready_in_pull_mode_hands_out_a_batch_per_key() -> None:
     """SUB-1 (pull): one batch per key, in offset order, cut at the budget."""
     state = PartitionState(0, 1, ordered=True)
-    fill(state, ["a", "a", "b", "a", "b"])
+    fill(state, [b"a", b"a", b"b", b"a", b"b"])
     batch = state.release_ready(0.0, 4, 10, 10**9)
-    assert [(d.queue_key, d.record.offset) for d in batch] == [("a", 0), ("a", 1), ("a", 3), ("b", 2)]
+    assert [(d.queue_key, d.record.offset) for d in batch] == [(b"a", 0), (b"a", 1), (b"a", 3), (b"b", 2)]
     assert state.release_ready(0.0, 10, 10, 10**9) == []

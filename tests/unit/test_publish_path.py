@@ -10,15 +10,17 @@ import pytest
 from confluent_kafka import KafkaError
 
 from ordering_layer import OrderedProducer, PublishResult
-from ordering_layer.envelope import HEADER_MESSAGE_ID, HEADER_PARTITION_COUNT, decode_record, encode_envelope
 from ordering_layer.errors import (
+    InvalidMessageError,
     InvalidOrderingKeyError,
     MessageTooLargeError,
     OrderingKeyPausedError,
     PublishError,
+    UnsupportedOperationError,
 )
 from ordering_layer.publisher import producer as producer_module
 from ordering_layer.publisher.partitioner import partition_for
+from ordering_layer.record import HEADER_MESSAGE_ID, HEADER_PARTITION_COUNT
 
 
 class FakeMessage:
@@ -62,23 +64,36 @@ def deliver(call: tuple[Any, ...], err: KafkaError | None = None, offset: int = 
 
 
 def test_record_shape(sent: tuple[OrderedProducer, list[tuple[Any, ...]]]) -> None:
+    """PUB-6: key = ordering key, value = payload byte for byte, headers = count + attributes (+ given id)."""
     producer, calls = sent
     producer.publish("t", b"payload", ordering_key="customer-1")
     producer.publish("t", bytearray(b"more"), ordering_key=b"customer-1",  # type: ignore[arg-type]
                      attributes={"v": "1"})
     producer.publish("t", b"free")
-    producer.publish("t", b"x" * 5000, ordering_key="")
+    producer.publish("t", b"x" * 5000, ordering_key="", message_id="order-17")
     (topic, value, key, partition, _, _, timestamp, headers) = calls[0]
-    assert (topic, key, partition, timestamp) == ("t", b"customer-1", partition_for(b"customer-1", 6), 0)
-    decoded = decode_record(key, value, headers)
-    assert (decoded.data, decoded.attributes, decoded.partition_count) == (b"payload", {}, 6)
-    assert value == encode_envelope(b"payload", {})
+    assert (topic, value, key, partition, timestamp) == ("t", b"payload", b"customer-1",
+                                                         partition_for(b"customer-1", 6), 0)
+    assert headers == [(HEADER_PARTITION_COUNT, b"6")]
     assert calls[1][3] == partition  # same key, str or bytes: same partition
-    assert decode_record(calls[1][2], calls[1][1], calls[1][7]).attributes == {"v": "1"}
+    assert calls[1][1] == b"more" and calls[1][7] == [(HEADER_PARTITION_COUNT, b"6"), ("v", b"1")]
     assert calls[2][2] is None and calls[2][3] == -1  # unordered: librdkafka picks
-    assert calls[3][2] is None and decode_record(None, calls[3][1], calls[3][7]).data == b"x" * 5000
-    ids = [dict(call[7])[HEADER_MESSAGE_ID] for call in calls]
-    assert len(set(ids)) == len(ids)
+    assert calls[3][1] == b"x" * 5000
+    assert calls[3][7] == [(HEADER_PARTITION_COUNT, b"6"), (HEADER_MESSAGE_ID, b"order-17")]
+
+
+def test_reserved_attribute_names_are_refused(sent: tuple[OrderedProducer, list[tuple[Any, ...]]]) -> None:
+    """PUB-4, PUB-6: attribute and header names starting with ol- are refused before sending."""
+    producer, calls = sent
+    with pytest.raises(InvalidMessageError, match="reserved prefix"):
+        producer.publish("t", b"x", attributes={"ol-partition-count": "1"})
+    with pytest.raises(InvalidMessageError, match="reserved prefix"):
+        producer.produce("t", b"x", headers=[("ol-message-id", b"forged")])
+    with pytest.raises(InvalidMessageError):
+        producer.publish("t", b"x", message_id="")
+    with pytest.raises(InvalidMessageError):
+        producer.publish("t", b"x", attributes={"n": 1})  # type: ignore[dict-item]
+    assert calls == []
 
 
 def test_future_resolves_lazily_to_publish_result(sent: tuple[OrderedProducer, list[tuple[Any, ...]]]) -> None:
@@ -89,7 +104,7 @@ def test_future_resolves_lazily_to_publish_result(sent: tuple[OrderedProducer, l
     assert future.done() and future.exception() is None
     result = future.result()
     assert isinstance(result, PublishResult)
-    assert result.message_id.encode() == dict(calls[0][7])[HEADER_MESSAGE_ID]
+    assert result.message_id == str(result.sequence_number), "no id header: the id is the sequence number"
     assert (result.partition, result.offset) == (calls[0][3], 41)
     assert result.sequence_number == (result.partition << 48) | 41
     assert result.enqueued_time == datetime.fromtimestamp(1_700_000_000.123, tz=UTC)
@@ -124,12 +139,36 @@ def test_failure_pauses_key_until_resume(sent: tuple[OrderedProducer, list[tuple
 
 
 def test_drop_in_callback_after_the_future(sent: tuple[OrderedProducer, list[tuple[Any, ...]]]) -> None:
+    """DRP-1: produce() takes confluent-kafka's arguments, positional or keyword; headers pass through."""
     producer, calls = sent
     reports: list[tuple[KafkaError | None, Any]] = []
-    producer.produce("t", "text", key="k", headers=[("h", b"v")], on_delivery=lambda e, m: reports.append((e, m)))
+    producer.produce("t", "text", key="k", headers=[("h", b"\xff"), ("n", None)],
+                     on_delivery=lambda e, m: reports.append((e, m)))
+    producer.produce("t", b"v", "k", -1, lambda e, m: reports.append((e, m)))  # positional callback
+    producer.produce("t", None, b"k", 2, callback=lambda e, m: reports.append((e, m)), headers={"a": "b"})
     deliver(calls[0], offset=3)
-    assert len(reports) == 1 and reports[0][0] is None and reports[0][1].offset() == 3
-    assert decode_record(calls[0][2], calls[0][1], calls[0][7]).attributes == {"h": "v"}
+    deliver(calls[1], offset=4)
+    deliver(calls[2], offset=5)
+    assert [r[1].offset() for r in reports] == [3, 4, 5] and all(r[0] is None for r in reports)
+    assert calls[0][1] == b"text" and calls[0][7][1:] == [("h", b"\xff"), ("n", None)]
+    assert calls[2][1] == b"" and calls[2][3] == 2 and calls[2][7][1:] == [("a", "b")]
+
+
+def test_drop_in_surface(sent: tuple[OrderedProducer, list[tuple[Any, ...]]]) -> None:
+    """DRP-1: (**conf) construction, len(), bool, produce_batch, and transactions refused by type."""
+    producer, calls = sent
+    assert len(producer) == 0 and bool(producer)
+    assert producer.produce_batch("t", [{"value": b"a", "key": "k"}, {"value": b"b"}]) == 2
+    assert [c[1] for c in calls] == [b"a", b"b"]
+    with pytest.raises(UnsupportedOperationError):
+        producer.init_transactions()
+    with pytest.raises(UnsupportedOperationError):
+        producer.begin_transaction()
+    other = OrderedProducer(**{"bootstrap.servers": "127.0.0.1:9", "log_level": 0})
+    merged = OrderedProducer({"bootstrap.servers": "127.0.0.1:9"}, **{"log_level": 0, "linger.ms": 1})
+    assert other.poll(0) == 0 and merged.flush(0) == 0
+    other.close(0)
+    merged.close(0)
 
 
 def test_keys_are_checked_every_time(sent: tuple[OrderedProducer, list[tuple[Any, ...]]]) -> None:
@@ -157,29 +196,33 @@ def test_key_cache_is_bounded(sent: tuple[OrderedProducer, list[tuple[Any, ...]]
     assert [call[3] for call in calls] == [partition_for(f"key-{n}".encode(), 6) for n in range(25)]
 
 
-@pytest.mark.parametrize("size", [0, 1, 63, 64, 100, 2047, 2048, 70_000])
-def test_envelope_fast_path_equals_encoder(sent: tuple[OrderedProducer, list[tuple[Any, ...]]], size: int) -> None:
+@pytest.mark.parametrize("size", [0, 1, 2047, 2048, 70_000])
+def test_payload_is_sent_byte_for_byte(sent: tuple[OrderedProducer, list[tuple[Any, ...]]], size: int) -> None:
+    """PUB-6: the record value is the payload itself, from bytes or a memoryview."""
     producer, calls = sent
     data = bytes(range(256)) * (size // 256) + bytes(size % 256)
     producer.publish("t", data, ordering_key="k")
     producer.publish("t", memoryview(data))  # type: ignore[arg-type]
-    assert calls[0][1] == calls[1][1] == encode_envelope(data, {})
+    assert calls[0][1] == calls[1][1] == data
 
 
 def test_size_limit_counts_value_key_and_headers() -> None:
+    """PUB-4: value, key and headers together must fit the limit."""
     producer = OrderedProducer({"bootstrap.servers": "127.0.0.1:9", "log_level": 0},
                                settings={"max_message_bytes": 3000})
     try:
         calls: list[tuple[Any, ...]] = []
         producer._produce = lambda *args, **kwargs: calls.append(args)
         producer._topics["t"] = producer_module._Topic(6, float("inf"), (HEADER_PARTITION_COUNT, b"6"), 100)
-        message_id = len(producer._id_prefix) + 1  # the first ids have one hex digit
         key = "k" * 500
-        fits = 3000 - 100 - message_id - len(key) - 3  # envelope: 2-byte length and the empty map
+        fits = 3000 - 100 - len(key)
         producer.publish("t", b"x" * fits, ordering_key=key)
         with pytest.raises(MessageTooLargeError, match="3001 bytes"):
             producer.publish("t", b"x" * (fits + 1), ordering_key=key)
         producer.publish("t", b"x" * (fits + 1), ordering_key=key[1:])
+        attribute = {"a": "y" * 600}
+        with pytest.raises(MessageTooLargeError):
+            producer.publish("t", b"x" * (fits - 500), ordering_key=key, attributes=attribute)
         assert len(calls) == 2
     finally:
         producer.close(0)

@@ -1,0 +1,285 @@
+"""``OrderedConsumer``: the shape of ``confluent_kafka.Consumer`` with per-key order (DRP-2).
+
+A program written for confluent-kafka runs with the import swapped. ``group.id`` names the
+subscription (created with default settings, ordering on, when missing; ``auto.offset.reset``
+chooses its start). ``poll``/``consume`` return ``Message`` objects with confluent-kafka's accessors.
+With ``enable.auto.commit`` (confluent's default) what a ``poll``/``consume`` returned is acked at the
+next ``poll``/``consume``/``close`` of the consumer, so a plain poll-process loop gets per-key order
+and at-least-once unchanged; with it off, ``ack()``/``nack()`` or ``commit(...)`` settle explicitly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from typing import Any
+
+from confluent_kafka import TopicPartition
+
+from ordering_layer.config import FlowControl, StartPosition, SubscriptionSettings, require_bootstrap
+from ordering_layer.errors import (
+    ConfigError,
+    LeaseLostError,
+    SubscriptionExistsError,
+    SubscriptionNotFoundError,
+    UnsupportedOperationError,
+)
+from ordering_layer.state import StateStore
+from ordering_layer.subscriber.engine import Engine, RebalanceHooks
+from ordering_layer.subscriber.message import AckResponse, Message
+
+_LOGGER = logging.getLogger(__name__)
+
+REDIS_URL_ENV = "ORDERING_LAYER_REDIS_URL"
+_WAIT_STEP = 1.0  # an endless poll waits in steps of this many seconds
+_MAX_MESSAGES = 1_000_000  # confluent-kafka's limit for consume(num_messages)
+_LATEST = ("latest", "largest", "end")
+_PER_KEY = "per-key order and per-message acks need the group protocol to own partitions"
+UserRebalanceCallback = Callable[[Any, list[TopicPartition]], None]
+
+
+def redis_url_from(redis_url: str | None) -> str:
+    """``redis_url`` or ``$ORDERING_LAYER_REDIS_URL``; ConfigError when neither is set."""
+    url = redis_url or os.environ.get(REDIS_URL_ENV)
+    if not url:
+        raise ConfigError(f"the layer's Redis is needed: pass redis_url= or set ${REDIS_URL_ENV}")
+    return url
+
+
+def _is_true(value: Any) -> bool:
+    return str(value).lower() in ("true", "1")
+
+
+class OrderedConsumer:
+    """Drop-in ``confluent_kafka.Consumer``: ``OrderedConsumer(conf)``, ``(conf, **more)`` or ``(**conf)``.
+
+    Args:
+        config: confluent-kafka settings (``bootstrap.servers`` and ``group.id`` required; the rest
+            pass through, e.g. ``session.timeout.ms``, ``logger``).
+        redis_url: the layer's Redis; default ``$ORDERING_LAYER_REDIS_URL``.
+        flow_control: limits on outstanding messages (SUB-7).
+
+    Raises:
+        ConfigError: missing bootstrap, group or Redis URL.
+    """
+
+    def __init__(self, config: Mapping[str, Any] | None = None, /, *, redis_url: str | None = None,
+                 flow_control: FlowControl | None = None, **kwargs: Any) -> None:
+        conf = {**(config or {}), **kwargs}
+        require_bootstrap(conf)
+        if not conf.get("group.id"):
+            raise ConfigError("OrderedConsumer needs 'group.id' (the subscription name)")
+        self._config = conf
+        self._auto_commit = _is_true(conf.get("enable.auto.commit", True))
+        self._redis_url = redis_url_from(redis_url)
+        self._store = StateStore(self._redis_url)
+        self._flow_control = flow_control or FlowControl()
+        self._engine: Engine | None = None
+        self._topic = ""
+        self._returned: list[Message] = []  # returned by poll/consume, not yet settled through us
+        self._closed = False
+
+    # -- subscribing -------------------------------------------------------------------------------
+    def subscribe(self, topics: list[str], on_assign: UserRebalanceCallback | None = None,
+                  on_revoke: UserRebalanceCallback | None = None,
+                  on_lost: UserRebalanceCallback | None = None) -> None:
+        """Join the subscription's group for its one topic; callbacks get ``(consumer, partitions)``.
+
+        The callbacks run on the consumer's fetch thread (confluent-kafka runs them inside
+        ``poll``): on_assign after the partitions are claimed, on_revoke before they are let go.
+
+        Raises:
+            ConfigError: not exactly one topic, a regex, or a subscription of another topic.
+        """
+        self._check_open()
+        if len(topics) != 1 or topics[0].startswith("^"):
+            raise ConfigError("OrderedConsumer subscribes to exactly one topic (a subscription consumes one)")
+        if self._engine is not None:
+            raise ConfigError("already subscribed; unsubscribe() first")
+        topic = topics[0]
+        name = str(self._config["group.id"])
+        try:
+            settings = self._store.settings(name)
+        except SubscriptionNotFoundError:
+            settings = self._create(name, topic)
+        if settings.topic != topic:
+            raise ConfigError(f"subscription {name!r} consumes {settings.topic!r}, not {topic!r}")
+        hooks = RebalanceHooks(self._bind(on_assign), self._bind(on_revoke), self._bind(on_lost))
+        self._engine = Engine(self._config, self._store, name, settings, flow_control=self._flow_control,
+                              on_messages=None, rebalance=hooks)
+        self._topic = topic
+        self._engine.start()
+
+    def _create(self, name: str, topic: str) -> SubscriptionSettings:
+        from ordering_layer.admin import Admin  # the admin client is needed only for a new subscription
+
+        reset = str(self._config.get("auto.offset.reset", "latest")).lower()
+        start = StartPosition.LATEST if reset in _LATEST else StartPosition.TRIM_HORIZON
+        admin = Admin({k: v for k, v in self._config.items() if not k.startswith(("group.", "enable.auto"))},
+                      redis_url=self._redis_url)
+        with contextlib.suppress(SubscriptionExistsError):  # created meanwhile by another consumer
+            admin.create_subscription(name, topic=topic, start=start)
+        _LOGGER.info("created subscription %s of %s (ordering on, start %s)", name, topic, start.kind)
+        return self._store.settings(name)
+
+    def _bind(self, callback: UserRebalanceCallback | None) -> Callable[[list[TopicPartition]], None] | None:
+        if callback is None:
+            return None
+        return lambda partitions: callback(self, partitions)
+
+    def unsubscribe(self) -> None:
+        """Leave the group (what was returned and auto-committed is acked first)."""
+        self._auto_ack()
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            engine.close()
+
+    # -- receiving ---------------------------------------------------------------------------------
+    def poll(self, timeout: float | None = None) -> Message | None:
+        """One message, or None after ``timeout`` seconds (None or negative: wait until one comes)."""
+        messages = self._receive(1, timeout)
+        return messages[0] if messages else None
+
+    def consume(self, num_messages: int = 1, timeout: float = -1) -> list[Message]:
+        """Up to ``num_messages`` (at most one batch per key, in order), waiting up to ``timeout`` s
+        (negative: until some come). It returns what is ready rather than waiting for the full
+        count: a key's next messages cannot come before the ones returned are settled.
+
+        Raises:
+            ValueError: ``num_messages`` outside 1..1,000,000 (as confluent-kafka).
+        """
+        if not 1 <= num_messages <= _MAX_MESSAGES:
+            raise ValueError(f"num_messages must be between 1 and {_MAX_MESSAGES}")
+        return self._receive(num_messages, timeout)
+
+    def _receive(self, count: int, timeout: float | None) -> list[Message]:
+        engine = self._require()
+        self._auto_ack()
+        if timeout is not None and timeout >= 0:
+            messages = engine.pull(count, timeout)
+        else:
+            messages = []
+            while not messages:
+                messages = engine.pull(count, _WAIT_STEP)
+        self._returned.extend(messages)
+        return messages
+
+    def _auto_ack(self) -> None:
+        if self._auto_commit and self._returned:
+            for message in self._returned:
+                if not message.settled:
+                    message.ack()
+            self._returned = []
+
+    # -- committing --------------------------------------------------------------------------------
+    def commit(self, message: Message | None = None, offsets: list[TopicPartition] | None = None,
+               asynchronous: bool = True) -> list[TopicPartition] | None:
+        """Ack explicitly: ``message`` alone; with ``offsets``, every returned message below each
+        offset of those partitions; with neither, everything returned so far. Synchronous commits
+        wait until Redis has the acks and return the offsets acked up to.
+
+        Raises:
+            LeaseLostError: (synchronous) an ack was refused: the partition moved to another owner.
+        """
+        self._require()
+        if message is not None and offsets is not None:
+            raise ValueError("commit takes message or offsets, not both")
+        if message is not None:
+            chosen = [message]
+        elif offsets is not None:
+            limits = {(tp.topic, tp.partition): tp.offset for tp in offsets}
+            chosen = [m for m in self._returned
+                      if m.offset() < limits.get((m.topic(), m.partition()), -1)]
+        else:
+            chosen = list(self._returned)
+        chosen = [m for m in chosen if not m.settled]
+        if asynchronous:
+            for m in chosen:
+                m.ack()
+            self._prune()
+            return None
+        answers: list[tuple[Message, Future[AckResponse]]] = [(m, m.ack_with_response()) for m in chosen]
+        self._prune()
+        done: dict[int, int] = {}
+        for m, answer in answers:
+            if answer.result() not in (AckResponse.SUCCESS, AckResponse.INVALID_ACK_ID):
+                raise LeaseLostError(f"ack of {m.topic()}:{m.partition()}:{m.offset()} refused: "
+                                     f"{answer.result().value}", partition=m.partition(), offset=m.offset())
+            done[m.partition()] = max(done.get(m.partition(), 0), m.offset() + 1)
+        return [TopicPartition(self._topic, p, o) for p, o in sorted(done.items())]
+
+    def _prune(self) -> None:
+        self._returned = [m for m in self._returned if not m.settled]
+
+    # -- metadata ----------------------------------------------------------------------------------
+    def assignment(self) -> list[TopicPartition]:
+        """The partitions this consumer owns now."""
+        engine = self._require()
+        return [TopicPartition(self._topic, p) for p in engine.assigned_partitions()]
+
+    def list_topics(self, topic: str | None = None, timeout: float = -1) -> Any:
+        """Cluster metadata, as ``Consumer.list_topics``."""
+        return self._require().consumer.list_topics(topic, timeout)
+
+    def get_watermark_offsets(self, partition: TopicPartition, timeout: float = -1,
+                              cached: bool = False) -> tuple[int, int]:
+        """Low and high watermark of a partition, as ``Consumer.get_watermark_offsets``."""
+        low, high = self._require().consumer.get_watermark_offsets(partition, timeout, cached)
+        return int(low), int(high)
+
+    def committed(self, partitions: list[TopicPartition], timeout: float = -1) -> list[TopicPartition]:
+        """The group's committed offsets: each partition's lowest offset not yet settled."""
+        return list(self._require().consumer.committed(partitions, timeout))
+
+    # -- what cannot be offered --------------------------------------------------------------------
+    def assign(self, partitions: list[TopicPartition]) -> None:
+        """Not supported (``UnsupportedOperationError``): partitions are owned through the group."""
+        raise UnsupportedOperationError("assign", _PER_KEY)
+
+    def incremental_assign(self, partitions: list[TopicPartition]) -> None:
+        """Not supported (``UnsupportedOperationError``)."""
+        raise UnsupportedOperationError("incremental_assign", _PER_KEY)
+
+    def seek(self, partition: TopicPartition) -> None:
+        """Not supported: use ``Admin.seek(subscription, time=...)``, which keeps per-key order."""
+        raise UnsupportedOperationError("seek", "a partition seek would break per-key order and acks; "
+                                                "use Admin.seek(subscription, time=...) (GRP-3)")
+
+    def store_offsets(self, message: Message | None = None, offsets: list[TopicPartition] | None = None) -> None:
+        """Not supported: the layer commits the lowest unsettled offset itself; use ``commit``/``ack``."""
+        raise UnsupportedOperationError("store_offsets", "offsets are derived from per-message acks")
+
+    def pause(self, partitions: list[TopicPartition]) -> None:
+        """Not supported: flow control pauses the fetch itself (SUB-7)."""
+        raise UnsupportedOperationError("pause", "flow control pauses the fetch itself (SUB-7)")
+
+    def resume(self, partitions: list[TopicPartition]) -> None:
+        """Not supported: flow control resumes the fetch itself (SUB-7)."""
+        raise UnsupportedOperationError("resume", "flow control resumes the fetch itself (SUB-7)")
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Ack what auto-commit owes, commit what is settled and leave the group."""
+        if self._closed:
+            return
+        self.unsubscribe()
+        self._closed = True
+
+    def _require(self) -> Engine:
+        self._check_open()
+        if self._engine is None:
+            raise ConfigError("call subscribe() first")
+        return self._engine
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("Consumer closed")  # what confluent-kafka raises
+
+    def __enter__(self) -> OrderedConsumer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
