@@ -39,7 +39,8 @@ def run_raw(bootstrap: str, topic: str, payload: bytes, keys: list[bytes], count
     """Raw produce of the same key, value and (as headers) attributes."""
     producer = Producer({"bootstrap.servers": bootstrap, **SETTINGS, "partitioner": "murmur2_random"})
     delivered = 0
-    headers = [(name, value.encode()) for name, value in attributes.items()] or None
+    headers: list[tuple[str, str | bytes | None]] | None = [
+        (name, value.encode()) for name, value in attributes.items()] or None
 
     def on_delivery(err: object, msg: object) -> None:
         nonlocal delivered

@@ -164,8 +164,10 @@ def test_drop_in_surface(sent: tuple[OrderedProducer, list[tuple[Any, ...]]]) ->
         producer.init_transactions()
     with pytest.raises(UnsupportedOperationError):
         producer.begin_transaction()
-    other = OrderedProducer(**{"bootstrap.servers": "127.0.0.1:9", "log_level": 0})
-    merged = OrderedProducer({"bootstrap.servers": "127.0.0.1:9"}, **{"log_level": 0, "linger.ms": 1})
+    conf: dict[str, Any] = {"bootstrap.servers": "127.0.0.1:9", "log_level": 0}
+    more: dict[str, Any] = {"log_level": 0, "linger.ms": 1}
+    other = OrderedProducer(**conf)
+    merged = OrderedProducer({"bootstrap.servers": "127.0.0.1:9"}, **more)
     assert other.poll(0) == 0 and merged.flush(0) == 0
     other.close(0)
     merged.close(0)

@@ -52,8 +52,9 @@ def test_unknown_reserved_headers_are_left_alone() -> None:
 
 def test_attributes_are_utf8_headers_outside_the_reserved_prefix() -> None:
     """PUB-6, PUB-7: attributes = headers with UTF-8 values; ol- metadata, null and binary values stay out."""
-    headers = [(HEADER_PARTITION_COUNT, b"6"), ("v", b"1"), ("bin", b"\xff"), ("none", None), ("v", b"2"),
-               ("text", "caf\u00e9")]
+    headers: list[tuple[str, str | bytes | None]] = [
+        (HEADER_PARTITION_COUNT, b"6"), ("v", b"1"), ("bin", b"\xff"), ("none", None), ("v", b"2"),
+        ("text", "caf\u00e9")]
     assert attributes_of(headers) == {"v": "2", "text": "caf\u00e9"}
     assert attributes_of({"a": b"x"}) == {"a": "x"}
     assert attributes_of(None) == {}
