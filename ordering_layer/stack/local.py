@@ -159,6 +159,13 @@ class LocalStack(FolderStateBackend):
     def __init__(self, state_dir: Path | None = None) -> None:
         super().__init__(Path(state_dir) if state_dir else default_state_dir())
 
+    def _load(self) -> dict[str, Any]:
+        state = super()._load()
+        if state and "nodes" not in state:
+            raise StackError(f"{self._state_file} has no broker list (written by an older ordering-layer): "
+                             f"stop the processes it names and remove {self.state_dir}")
+        return state
+
     # -- public ----------------------------------------------------------------------------------
     def up(self, brokers: int | None = None) -> Endpoints:
         """Start Redis and Kafka unless they run already; return their addresses.

@@ -66,6 +66,9 @@ def test_refusals_come_before_anything_starts(tmp_path: Path) -> None:
     stack._save(new_state(3))
     with pytest.raises(StackError, match=r"no broker 4: this stack has broker\(s\) 1..3"):
         stack.stop_broker(node=4, kill=True)
+    stack._save({"kafka_port": 9092, "kafka_pid": None})
+    with pytest.raises(StackError, match="no broker list"):
+        stack.down()
     containers = ContainerStack(tmp_path / "containers")
     with pytest.raises(StackError, match="runs a single broker"):
         containers.up(brokers=3)
