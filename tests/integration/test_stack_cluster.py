@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -142,10 +143,11 @@ def test_kill_9_and_restart_a_broker_through_the_api_and_the_cli(cluster: LocalS
 def test_partition_leader_killed_during_publish_and_subscribe_loses_nothing(
         cluster: LocalStack, unique_name: Callable[[str], str]) -> None:
     """SUB-1, SUB-3 (issue 12's failover proof): on 3 brokers, an OrderedProducer publishes 20 keys
-    while a Subscriber acks; the leader of partition 0 is killed with SIGKILL half-way through
-    publishing and restarted later. Every message is published once (the log holds no duplicate),
-    delivered and acked (SUB-3); each key's deliveries move forward in publish order, one outstanding
-    at a time, and a redelivery only as a cascade (SUB-1, SUB-4)."""
+    while a Subscriber acks. The leader of partition 0 is killed with SIGKILL after the first third
+    is sent (not all of it confirmed); the second third is published, and the first two delivered
+    and acked, while it is down; it restarts before the last third. Every message is published once
+    (the log holds no duplicate), delivered and acked (SUB-3); each key's deliveries move forward in
+    publish order, one outstanding at a time, redeliveries only as cascades (SUB-1, SUB-4)."""
     endpoints = cluster.endpoints()
     config = {"bootstrap.servers": endpoints.bootstrap}
     client = _admin_client(endpoints.bootstrap)
@@ -158,18 +160,30 @@ def test_partition_leader_killed_during_publish_and_subscribe_loses_nothing(
     for key in keys:  # a message is named by its payload, known before it is published
         checker.expect(key, [f"{key}:{n}" for n in range(PER_KEY)])
     victim = _leader(client, topic, 0)
-    half_published, killed = threading.Event(), threading.Event()
+    first_sent, killed, second_confirmed, restarted = (threading.Event() for _ in range(4))
 
     def publish() -> None:
         with OrderedProducer(config) as producer:
             futures: list[Future[PublishResult]] = []
-            for n in range(PER_KEY):
-                if n == PER_KEY // 2:
-                    half_published.set()
-                    assert killed.wait(120), "the leader was not killed"
-                futures.extend(producer.publish(topic, f"{key}:{n}".encode(), ordering_key=key) for key in keys)
-            for future in futures:
-                future.result(timeout=300)
+
+            def send(rounds: range) -> None:
+                futures.extend(producer.publish(topic, f"{key}:{n}".encode(), ordering_key=key)
+                               for n in rounds for key in keys)
+
+            def confirm() -> None:
+                for future in futures:
+                    future.result(timeout=300)
+
+            third = PER_KEY // 3
+            send(range(third))
+            first_sent.set()
+            assert killed.wait(300), "the leader was not killed"
+            send(range(third, 2 * third))
+            confirm()
+            second_confirmed.set()
+            assert restarted.wait(300), "the leader was not restarted"
+            send(range(2 * third, PER_KEY))
+            confirm()
 
     def callback(message: Message) -> None:
         payload = message.data.decode()
@@ -181,21 +195,30 @@ def test_partition_leader_killed_during_publish_and_subscribe_loses_nothing(
     with ThreadPoolExecutor(1) as pool, streaming:
         publishing = pool.submit(publish)
         try:
-            wait_until(lambda: half_published.is_set() and checker.acked_count() >= 100, 120,
-                       "half published and 100 acked")
+            wait_until(lambda: first_sent.is_set() and checker.acked_count() >= 100, 120,
+                       "a third sent and 100 acked")
             cluster.stop_broker(node=victim, kill=True)
+            killed_at = time.monotonic()
+            killed.set()
+            wait_until(lambda: _leader(client, topic, 0) not in (victim, -1), 60, "a new leader of partition 0",
+                       interval=0.5)
+            new_leader_after = time.monotonic() - killed_at
+            wait_until(lambda: second_confirmed.is_set() or publishing.done(), 300,
+                       "two thirds published with the leader down", interval=0.5)
+            assert second_confirmed.is_set(), publishing.exception()
+            wait_until(lambda: checker.acked_count() == 2 * checker.total() // 3, 180,
+                       "two thirds acked with the leader down", interval=0.5)
+            caught_up_after = time.monotonic() - killed_at
+            cluster.start_broker(node=victim)
         finally:
             killed.set()
-        wait_until(lambda: _leader(client, topic, 0) not in (victim, -1), 60, "a new leader of partition 0",
-                   interval=0.5)
-        wait_until(publishing.done, 300, "every publish resolved", interval=0.5)
-        publishing.result()
-        acked_while_down = checker.acked_count()
-        cluster.start_broker(node=victim)
+            restarted.set()
+        publishing.result(timeout=300)
         wait_until(lambda: checker.acked_count() == checker.total()
                    and admin.describe_subscription(name)["backlog"] == 0, 180, "every message acked",
                    interval=0.5)
-    _LOGGER.info("failover of broker %d: %d of %d acked before its restart, %d deliveries",
-                 victim, acked_while_down, checker.total(), len(checker.deliveries()))
+    _LOGGER.info("failover of broker %d: new leader after %.1f s, two thirds acked after %.1f s; "
+                 "%d deliveries of %d messages", victim, new_leader_after, caught_up_after,
+                 len(checker.deliveries()), checker.total())
     assert sum(end_offsets(endpoints.bootstrap, topic).values()) == checker.total()
     assert checker.verify() == []
