@@ -52,11 +52,10 @@ CLUSTER_SETTINGS: dict[str, str] = {
 }
 
 
-def check_broker_count(brokers: int) -> int:
-    """``brokers`` when it is a count a stack can run. Raises ``StackError`` otherwise."""
+def check_broker_count(brokers: int) -> None:
+    """Raise ``StackError`` unless ``brokers`` is a count a stack can run (``BROKER_COUNTS``)."""
     if brokers not in BROKER_COUNTS:
         raise StackError(f"a stack runs 1 broker or a 3-broker cluster, not {brokers}")
-    return brokers
 
 
 def free_port() -> int:
