@@ -208,7 +208,9 @@ class Admin:
             name: topic name.
             partitions: partition count (>= 1).
             replication_factor: defaults to min(3, brokers in the cluster).
-            config: further topic settings (``message.timestamp.type`` is always LogAppendTime).
+            config: further topic settings (``message.timestamp.type`` is always LogAppendTime;
+                with 3 or more replicas ``min.insync.replicas`` defaults to 2, so an acked publish
+                is on two brokers and one broker can fail without stopping writes).
             exist_ok: return the existing topic instead of raising.
 
         Raises:
@@ -219,6 +221,8 @@ class Admin:
             raise ConfigError(f"partitions must be >= 1, got {partitions}")
         settings = {**(config or {}), "message.timestamp.type": "LogAppendTime"}
         replication = replication_factor or min(3, self._broker_count())
+        if replication >= 3:
+            settings.setdefault("min.insync.replicas", "2")
         futures = self._admin.create_topics(
             [NewTopic(name, num_partitions=partitions, replication_factor=replication, config=settings)],
             operation_timeout=_TIMEOUT, request_timeout=_TIMEOUT)

@@ -16,6 +16,7 @@ from ordering_layer.config import DeadLetterPolicy, RetryPolicy, StartPosition
 from ordering_layer.errors import OrderingLayerError
 from ordering_layer.publisher import OrderedProducer
 from ordering_layer.stack import Endpoints, get_backend
+from ordering_layer.stack.base import BROKER_COUNTS
 from ordering_layer.subscriber import Subscriber
 
 _ENV_BOOTSTRAP = "ORDERING_LAYER_BOOTSTRAP"
@@ -62,19 +63,46 @@ def main(verbose: bool) -> None:
 # -- stack -----------------------------------------------------------------------------------------
 @main.group()
 def stack() -> None:
-    """The local Kafka + Redis (start, stop, status, env)."""
+    """The local Kafka + Redis (start, stop, status, env, kill and start one broker)."""
 
 
 @stack.command("up")
+@click.option("--brokers", type=click.Choice([str(n) for n in BROKER_COUNTS]), default=None,
+              help="1 broker, or a 3-broker KRaft cluster (topics get 3 replicas, min ISR 2). "
+                   "Default: the running stack's count, else 1.")
 @_stack_option
-def stack_up(state_dir: Path | None, backend: str | None) -> None:
-    """Start the local Kafka broker and Redis (harmless when they run already)."""
+def stack_up(brokers: str | None, state_dir: Path | None, backend: str | None) -> None:
+    """Start the local Kafka broker(s) and Redis (harmless when they run already)."""
     try:
-        endpoints = get_backend(backend, state_dir).up()
+        endpoints = get_backend(backend, state_dir).up(int(brokers) if brokers else None)
     except OrderingLayerError as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(f"Kafka  {endpoints.bootstrap}\nRedis  {endpoints.redis_url}")
     click.echo("Stop it with: ordering-layer stack down")
+
+
+@stack.command("kill-broker")
+@click.argument("node", type=click.IntRange(min=1))
+@_stack_option
+def stack_kill_broker(node: int, state_dir: Path | None, backend: str | None) -> None:
+    """Kill broker NODE (1-based) with SIGKILL; its id, address and data stay for start-broker."""
+    try:
+        get_backend(backend, state_dir).stop_broker(node=node, kill=True)
+    except OrderingLayerError as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(f"broker {node} killed")
+
+
+@stack.command("start-broker")
+@click.argument("node", type=click.IntRange(min=1))
+@_stack_option
+def stack_start_broker(node: int, state_dir: Path | None, backend: str | None) -> None:
+    """Start broker NODE again (same id, address and data) and wait until it answers."""
+    try:
+        get_backend(backend, state_dir).start_broker(node=node)
+    except OrderingLayerError as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(f"broker {node} runs")
 
 
 @stack.command("down")

@@ -7,7 +7,9 @@ Installing ``ordering-layer`` registers this plugin, so a user's test module can
 - ``kafka_config``: a confluent-kafka config dict naming that broker;
 - ``ordering_layer_admin``: an :class:`~ordering_layer.Admin` on both;
 - ``subscription_factory``: creates a topic and a subscription of it, with names unique to the
-  test, and deletes them after the test.
+  test, and deletes them after the test;
+- ``kafka_cluster``: opt-in, a three-broker Kafka cluster with its own Redis (a ``LocalStack``),
+  started by the first test that asks for it, for tests that kill and restart brokers.
 
 Where the services come from: ``ORDERING_LAYER_BOOTSTRAP`` and ``ORDERING_LAYER_REDIS_URL`` name an
 existing cluster; otherwise the project's launcher starts them, as local processes
@@ -28,7 +30,7 @@ import pytest
 
 from ordering_layer.admin import Admin
 from ordering_layer.config import SubscriptionSettings
-from ordering_layer.stack import Endpoints, StackBackend, get_backend
+from ordering_layer.stack import Endpoints, LocalStack, StackBackend, get_backend
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,25 @@ def ordering_layer_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S
     backend = get_backend(state_dir=Path(tmp_path_factory.mktemp("ordering-layer-stack")))
     try:
         backend.up()
+        yield backend
+    finally:
+        backend.down()
+
+
+@pytest.fixture(scope="session")
+def kafka_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
+    """A three-broker KRaft cluster (topics: 3 replicas, min ISR 2) and a Redis, for the session.
+
+    Only tests that ask for it start it; it is stopped at the end of the session. It always runs as
+    local processes (the container backend runs one broker); tests kill and restart its brokers with
+    ``stop_broker(node=N, kill=True)`` and ``start_broker(node=N)``. Skipped when the services are
+    named by environment, as those cannot be restarted by the tests.
+    """
+    if _names_named_by_environment() is not None:
+        pytest.skip("services named by environment: no cluster whose brokers the tests may kill")
+    backend = LocalStack(Path(tmp_path_factory.mktemp("ordering-layer-cluster")))
+    try:
+        backend.up(brokers=3)
         yield backend
     finally:
         backend.down()

@@ -1,8 +1,9 @@
 """The seam between the layer's tooling and whatever runs Kafka + Redis for it.
 
-A backend starts a single-node Kafka broker and a Redis server, hands out their addresses, and can
-stop and restart either one alone, keeping its data (the chaos tests rely on that). The local
-backend runs the processes directly; a container backend runs the same behind testcontainers.
+A backend starts Kafka (a single node, or with the local backend a replicated three-node cluster)
+and a Redis server, hands out their addresses, and can stop and restart any broker or Redis alone,
+keeping its data (the chaos tests rely on that). The local backend runs the processes directly; a
+container backend runs a single node behind testcontainers.
 """
 
 from __future__ import annotations
@@ -32,6 +33,30 @@ BROKER_SETTINGS: dict[str, str] = {
     "group.min.session.timeout.ms": "1000",
 }
 
+#: Broker counts a stack can run: one node, or a three-voter quorum that survives one broker loss.
+BROKER_COUNTS = (1, 3)
+
+#: What a three-broker cluster changes in ``BROKER_SETTINGS``: every topic, the internal ones
+#: included, keeps 3 replicas and takes writes while 2 of them are in sync, so one broker can die.
+CLUSTER_SETTINGS: dict[str, str] = {
+    "default.replication.factor": "3",
+    "min.insync.replicas": "2",
+    "offsets.topic.replication.factor": "3",
+    "transaction.state.log.replication.factor": "3",
+    "transaction.state.log.min.isr": "2",
+    "share.coordinator.state.topic.replication.factor": "3",
+    "share.coordinator.state.topic.min.isr": "2",
+    # A killed broker is fenced, and its partitions get new leaders, after 6 s instead of 9 s.
+    "broker.heartbeat.interval.ms": "1000",
+    "broker.session.timeout.ms": "6000",
+}
+
+
+def check_broker_count(brokers: int) -> None:
+    """Raise ``StackError`` unless ``brokers`` is a count a stack can run (``BROKER_COUNTS``)."""
+    if brokers not in BROKER_COUNTS:
+        raise StackError(f"a stack runs 1 broker or a 3-broker cluster, not {brokers}")
+
 
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 right now."""
@@ -59,8 +84,15 @@ class StackBackend(ABC):
     """A Kafka + Redis pair that can be started, stopped and partly restarted."""
 
     @abstractmethod
-    def up(self) -> Endpoints:
-        """Start both services (harmless when they run already) and wait until they answer."""
+    def up(self, brokers: int | None = None) -> Endpoints:
+        """Start Kafka and Redis (harmless when they run already) and wait until they answer.
+
+        Args:
+            brokers: 1 (a single node) or 3 (a replicated cluster); default: what runs already, else 1.
+
+        Raises:
+            StackError: a service did not come up, or a stack of another broker count runs here.
+        """
 
     @abstractmethod
     def down(self) -> None:
@@ -75,12 +107,21 @@ class StackBackend(ABC):
         """The addresses of the running stack. Raises ``StackError`` when it is not up."""
 
     @abstractmethod
-    def stop_broker(self, *, kill: bool = False) -> None:
-        """Stop the Kafka broker (SIGKILL when ``kill``), keeping its log directory."""
+    def stop_broker(self, *, node: int | None = None, kill: bool = False) -> None:
+        """Stop broker ``node`` (1-based; default: every broker), SIGKILL when ``kill``, keeping its data.
+
+        Raises:
+            StackError: no stack runs, or it has no broker ``node``.
+        """
 
     @abstractmethod
-    def start_broker(self) -> None:
-        """Start the broker again on the same address and wait until it answers."""
+    def start_broker(self, *, node: int | None = None) -> None:
+        """Start broker ``node`` (default: every stopped broker) again with its id, address and data,
+        and wait until it answers.
+
+        Raises:
+            StackError: no stack runs, it has no broker ``node``, or the broker did not come up.
+        """
 
     @abstractmethod
     def stop_redis(self, *, kill: bool = False) -> None:

@@ -85,6 +85,13 @@ def kafka_environment(host: str, port: int) -> dict[str, str]:
     return env
 
 
+def _single_broker(number: int | None) -> None:
+    """Refuse a broker count or node other than 1: this backend runs a single-node broker."""
+    if number not in (None, 1):
+        raise StackError(f"the testcontainers backend runs a single broker (asked for {number}); "
+                         "a 3-broker cluster runs with the local backend: --backend local")
+
+
 @contextmanager
 def _without_ryuk() -> Iterator[None]:
     from testcontainers.core.config import testcontainers_config
@@ -155,7 +162,8 @@ class ContainerStack(FolderStateBackend):
         return official
 
     # -- lifecycle -------------------------------------------------------------------------------
-    def up(self) -> Endpoints:
+    def up(self, brokers: int | None = None) -> Endpoints:
+        _single_broker(brokers)
         state = self._load()
         if not state:
             state = {"backend": "testcontainers", "host": "127.0.0.1",
@@ -258,10 +266,12 @@ class ContainerStack(FolderStateBackend):
                 raise StackError(f"{service} did not answer within {_START_TIMEOUT:.0f} s:\n{logs}")
             time.sleep(0.5)
 
-    def stop_broker(self, *, kill: bool = False) -> None:
+    def stop_broker(self, *, node: int | None = None, kill: bool = False) -> None:
+        _single_broker(node)
         self._stop("kafka", kill=kill)
 
-    def start_broker(self) -> None:
+    def start_broker(self, *, node: int | None = None) -> None:
+        _single_broker(node)
         bootstrap = self.endpoints().bootstrap
         admin = AdminClient({"bootstrap.servers": bootstrap,
                              "logger": logging.getLogger("ordering_layer.kafka.client")})  # type: ignore[dict-item]

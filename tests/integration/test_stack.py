@@ -11,9 +11,11 @@ import pytest
 import redis
 from click.testing import CliRunner
 
+from ordering_layer import Admin, OrderedProducer
 from ordering_layer.cli import main
 from ordering_layer.errors import StackError
 from ordering_layer.stack import StackBackend, containers
+from tests.kafka_helpers import end_offsets
 
 pytestmark = pytest.mark.integration
 
@@ -43,6 +45,20 @@ def test_redis_restart_keeps_append_only_data(restartable: StackBackend) -> None
     restartable.start_redis()
     client = redis.Redis.from_url(restartable.endpoints().redis_url)
     assert client.get("ol:test:aof") == b"kept"
+
+
+def test_broker_kill_9_and_restart_keep_its_address_and_data(restartable: StackBackend,
+                                                            unique_name: Callable[[str], str]) -> None:
+    """The launcher restarts the broker alone after a SIGKILL, on the same address with its log."""
+    endpoints = restartable.endpoints()
+    topic = Admin({"bootstrap.servers": endpoints.bootstrap}).create_topic(unique_name("restart")).name
+    with OrderedProducer({"bootstrap.servers": endpoints.bootstrap}) as producer:
+        producer.publish(topic, b"kept", ordering_key="k").result(timeout=60)
+    restartable.stop_broker(kill=True)
+    assert not restartable.status()["kafka"]["running"]
+    restartable.start_broker()
+    assert restartable.endpoints() == endpoints
+    assert end_offsets(endpoints.bootstrap, topic) == {0: 1}
 
 
 def test_cli_reports_a_missing_stack(tmp_path: Path) -> None:
