@@ -47,13 +47,13 @@ def _activated_ids(bootstrap: str, topic: str, expected: int, timeout: float = 6
 class SchedulerProcess:
     """A dedicated ``ordering-layer scheduler`` process."""
 
-    def __init__(self, endpoints: Endpoints, schedule_topic: str, lease: float) -> None:
+    def __init__(self, endpoints: Endpoints, schedule_topic: str, lease: float, log: Path) -> None:
+        self.log = log.open("ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ordering_layer.cli", "scheduler", "--bootstrap", endpoints.bootstrap,
+            [sys.executable, "-c", "from ordering_layer.cli import main; main()", "scheduler", "--bootstrap", endpoints.bootstrap,
              "--redis-url", endpoints.redis_url, "--schedule-topic", schedule_topic, "--lease", str(lease),
              "--batch", "10"],
-            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            env={**os.environ, "PYTHONPATH": str(ROOT)})
+            cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT)})
 
     def kill(self) -> None:
         self.proc.send_signal(signal.SIGKILL)
@@ -67,6 +67,7 @@ class SchedulerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(30)
+        self.log.close()
 
 
 def test_scheduled_message_is_invisible_before_enqueue_at_and_delivered_after(
@@ -116,7 +117,7 @@ def test_cancel_before_and_after_activation(endpoints: Endpoints, topic_factory:
 
 def test_kill_9_of_the_scheduler_and_a_redis_flush_lose_nothing(
         endpoints: Endpoints, restartable: Any, topic_factory: Callable[..., str],
-        unique_name: Callable[[str], str]) -> None:
+        unique_name: Callable[[str], str], tmp_path: Path) -> None:
     """PUB-5: kill -9 of a dedicated scheduler mid-way and a Redis FLUSHALL: every scheduled message
     is published, none before its enqueue_at, and a duplicate only ever carries the same id."""
     topic = topic_factory(partitions=3)
@@ -127,14 +128,16 @@ def test_kill_9_of_the_scheduler_and_a_redis_flush_lose_nothing(
         due = {producer.schedule(topic, f"m{n}".encode(), ordering_key=f"k{n % 7}",
                                  enqueue_at=start + timedelta(milliseconds=20 * n)): start + timedelta(
                                      milliseconds=20 * n) for n in range(count)}
-    first = SchedulerProcess(endpoints, schedule_topic, lease=2.0)
+    log = tmp_path / "scheduler.log"
+    first = SchedulerProcess(endpoints, schedule_topic, lease=2.0, log=log)
     try:
-        _activated_ids(endpoints.bootstrap, topic, 20, timeout=60)
+        before_kill = _activated_ids(endpoints.bootstrap, topic, 20, timeout=60)
         first.kill()
+        assert 20 <= len(before_kill) < count, log.read_text()
     finally:
         first.stop()
     redis.Redis.from_url(endpoints.redis_url).flushall()
-    second = SchedulerProcess(endpoints, schedule_topic, lease=2.0)
+    second = SchedulerProcess(endpoints, schedule_topic, lease=2.0, log=log)
     try:
         deadline = time.monotonic() + 90
         while True:
@@ -144,7 +147,7 @@ def test_kill_9_of_the_scheduler_and_a_redis_flush_lose_nothing(
     finally:
         second.stop()
     ids = Counter(i for i, _ in activated)
-    assert set(ids) == set(due), f"missing {len(set(due) - set(ids))}, unknown {len(set(ids) - set(due))}"
+    assert set(ids) == set(due), log.read_text()[-2000:] + f"missing {len(set(due) - set(ids))}, unknown {len(set(ids) - set(due))}"
     for message_id, stamp in activated:
         assert stamp >= int(due[message_id].timestamp() * 1000), message_id
 
