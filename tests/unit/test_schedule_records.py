@@ -8,6 +8,7 @@ import click
 import pytest
 from click.testing import CliRunner
 
+from ordering_layer import OrderedProducer
 from ordering_layer.config import PublisherSettings, from_mapping
 from ordering_layer.errors import ConfigError, RecordFormatError
 from ordering_layer.scheduler.cli import parse_when, render_table, schedule
@@ -85,3 +86,13 @@ def test_schedule_without_subcommand_means_publish() -> None:
     assert result.exit_code == 2
     assert "give exactly one of --at and --in" in result.output
     assert "cancel" in CliRunner().invoke(schedule, ["--help"]).output
+
+
+def test_schedule_without_redis_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A producer without a Redis URL does not take part in activation, and schedule() says why."""
+    monkeypatch.delenv("ORDERING_LAYER_REDIS_URL", raising=False)
+    with OrderedProducer({"bootstrap.servers": "127.0.0.1:1"}) as producer:
+        with pytest.raises(ConfigError, match="redis_url"):
+            producer.schedule("t", b"x", enqueue_at=datetime.now(UTC))
+        with pytest.raises(ConfigError, match="redis_url"):
+            producer.cancel_scheduled("id")
