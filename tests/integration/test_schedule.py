@@ -22,7 +22,9 @@ from ordering_layer import CancelResult, OrderedProducer, Scheduler, Subscriber
 from ordering_layer.pytest_plugin import CreatedSubscription
 from ordering_layer.record import HEADER_MESSAGE_ID
 from ordering_layer.scheduler.index import ScheduleIndex
+from ordering_layer.scheduler.participant import join_activation
 from ordering_layer.scheduler.records import ScheduledMessage, ScheduleState, now_ms
+from ordering_layer.scheduler.settings import SchedulerSettings
 from ordering_layer.stack import Endpoints
 from tests.checker import wait_until
 from tests.integration.conftest import pull_until
@@ -209,3 +211,24 @@ def test_index_claims_with_a_lease_and_cancels_only_unclaimed(endpoints: Endpoin
     assert [m.schedule_id for m, _ in index.pending()] == ["later"]
     assert sorted(index.sweep(now + 1, 10)) == ["id0", "id1", "id2"]
     assert index.cancel("id0", now).result is CancelResult.NOT_FOUND
+
+
+def test_a_subscriber_side_participant_activates_with_its_own_producer(
+        endpoints: Endpoints, topic_factory: Callable[..., str], unique_name: Callable[[str], str]) -> None:
+    """PUB-5: ``join_activation`` (how Subscriber/OrderedConsumer take part) activates due messages
+    from a consumer's config, through a producer it makes itself; it stops at close()."""
+    topic = topic_factory()
+    schedule_topic = unique_name("sched")
+    consumer_config = {"bootstrap.servers": endpoints.bootstrap, "group.id": "g", "enable.auto.commit": False,
+                       "auto.offset.reset": "earliest"}
+    with _producer(endpoints, schedule_topic, scheduler=False) as producer:
+        schedule_id = producer.schedule(topic, b"due", ordering_key="k", enqueue_at=datetime.now(UTC))
+    activation = join_activation(consumer_config, endpoints.redis_url,
+                                 settings=SchedulerSettings(schedule_topic=schedule_topic))
+    try:
+        assert [i for i, _ in _activated_ids(endpoints.bootstrap, topic, 1)] == [schedule_id]
+    finally:
+        activation.close()
+    switched_off = join_activation(consumer_config, endpoints.redis_url, enabled=False)
+    assert not hasattr(switched_off, "scheduler")
+    switched_off.close()
