@@ -10,10 +10,13 @@ from ordering_layer.config import (
     SubscriptionSettings,
 )
 from ordering_layer.publisher import OrderedProducer, PublishResult
+from ordering_layer.scheduler.records import CancelResult
+from ordering_layer.scheduler.scheduler import Scheduler
+from ordering_layer.scheduler.settings import SchedulerSettings
 from ordering_layer.subscriber import AckResponse, Message, OrderedConsumer, StreamingPullFuture, Subscriber
 
 __all__ = [
-    "AckResponse", "Admin", "DeadLetterPolicy", "FlowControl", "Message", "OrderedConsumer", "OrderedProducer",
-    "PublishResult", "PublisherSettings", "RetryPolicy", "StartPosition", "StreamingPullFuture", "Subscriber",
-    "SubscriptionSettings", "TopicDescription",
+    "AckResponse", "Admin", "CancelResult", "DeadLetterPolicy", "FlowControl", "Message", "OrderedConsumer",
+    "OrderedProducer", "PublishResult", "PublisherSettings", "RetryPolicy", "Scheduler", "SchedulerSettings",
+    "StartPosition", "StreamingPullFuture", "Subscriber", "SubscriptionSettings", "TopicDescription",
 ]

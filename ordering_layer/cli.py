@@ -15,6 +15,7 @@ from ordering_layer.admin import Admin
 from ordering_layer.config import DeadLetterPolicy, RetryPolicy, StartPosition
 from ordering_layer.errors import OrderingLayerError
 from ordering_layer.publisher import OrderedProducer
+from ordering_layer.scheduler import cli as schedule_commands
 from ordering_layer.stack import Endpoints, get_backend
 from ordering_layer.stack.base import BROKER_COUNTS
 from ordering_layer.subscriber import Subscriber
@@ -345,3 +346,7 @@ def deadletter_redrive(subscription_name: str, topic: str | None, bootstrap: str
     except OrderingLayerError as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(f"redrove {len(letters)} dead letters")
+
+
+main.add_command(schedule_commands.schedule)
+main.add_command(schedule_commands.scheduler)

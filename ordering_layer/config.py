@@ -15,6 +15,7 @@ from typing import Any, ClassVar, TypeVar
 from ordering_layer.errors import ConfigError
 
 MAX_ORDERING_KEY_BYTES = 1024
+DEFAULT_SCHEDULE_TOPIC = "__ordering_layer_schedules"
 
 _T = TypeVar("_T")
 
@@ -56,10 +57,16 @@ class PublisherSettings:
             ``max.message.bytes``.
         metadata_max_age: seconds a topic's partition count is cached before it is read again;
             the count routes ordering keys and is stamped into every record (PUB-6).
+        scheduler: take part in activating due scheduled messages while running (PUB-5; needs a
+            Redis URL, and ``$ORDERING_LAYER_SCHEDULER=0`` switches it off too).
+        schedule_topic: the compacted topic of scheduled messages that ``schedule`` writes to and
+            activation reads.
     """
 
     max_message_bytes: int = 1_000_000
     metadata_max_age: float = 30.0
+    scheduler: bool = True
+    schedule_topic: str = DEFAULT_SCHEDULE_TOPIC
 
     def __post_init__(self) -> None:
         if self.max_message_bytes <= 0:

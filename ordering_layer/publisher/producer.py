@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from datetime import UTC, datetime
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from confluent_kafka import KafkaError, KafkaException, Producer
 from confluent_kafka import Message as KafkaMessage
@@ -45,7 +45,13 @@ from ordering_layer.record import (
     HeaderValue,
     display_key,
 )
+from ordering_layer.scheduler.participant import join_activation
+from ordering_layer.scheduler.records import CancelResult
+from ordering_layer.scheduler.settings import SchedulerSettings, redis_url_or_env
 from ordering_layer.worker import Worker
+
+if TYPE_CHECKING:
+    from ordering_layer.scheduler.book import ScheduleBook
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -226,6 +232,9 @@ class OrderedProducer:
         config: confluent-kafka settings, passed through; ``bootstrap.servers`` is required and
             ``enable.idempotence=True``, ``acks=all`` are enforced (a contrary value is refused).
         settings: layer settings (``PublisherSettings`` or a mapping of its fields).
+        redis_url: the layer's Redis (default ``$ORDERING_LAYER_REDIS_URL``), for ``schedule``;
+            with one, the producer also activates due scheduled messages while it runs, unless
+            ``settings={"scheduler": False}`` (PUB-5).
 
     Raises:
         ConfigError: missing bootstrap, an unknown layer or Kafka setting, or a setting that
@@ -233,7 +242,8 @@ class OrderedProducer:
     """
 
     def __init__(self, config: Mapping[str, Any] | None = None, /, *,
-                 settings: PublisherSettings | Mapping[str, Any] | None = None, **kwargs: Any) -> None:
+                 settings: PublisherSettings | Mapping[str, Any] | None = None, redis_url: str | None = None,
+                 **kwargs: Any) -> None:
         conf = {**(config or {}), **kwargs}
         require_bootstrap(conf)
         self.settings = from_mapping(PublisherSettings, settings)
@@ -265,6 +275,11 @@ class OrderedProducer:
         self._last_inline_poll = 0.0
         self._poller = Worker("ordering-layer-producer-poll", self._poll_step)
         self._poller.start()
+        self._config = conf
+        self._redis_url = redis_url_or_env(redis_url)
+        self._book: ScheduleBook | None = None
+        self._activation = join_activation(conf, self._redis_url, enabled=self.settings.scheduler, producer=self,
+                                           book=self._schedules() if self._redis_url else None)
 
     # -- publishing ------------------------------------------------------------------------------
     def publish(self, topic: str, data: bytes, ordering_key: str | bytes | None = None,
@@ -286,6 +301,41 @@ class OrderedProducer:
         """
         headers = attribute_headers(attributes) if attributes else None
         return self._send(topic, data, ordering_key, headers, message_id, None, -1, 0)
+
+    # -- scheduled messages (PUB-5) ----------------------------------------------------------------
+    def _schedules(self) -> ScheduleBook:
+        if self._book is None:
+            if not self._redis_url:
+                raise ConfigError("scheduled messages need the layer's Redis: pass OrderedProducer(..., "
+                                  "redis_url=...) or set $ORDERING_LAYER_REDIS_URL")
+            from ordering_layer.scheduler.book import ScheduleBook
+
+            self._book = ScheduleBook(self._config, self._redis_url,
+                                      SchedulerSettings(schedule_topic=self.settings.schedule_topic))
+        return self._book
+
+    def schedule(self, topic: str, data: bytes, ordering_key: str | bytes | None = None,
+                 attributes: Mapping[str, str] | None = None, *, enqueue_at: datetime) -> str:
+        """Publish ``data`` to ``topic`` at ``enqueue_at`` (timezone-aware); return the schedule id.
+
+        The message is stored durably in the schedule topic before this returns and is invisible
+        to subscribers until activated at ``enqueue_at``: then it is published like a new message
+        (new sequence number, the same ordering key) whose message id is the schedule id.
+
+        Raises:
+            ConfigError: no Redis URL, or a naive ``enqueue_at``.
+            InvalidOrderingKeyError, InvalidMessageError: bad key, data or attributes (PUB-4).
+            PublishError: the schedule topic did not take the record.
+        """
+        return self._schedules().schedule(topic, data, ordering_key, attributes, enqueue_at=enqueue_at)
+
+    def cancel_scheduled(self, schedule_id: str) -> CancelResult:
+        """Cancel a scheduled message before its activation (PUB-5).
+
+        Returns ``CancelResult.CANCELLED`` (also for a repeated cancel), ``ALREADY_ENQUEUED`` when it
+        is activated or being activated, or ``NOT_FOUND``. Raises ``ConfigError`` without a Redis URL.
+        """
+        return self._schedules().cancel(schedule_id)
 
     def produce(self, topic: str, value: bytes | str | None = None, key: str | bytes | None = None,
                 partition: int = -1, callback: DeliveryCallback | None = None,
@@ -537,10 +587,13 @@ class OrderedProducer:
         """Flush, then stop the poll thread. Returns the number of records still undelivered."""
         if self._closed:
             return 0
+        self._activation.close()
         remaining = self.flush(timeout)
         self._closed = True
         self._poller.stop()
         self._producer.poll(0)
+        if self._book is not None:
+            self._book.close()
         return remaining
 
     def __enter__(self) -> OrderedProducer:

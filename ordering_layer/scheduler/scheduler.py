@@ -1,0 +1,144 @@
+"""``Scheduler``: activates due scheduled messages (PUB-5).
+
+Each step claims due ids in Redis with a lease (several schedulers share the work; a crashed one's
+claims come back when its lease ends), publishes each through ``OrderedProducer.publish`` with
+``message_id=<schedule id>`` (a new sequence number, the same ordering key, and an id that makes a
+duplicate after a crash detectable), then marks them activated in Redis and in the schedule topic.
+A missing index (Redis lost or flushed) is rebuilt from the schedule topic first.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Mapping
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+from ordering_layer.config import from_mapping
+from ordering_layer.errors import OrderingLayerError
+from ordering_layer.scheduler.book import ScheduleBook
+from ordering_layer.scheduler.log import producer_config
+from ordering_layer.scheduler.records import ScheduledMessage, ScheduleState, now_ms
+from ordering_layer.scheduler.settings import SchedulerSettings
+from ordering_layer.worker import Worker
+
+if TYPE_CHECKING:
+    from ordering_layer.publisher.producer import OrderedProducer, PublishResult
+
+_LOGGER = logging.getLogger(__name__)
+
+_PUBLISH_TIMEOUT = 30.0
+_SWEEP_EVERY = 60.0
+
+
+class Scheduler:
+    """Activates due scheduled messages on a named daemon thread until ``stop``.
+
+    Args:
+        kafka_config: confluent-kafka settings (``bootstrap.servers`` at least).
+        redis_url: the Redis holding the time index.
+        producer: the ``OrderedProducer`` to publish through; without one the scheduler makes its
+            own on the first activation and closes it at ``stop``.
+        settings: ``SchedulerSettings`` or a mapping of its fields.
+        book: a ``ScheduleBook`` to share (e.g. the producer's own); made from the above otherwise.
+
+    Raises:
+        ConfigError: an unknown or invalid setting.
+    """
+
+    def __init__(self, kafka_config: Mapping[str, Any], redis_url: str, *,
+                 producer: OrderedProducer | None = None,
+                 settings: SchedulerSettings | Mapping[str, Any] | None = None,
+                 book: ScheduleBook | None = None, name: str = "ordering-layer-scheduler") -> None:
+        self.settings = from_mapping(SchedulerSettings, settings)
+        self._kafka = dict(kafka_config)
+        self.book = book or ScheduleBook(kafka_config, redis_url, self.settings)
+        self._producer = producer
+        self._own_producer = producer is None
+        self._worker = Worker(name, self._step)
+        self._lock = threading.Lock()
+        self._next_sweep = 0.0
+        self.activated = 0  # messages this scheduler published and marked activated
+
+    def start(self) -> None:
+        """Start activating. Raises ``RuntimeError`` when started before."""
+        self._worker.start()
+
+    def stop(self, timeout: float | None = 30.0) -> None:
+        """Stop after the step under way; close the producer it made itself."""
+        self._worker.stop(timeout)
+        with self._lock:
+            producer, self._producer = self._producer, None
+        if producer is not None and self._own_producer:
+            producer.close(timeout)
+        self.book.close()
+
+    def _publisher(self) -> OrderedProducer:
+        with self._lock:
+            if self._producer is None:
+                from ordering_layer.publisher.producer import OrderedProducer
+
+                self._producer = OrderedProducer(producer_config(self._kafka), settings={"scheduler": False})
+            return self._producer
+
+    # -- one step --------------------------------------------------------------------------------
+    def _step(self) -> float:
+        """Claim and activate what is due; return the seconds to wait before the next step."""
+        settings = self.settings
+        now = now_ms()
+        claim = self.book.index.claim(now, int(settings.lease * 1000), settings.batch)
+        if not claim.built:
+            self.book.rebuild()
+            return 0.0
+        if claim.messages:
+            self.activate(claim.messages)
+            if len(claim.messages) >= settings.batch:
+                return 0.0
+        self._sweep()
+        if claim.next_ms is None:
+            return settings.poll_interval * random.uniform(0.8, 1.2)
+        return max(0.0, min(settings.poll_interval, (claim.next_ms - now_ms()) / 1000))
+
+    def activate(self, messages: list[ScheduledMessage]) -> int:
+        """Publish claimed messages and mark those published activated; return how many.
+
+        A message whose publish fails stays claimed: it is tried again when its lease ends.
+        """
+        producer = self._publisher()
+        sent: list[tuple[ScheduledMessage, Future[PublishResult]]] = []
+        for message in messages:
+            try:
+                sent.append((message, producer.publish(message.topic, message.data, message.ordering_key,
+                                                       message.attributes or None, message_id=message.schedule_id)))
+            except OrderingLayerError as exc:
+                _LOGGER.warning("scheduled message %s to %r not published (retried after its lease): %s",
+                                message.schedule_id, message.topic, exc)
+        published: dict[str, ScheduledMessage] = {}
+        for message, future in sent:
+            try:
+                future.result(_PUBLISH_TIMEOUT)
+            except (OrderingLayerError, TimeoutError) as exc:  # retried after the lease
+                _LOGGER.warning("scheduled message %s to %r not published (retried after its lease): %r",
+                                message.schedule_id, message.topic, exc)
+            else:
+                published[message.schedule_id] = message
+        at = now_ms()
+        fresh = self.book.index.complete(list(published), ScheduleState.ACTIVATED, at)
+        self.book.log.write([published[i].finished(ScheduleState.ACTIVATED, at) for i in fresh])
+        self.activated += len(published)
+        return len(published)
+
+    def _sweep(self) -> None:
+        """Now and then, forget terminal states older than the retention (tombstones in the topic)."""
+        if time.monotonic() < self._next_sweep:
+            return
+        self._next_sweep = time.monotonic() + _SWEEP_EVERY * random.uniform(0.8, 1.2)
+        before = now_ms() - int(self.settings.done_retention * 1000)
+        forgotten = self.book.index.sweep(before, self.settings.batch)
+        self.book.log.forget(forgotten)
+        if forgotten:
+            _LOGGER.info("forgot %d schedule ids done before the retention", len(forgotten))
+
