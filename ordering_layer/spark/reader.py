@@ -36,12 +36,10 @@ def _utf8(value: Column) -> Column:
 
 
 def _valid_count(value: Column) -> Column:
-    """``record``'s rule for ``ol-partition-count``: decimal digits only, a positive number.
-
-    At most 18 digits, so that the number fits a long (a partition count is far below that).
-    """
+    """``record``'s rule for ``ol-partition-count``: 1..19 decimal digits, a positive number (one
+    above a long's range, which ``record`` would take, is ignored here as malformed)."""
     text = value.cast("string")
-    return value.isNotNull() & text.rlike("^[0-9]{1,18}$") & (text.cast("long") > 0)
+    return value.isNotNull() & text.rlike("^[0-9]{1,19}$") & (text.try_cast("long") > 0)
 
 
 def _valid_id(value: Column) -> Column:
