@@ -6,7 +6,9 @@ give the partition count at publish and, where one was given, the message id. Ev
 topic is a message, whoever wrote it. The columns are computed with Spark SQL expressions on the
 source's ``key``, ``value`` and ``headers`` columns (no Python worker), by the rules of
 ``ordering_layer.record`` (``read_metadata``, ``attributes_of``, ``display_key``; the unit tests
-hold the two to agreement).
+hold the two to agreement). The expressions run in the JVM at about the source's own speed, where a
+Python worker costs a round trip per Arrow batch (measured: a pandas UDF for the key's text form
+alone cost about a fifth of the read).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from confluent_kafka import KafkaError, Producer
 from confluent_kafka import Message as KafkaMessage
@@ -36,11 +36,13 @@ def wait_until(condition: Callable[[], bool], timeout: float, what: str, interva
         pause.wait(interval)
 
 
-class Written:
+class Written(NamedTuple):
     """What a reader must see of one message: payload, attributes, where it went."""
 
-    def __init__(self, data: bytes, attributes: dict[str, str], partition: int, offset: int) -> None:
-        self.data, self.attributes, self.partition, self.offset = data, attributes, partition, offset
+    data: bytes
+    attributes: dict[str, str]
+    partition: int
+    offset: int
 
 
 class Workload:
