@@ -32,7 +32,7 @@ $(VENV)/.installed: pyproject.toml
 
 # Kafka broker jars and Spark's Kafka source, pinned in ordering_layer/stack/poms/, into the cache.
 jars: python-deps
-	$(PY) -m ordering_layer.stack.jars
+	$(PY) -m ordering_layer.stack.fetch_jars
 
 demo: setup
 	$(VENV)/bin/ordering-layer stack up

@@ -1,10 +1,10 @@
 """Ordered export of a topic to Parquet: one ordered sequence per ordering key (SPK-1, SPK-2).
 
-Reads the topic with Spark's Kafka source, decodes the envelope, restores each key's order
-(deduplicated, numbered, gaps flagged) and writes Parquet in which every key's messages lie in one
-file, contiguous and sorted by ``key_sequence`` (the shape of Pub/Sub's ordered exports).
-Undecodable records are counted, and written to ``--undecodable-out`` when given; they never fail
-the job.
+Reads the topic with Spark's Kafka source (every record is a message, whoever wrote it: key =
+ordering key, value = payload, headers = attributes), restores each key's order (deduplicated,
+numbered; a key whose order the records do not define is flagged ``order_undefined``, PUB-7) and
+writes Parquet in which every key's messages lie in one file, contiguous and sorted by
+``key_sequence`` (the shape of Pub/Sub's ordered exports).
 
 Run it locally (a ``local[2]`` session with the Kafka source jars fetched by Maven):
 
@@ -47,7 +47,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="partitions the keys are hashed into (default: spark.sql.shuffle.partitions)")
     parser.add_argument("--mode", choices=("errorifexists", "overwrite"), default="errorifexists",
                         help="what to do when --out exists (default: errorifexists)")
-    parser.add_argument("--undecodable-out", help="also write the undecodable records (with the reason) here")
     parser.add_argument("--master", default="local[2]",
                         help="Spark master when run with python (spark-submit's own --master wins)")
     parser.add_argument("--print-jars", action="store_true",
@@ -86,15 +85,15 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         summary = export_ordered(spark, args.topic, args.bootstrap, args.out, files=args.files,
                                  partitions=args.partitions, mode=args.mode,
-                                 starting_offsets=args.starting_offsets, ending_offsets=args.ending_offsets,
-                                 undecodable_out=args.undecodable_out)
+                                 starting_offsets=args.starting_offsets, ending_offsets=args.ending_offsets)
         elapsed = time.perf_counter() - start
     finally:
         if active is None:
             spark.stop()
     print(f"exported {args.topic} to {args.out} in {elapsed:.1f} s: {summary.messages} messages "
           f"({summary.keys} ordering keys, {summary.unordered} unordered), {summary.duplicates} duplicates "
-          f"dropped, {summary.gaps} gaps flagged, {summary.undecodable} undecodable records")
+          f"dropped, {summary.undefined_keys} keys without a defined order, {summary.malformed_metadata} "
+          "records with malformed ol- headers")
     return 0
 
 

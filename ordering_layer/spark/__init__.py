@@ -6,9 +6,9 @@ Needs the ``spark`` extra (pyspark, pandas, pyarrow) and Spark's Kafka source ja
 
 from ordering_layer.spark.demo import demo_step
 from ordering_layer.spark.export import ExportSummary, export_ordered
-from ordering_layer.spark.reader import read_ordered, read_ordered_stream, undecodable
+from ordering_layer.spark.reader import read_ordered, read_ordered_stream
 from ordering_layer.spark.restore import restore_order, restore_order_stream
 from ordering_layer.spark.session import local_session
 
 __all__ = ["ExportSummary", "demo_step", "export_ordered", "local_session", "read_ordered", "read_ordered_stream",
-           "restore_order", "restore_order_stream", "undecodable"]
+           "restore_order", "restore_order_stream"]

@@ -1,22 +1,24 @@
-"""Order restoring in Spark: grouped by ordering key, batch and streaming (SPK-2, SPK-3).
+"""Order restoring in Spark: grouped by ordering key, batch and streaming (SPK-2, SPK-3, PUB-7).
 
-Both run ``ordering.plan_restore`` in Python workers.
+Both run ``ordering.plan_restore`` in Python workers, grouped by the exact bytes of the key
+(``key``), never by its text form.
 
-The batch form groups the way ``groupBy(ordering_key)`` does inside Spark (hash-partition by key,
-sort by key within each partition, in the JVM) and then restores each partition with one
-``mapInArrow`` call that takes its Arrow batches in turn: the keys complete in a batch are
-restored at once, and only the rows of the batch's last key are held back until the key's rows
-are complete. ``groupBy().applyInPandas`` would call Python once per key, and that round trip
-(about 10 ms) dominates when keys are many and small; here the cost is per batch, and memory is
-one batch plus one key. Only the columns that decide the order are converted to NumPy; the rest
-(data, attributes, ...) are taken from the Arrow batches as they are.
+The batch form groups the way ``groupBy(key)`` does inside Spark (hash-partition by key, sort by
+key within each partition, in the JVM) and then restores each partition with one ``mapInArrow``
+call that takes its Arrow batches in turn: the keys complete in a batch are restored at once, and
+only the rows of the batch's last key are held back until the key's rows are complete.
+``groupBy().applyInPandas`` would call Python once per key, and that round trip (about 10 ms)
+dominates when keys are many and small; here the cost is per batch, and memory is one batch plus
+one key. Only the columns that decide the order are converted to NumPy; the rest (data,
+attributes, ...) are taken from the Arrow batches as they are.
 
 The streaming form keeps per-key state with ``applyInPandasWithState``.
 
 Unordered messages (no ordering key) are not grouped by key: both forms group them by message id,
-so each id is emitted once (the streaming form keeps per-id state under the same timeout).
-Undecodable records (``error`` set) never reach the output; those with a readable key mark gaps in
-their key's sequence (see ``ordering``), and ``undecodable()`` lists them all.
+so each id is emitted once (the streaming form keeps per-id state under the same timeout). Every
+record is a message, whoever wrote it; a key whose order the data does not define (records
+without the partition-count header in two partitions, PUB-7) has all its messages emitted with
+``order_undefined`` set (see ``ordering``).
 """
 
 from __future__ import annotations
@@ -36,13 +38,14 @@ from pyspark.sql.streaming.state import GroupState, GroupStateTimeout
 from pyspark.sql.types import BooleanType, LongType, StringType, StructField, StructType
 
 from ordering_layer.spark.ordering import (
-    GAP,
     KEY,
     KEY_SEQUENCE,
     LATE,
+    ORDER_UNDEFINED,
     Array,
     KeyProgress,
     Records,
+    keys_of,
     plan_restore,
     restore_frame,
 )
@@ -58,15 +61,15 @@ STATE = StructType([
     StructField("rerouted", BooleanType()),
     StructField("offset", LongType()),
     StructField("partition", LongType()),
-    StructField("pending_gap", BooleanType()),
+    StructField("order_undefined", BooleanType()),
     # A JSON list: array columns in the state schema do not reach the Python worker intact in 4.2.
     StructField("seen_ids", StringType()),
 ])
 
 
 def _output_schema(df: DataFrame, *, late: bool) -> StructType:
-    fields = [field for field in df.schema.fields if field.name not in ("error", _UNORDERED_ID, _EVENT_MS)]
-    extra = [StructField(KEY_SEQUENCE, LongType()), StructField(GAP, BooleanType(), False)]
+    fields = [field for field in df.schema.fields if field.name not in (_UNORDERED_ID, _EVENT_MS)]
+    extra = [StructField(KEY_SEQUENCE, LongType()), StructField(ORDER_UNDEFINED, BooleanType(), False)]
     if late:
         extra.append(StructField(LATE, BooleanType(), False))
     return StructType(fields + extra)
@@ -91,17 +94,17 @@ def _records_of(table: pa.Table) -> Records:
 
     return Records(values(KEY), values("message_id"), values("partition").astype(np.int64),
                    values("offset").astype(np.int64),
-                   np.asarray(table.column("partition_count").cast(pa.float64()).to_numpy(zero_copy_only=False)),
-                   np.asarray(pc.is_valid(table.column("error")).to_numpy(zero_copy_only=False)))
+                   np.asarray(table.column("partition_count").cast(pa.float64()).to_numpy(zero_copy_only=False)))
 
 
 def _restore_batches(batches: list[pa.RecordBatch]) -> list[pa.RecordBatch]:
     """Restore complete groups; the passing-through columns never leave Arrow."""
     table = pa.Table.from_batches(batches)
     plan = plan_restore(_records_of(table))
-    out = table.take(pa.array(plan.rows, type=pa.int64())).drop_columns(["error", _UNORDERED_ID])
+    out = table.take(pa.array(plan.rows, type=pa.int64())).drop_columns([_UNORDERED_ID])
     out = out.append_column(KEY_SEQUENCE, pa.array(plan.key_sequence, type=pa.int64(), mask=~plan.ordered))
-    restored: list[pa.RecordBatch] = out.append_column(GAP, pa.array(plan.gap, type=pa.bool_())).to_batches()
+    restored: list[pa.RecordBatch] = out.append_column(
+        ORDER_UNDEFINED, pa.array(plan.order_undefined, type=pa.bool_())).to_batches()
     return restored
 
 
@@ -142,10 +145,9 @@ def _restore_partition(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordB
 
 
 def _by_group(df: DataFrame) -> DataFrame:
-    """``df`` without undecodable unordered records, with the group of each row: its ordering key,
-    or for an unordered message its id (``_unordered_id``)."""
-    return (df.where(F.col(KEY).isNotNull() | F.col("error").isNull())
-            .withColumn(_UNORDERED_ID, F.when(F.col(KEY).isNull(), F.col("message_id"))))
+    """``df`` with the group of each row: its key, or for an unordered message its id
+    (``_unordered_id``)."""
+    return df.withColumn(_UNORDERED_ID, F.when(F.col(KEY).isNull(), F.col("message_id")))
 
 
 def restore_order(df: DataFrame, *, partitions: int | None = None) -> DataFrame:
@@ -157,11 +159,12 @@ def restore_order(df: DataFrame, *, partitions: int | None = None) -> DataFrame:
             ``spark.sql.shuffle.partitions``).
 
     Returns:
-        The decodable messages without ``error``, plus ``key_sequence`` (1..n per key in sequence
-        order ``(partition_count, offset)``, duplicates of a message id dropped) and ``gap`` (true
-        when an undecodable record of the key sits just before the message, see
+        The messages with the columns of ``df``, plus ``key_sequence`` (1..n per key in sequence
+        order ``(partition_count, offset)``, records without the partition-count header placed by
+        offset within their partition, duplicates of a message id dropped) and ``order_undefined``
+        (true for every message of a key whose order the data does not define, PUB-7; see
         ``ordering_layer.spark.ordering``). Unordered messages keep one row per message id, with
-        null ``key_sequence``. Row order is Spark's; sort by ``ordering_key, key_sequence``.
+        null ``key_sequence``. Row order is Spark's; sort by ``key, key_sequence``.
 
     Raises:
         ValueError: ``partitions`` < 1.
@@ -180,8 +183,9 @@ def restore_order(df: DataFrame, *, partitions: int | None = None) -> DataFrame:
 def _progress_from_state(state: GroupState) -> KeyProgress | None:
     if not state.exists:
         return None
-    emitted, count, rerouted, offset, partition, pending, seen = state.get
-    return KeyProgress(int(emitted), count, rerouted, offset, partition, bool(pending), tuple(json.loads(seen or "[]")))
+    emitted, count, rerouted, offset, partition, undefined, seen = state.get
+    return KeyProgress(int(emitted), count, rerouted, offset, partition, bool(undefined),
+                       tuple(json.loads(seen or "[]")))
 
 
 def _restore_group(key: tuple[Any, ...], frames: Iterator[pd.DataFrame], state: GroupState, *,
@@ -194,8 +198,8 @@ def _restore_group(key: tuple[Any, ...], frames: Iterator[pd.DataFrame], state: 
     last_event_ms = int(frame[_EVENT_MS].max())
     frame = frame.drop(columns=[_UNORDERED_ID, _EVENT_MS])
     previous = _progress_from_state(state)
-    ordering_key = key[0]
-    if pd.isna(ordering_key):  # a null key may arrive as None or NaN
+    ordering_key = keys_of(np.array([key[0]], dtype=object))[0]  # None, or the key's bytes
+    if ordering_key is None:
         if previous is None:
             state.update((1, None, None, None, None, False, "[]"))
             yield restore_frame(frame).messages
@@ -205,7 +209,7 @@ def _restore_group(key: tuple[Any, ...], frames: Iterator[pd.DataFrame], state: 
         progress = restored.progress.get(ordering_key, previous)
         if progress is not None:
             state.update((progress.emitted, progress.partition_count, progress.rerouted, progress.offset,
-                          progress.partition, progress.pending_gap, json.dumps(progress.seen_ids)))
+                          progress.partition, progress.order_undefined, json.dumps(progress.seen_ids)))
         yield restored.messages
     if state.exists:
         state.setTimeoutTimestamp(max(last_event_ms + timeout_ms, state.getCurrentWatermarkMs() + 1))
@@ -238,7 +242,8 @@ def restore_order_stream(df: DataFrame, *, state_timeout: float = 3600.0, late_d
         The columns of ``restore_order`` plus ``late``: true for a message that sorts before one
         an earlier micro-batch already emitted for its key (possible only when a record of the
         old partition arrives after the key moved to a new partition count); it is emitted with
-        the next number rather than dropped.
+        the next number rather than dropped. A key found without a defined order (PUB-7) keeps
+        ``order_undefined`` set in the micro-batches that follow.
     """
     schema = _output_schema(df, late=True)
     grouped = (_by_group(df.withWatermark("enqueued_time", f"{late_delay} seconds"))

@@ -10,6 +10,7 @@ import logging
 import os
 import sys
 from collections.abc import Mapping
+from importlib import resources
 
 from pyspark.sql import SparkSession
 
@@ -30,22 +31,32 @@ DEFAULT_SETTINGS: Mapping[str, str] = {
 }
 
 
+def _log_settings() -> dict[str, str]:
+    """Spark's log at WARN from the first line: ``log4j2.properties`` shipped with this package
+    (``setLogLevel`` comes only after the JVM has printed its start-up notices)."""
+    config = resources.files("ordering_layer.spark") / "log4j2.properties"
+    return {"spark.driver.extraJavaOptions": f"-Dlog4j2.configurationFile={config}"}
+
+
 def local_session(app_name: str = "ordering-layer", *, master: str = "local[2]",
                   settings: Mapping[str, str] | None = None) -> SparkSession:
     """A local SparkSession with Spark's Kafka source on its class path.
 
     Python workers run the interpreter that calls this (``PYSPARK_PYTHON`` is set to it unless it
-    is set already), so they find ``ordering_layer``, fastavro, pandas and pyarrow. Memory is small
-    (driver 1g) and shuffles use few partitions; ``settings`` override any Spark setting.
+    is set already), so they find ``ordering_layer``, pandas and pyarrow. Memory is small (driver
+    1g) and shuffles use few partitions; Spark logs warnings and errors only. ``settings``
+    override any Spark setting. A local master binds to 127.0.0.1 (``SPARK_LOCAL_IP`` unless set).
     If a session is active already, Spark returns it and settings that need a new JVM are ignored.
 
     Raises:
         StackError: the Kafka source jars cannot be fetched (Maven missing or failing).
     """
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    if master.startswith("local"):
+        os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     jars = ",".join(str(path) for path in spark_kafka_jars())
     builder = SparkSession.builder.master(master).appName(app_name).config("spark.jars", jars)
-    for key, value in {**DEFAULT_SETTINGS, **(settings or {})}.items():
+    for key, value in {**DEFAULT_SETTINGS, **_log_settings(), **(settings or {})}.items():
         builder = builder.config(key, value)
     session = builder.getOrCreate()
     session.sparkContext.setLogLevel("WARN")

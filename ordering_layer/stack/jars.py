@@ -91,14 +91,3 @@ def spark_kafka_jars() -> list[Path]:
     """The jars of Spark's Kafka source (``spark.jars``), fetched on first use."""
     return sorted(fetch("spark-kafka", spark_version()).glob("*.jar"))
 
-
-def main() -> None:
-    """``python -m ordering_layer.stack.jars``: fetch every pinned jar set (used by ``make setup``)."""
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    print(f"kafka {kafka_version()}: {kafka_jars()}")
-    print(f"kafka-tools {kafka_version()}: {kafka_tools_jars()}")
-    print(f"spark-kafka {spark_version()}: {len(spark_kafka_jars())} jars")
-
-
-if __name__ == "__main__":
-    main()

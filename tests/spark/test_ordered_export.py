@@ -41,49 +41,53 @@ def _job() -> ModuleType:
 
 def test_job_exports_one_ordered_sequence_per_key(spark: SparkSession, kafka_config: dict[str, Any], admin: Admin,
                                                   tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """SPK-2: the job (its ``main``, in the test's Spark session) writes Parquet in which each key's
-    messages lie in one file, contiguous, in publish order without duplicates; undecodable records
-    are counted and written aside, not fatal."""
+    """SPK-2 / PUB-7: the job (its ``main``, in the test's Spark session) writes Parquet in which each
+    key's messages lie in one file, contiguous, in publish order without duplicates; a plain
+    producer's records are exported too, a key of theirs in two partitions flagged, a malformed
+    ol- header counted."""
     topic = f"spark-export-{uuid.uuid4().hex[:8]}"
     admin.create_topic(topic, partitions=3)
     work = Workload(kafka_config, admin, topic, keys=12, partitions=3)
     try:
         work.publish_rounds(3)
         work.republish(every=2, partitioner="murmur2_random")
+        work.produce_plain(b"plain", 2, partition=2)
+        work.produce_plain(b"split", 1, partition=0)
+        work.produce_plain(b"split", 1, partition=1, headers=[("ol-partition-count", b"0")], malformed=True)
         work.publish_rounds(2)
         work.publish_unordered(3)
-        work.inject_undecodable(None, "bad-key")
     finally:
         work.close()
 
-    out, bad = tmp_path / "export", tmp_path / "undecodable"
+    out = tmp_path / "export"
     assert _job().main(["--topic", topic, "--bootstrap", kafka_config["bootstrap.servers"], "--out", str(out),
-                        "--files", "3", "--undecodable-out", str(bad)]) == 0
+                        "--files", "3"]) == 0
     printed = capsys.readouterr().out
     assert f"{work.copies} duplicates dropped" in printed, printed
-    assert "1 undecodable records" in printed, printed
+    assert "1 keys without a defined order" in printed and "1 records with malformed ol- headers" in printed, printed
     assert spark.range(3).count() == 3  # the job left the session it did not start running
 
     files = sorted(out.glob("part-*.parquet"))
-    file_of: dict[str, set[int]] = defaultdict(set)
-    per_key: dict[str, list[tuple[int, str]]] = defaultdict(list)
+    file_of: dict[bytes, set[int]] = defaultdict(set)
+    per_key: dict[bytes, list[tuple[int, str, bool]]] = defaultdict(list)
     unordered = []
     for number, path in enumerate(files):
         rows = pq.read_table(path).to_pylist()
-        keys_in_file = [row["ordering_key"] for row in rows if row["ordering_key"] is not None]
+        keys_in_file = [row["key"] for row in rows if row["key"] is not None]
         # contiguous: once a key's run ends in a file, the key does not come back
         runs = [key for i, key in enumerate(keys_in_file) if i == 0 or keys_in_file[i - 1] != key]
         assert len(runs) == len(set(runs)), f"a key's messages are split up in {path.name}"
         for row in rows:
-            if row["ordering_key"] is None:
+            if row["key"] is None:
                 unordered.append(row["message_id"])
                 continue
-            file_of[row["ordering_key"]].add(number)
-            per_key[row["ordering_key"]].append((row["key_sequence"], row["message_id"]))
+            file_of[row["key"]].add(number)
+            per_key[row["key"]].append((row["key_sequence"], row["message_id"], row["order_undefined"]))
     assert all(len(found) == 1 for found in file_of.values())
-    for key in work.keys:
-        sequences = [sequence for sequence, _ in per_key[key]]
-        assert sequences == list(range(1, len(sequences) + 1)), key
-        assert [message_id for _, message_id in per_key[key]] == work.truth[key], key
+    assert set(per_key) == set(work.truth)
+    for key, rows in per_key.items():
+        assert [sequence for sequence, _, _ in rows] == list(range(1, len(rows) + 1)), key
+        assert all(undefined == (key == b"split") for _, _, undefined in rows), key
+        if key != b"split":
+            assert [message_id for _, message_id, _ in rows] == work.truth[key], key
     assert sorted(unordered) == sorted(work.unordered)
-    assert len(pq.read_table(bad).to_pylist()) == 1
