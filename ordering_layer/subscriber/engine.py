@@ -87,7 +87,11 @@ def _tell(callback: RebalanceCallback | None, partitions: list[TopicPartition], 
 
 
 class _Fetched(NamedTuple):
+    """Records as ``consume`` returned them, with each partition's assignment generation then:
+    records of an earlier generation were fetched for an ownership that has ended since."""
+
     records: list[Record]
+    generations: dict[int, int]
 
 
 class _Pull(NamedTuple):
@@ -169,7 +173,8 @@ class Engine:
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
         self._partitions: dict[int, PartitionState] = {}
-        self._unclaimed: dict[int, list[Record]] = {}
+        self._generations: dict[int, int] = {}  # fetch thread: bumped on each assign, revoke, loss
+        self._unclaimed: dict[int, tuple[int, list[Record]]] = {}  # generation, records waiting
         self._ops: dict[int, list[Op]] = {}
         self._ack_futures: dict[int, list[Future[AckResponse]]] = {}
         self._oldest_op = 0.0
@@ -283,8 +288,18 @@ class Engine:
                 self._malformed_metadata(record)
             records.append(record)
         if records:
-            self._inbox.put(_Fetched(records))
+            self._inbox.put(self._fetched(records))
         return 0.0
+
+    def _fetched(self, records: list[Record]) -> _Fetched:
+        """Fetch thread: tag records just returned by ``consume`` with the assignment generations."""
+        return _Fetched(records, dict(self._generations))
+
+    def _next_generation(self, partitions: list[TopicPartition]) -> None:
+        """Fetch thread: a partition's ownership changed; what was fetched before belongs to the old one."""
+        generations = self._generations
+        for tp in partitions:
+            generations[tp.partition] = generations.get(tp.partition, 0) + 1
 
     def _malformed_metadata(self, record: Record) -> None:
         """DLQ-4: malformed ``ol-`` headers are ignored; the record is delivered as a plain record."""
@@ -296,30 +311,37 @@ class Engine:
                             record.offset, record.metadata.malformed, count)
 
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self._next_generation(partitions)
         for tp in partitions:
-            self._claim(tp.partition)
+            self._claim(tp.partition, self._generations[tp.partition])
         _tell(self._rebalance.on_assign, partitions, "on_assign")
 
-    def _claim(self, partition: int) -> bool:
+    def _claim(self, partition: int, generation: int) -> bool:
+        """Claim a partition assigned under ``generation``; on a Redis failure its records wait for
+        a retry (made when more of them arrive)."""
         try:
             claimed = self._store.claim(self.subscription, partition)
         except redis.RedisError as exc:
             _LOGGER.warning("claiming partition %d of %s failed (%s); retrying", partition, self.subscription, exc)
             with self._lock:
-                self._unclaimed.setdefault(partition, [])
+                entry = self._unclaimed.get(partition)
+                if entry is None or entry[0] != generation:
+                    self._unclaimed[partition] = (generation, [])
             return False
         with self._lock:
-            self._partitions[partition] = PartitionState(
+            state = self._partitions[partition] = PartitionState(
                 partition, claimed.epoch, ordered=self.settings.enable_message_ordering,
-                settled_before=claimed.settled, attempts_before=claimed.attempts)
-            waiting = self._unclaimed.pop(partition, [])
-        if waiting:
-            self._inbox.put(_Fetched(waiting))
+                settled_before=claimed.settled, attempts_before=claimed.attempts, generation=generation)
+            waited, waiting = self._unclaimed.pop(partition, (generation, []))
+            if waited == generation:
+                for record in waiting:
+                    state.add(record)
         _LOGGER.info("%s: claimed partition %d (epoch %d, %d settled above the commit)",
                      self.subscription, partition, claimed.epoch, len(claimed.settled))
         return True
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self._next_generation(partitions)
         _tell(self._rebalance.on_revoke, partitions, "on_revoke")
         numbers = [tp.partition for tp in partitions]
         with self._lock:
@@ -345,6 +367,7 @@ class Engine:
                 self._inbox.put(_Committed(done))
 
     def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self._next_generation(partitions)
         with self._lock:
             for tp in partitions:
                 self._drop(tp.partition)
@@ -412,16 +435,7 @@ class Engine:
         if isinstance(event, Settle):
             self._settle(event, now)
         elif isinstance(event, _Fetched):
-            for record in event.records:
-                state = self._partitions.get(record.partition)
-                if state is None:
-                    if record.partition in self._unclaimed:
-                        self._unclaimed[record.partition].append(record)
-                    continue
-                state.add(record)
-            for partition in list(self._unclaimed):
-                if self._unclaimed[partition]:
-                    self._claim(partition)
+            self._take_fetched(event)
         elif isinstance(event, _Pull):
             self._pulls.append(event)
         elif isinstance(event, _Committed):
@@ -441,6 +455,26 @@ class Engine:
                     if out is not None:
                         self._forget(event.partition, event.offset)
                         state.nack(event.queue_key, event.offset, out.token, now, lambda _: 1.0)
+
+    def _take_fetched(self, event: _Fetched) -> None:
+        """Hand fetched records to the ownership they were fetched for. A record of an earlier
+        generation is dropped: the partition's current owner (this subscriber again, or another)
+        fetches it again from the committed offset, and taking it here would make that refetch look
+        like duplicates (SUB-3)."""
+        partitions, unclaimed, generations = self._partitions, self._unclaimed, event.generations
+        for record in event.records:
+            generation = generations.get(record.partition)
+            state = partitions.get(record.partition)
+            if state is not None:
+                if state.generation == generation:
+                    state.add(record)
+                continue
+            entry = unclaimed.get(record.partition)
+            if entry is not None and entry[0] == generation:
+                entry[1].append(record)
+        for partition, (generation, waiting) in list(unclaimed.items()):
+            if waiting:
+                self._claim(partition, generation)
 
     def _settle(self, request: Settle, now: float) -> None:
         partition, offset = request.partition, request.offset

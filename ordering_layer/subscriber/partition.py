@@ -107,13 +107,16 @@ class PartitionState:
         ordered: ordering enabled on the subscription (SUB-1 vs SUB-6).
         settled_before: offsets settled above the committed offset, read at claim (recovery walk).
         attempts_before: delivery attempts of unsettled records, read at claim (ACK-6).
+        generation: the assignment generation it was claimed under: only records fetched under it
+            belong to it.
     """
 
     def __init__(self, partition: int, epoch: int, *, ordered: bool,
                  settled_before: frozenset[int] = frozenset(),
-                 attempts_before: dict[int, int] | None = None) -> None:
+                 attempts_before: dict[int, int] | None = None, generation: int = 0) -> None:
         self.partition = partition
         self.epoch = epoch
+        self.generation = generation
         self.ordered = ordered
         self.tracker = OffsetTracker()
         self.keys: dict[QueueKey, KeyQueue] = {}
