@@ -188,7 +188,7 @@ def test_repeated_join_and_leave_loses_nothing(kafka_config: dict[str, Any], end
             second = Subscriber(fast, redis_url=endpoints.redis_url).subscribe(
                 name, recording_callback(checker, f"s2-{cycle}", handler), max_workers=8)
             try:
-                wait_until(lambda: second.engine.assigned_partitions() != [], 60, "partitions at the second")
+                wait_until(second.engine.assigned_partitions, 60, "partitions at the second")
             finally:
                 second.cancel()
             wait_until(lambda: len(first.engine.assigned_partitions()) == 4, 60, "partitions back at the first")
