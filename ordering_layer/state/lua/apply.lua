@@ -14,22 +14,24 @@
 --            "a" settled:   zadd settled offset; drop attempts and lease
 --            "n" nack:      drop lease (the message stays unsettled)
 --            "w" watermark: committed offset is value: forget everything below it
--- Returns 1 when applied, 0 when fenced (another owner claimed the partition), 2 when the epoch
--- key was gone (Redis lost its state): the caller's epoch is adopted and the ops applied; what was
--- lost can only cause redelivery, never loss (Kafka keeps the messages and the committed offset).
+-- Returns 1 when applied, 0 when fenced (the stored epoch is higher: another owner claimed the
+-- partition since), 2 when the stored epoch was gone or lower (Redis lost its state): the caller's
+-- epoch is adopted and the ops applied. Claims hand out epochs above every earlier one (claim.lua),
+-- so after a loss of Redis the latest claimer adopts last and fences every earlier owner for good;
+-- what was lost can only cause redelivery, never loss (Kafka keeps the messages and the committed
+-- offset).
 --
 -- Consecutive writes of one command to one key are sent as one multi-field call (HSET, HDEL, ZADD
 -- with many pairs): the ops of a key keep their order (a run is sent before that key gets another
 -- command), and different keys are independent, so the outcome is that of applying the ops one by
 -- one, with a fraction of the calls (and of the AOF entries they propagate).
 local result = 1
-local current = redis.call('GET', KEYS[1])
-if not current then
+local current = tonumber(redis.call('GET', KEYS[1]))
+local epoch = tonumber(ARGV[1])
+if not current or current < epoch then
   redis.call('SET', KEYS[1], ARGV[1])
-  current = ARGV[1]
   result = 2
-end
-if current ~= ARGV[1] then
+elseif current > epoch then
   return 0
 end
 local CHUNK = 4000  -- arguments per call (even, so pairs stay whole); keeps unpack() within Lua's stack
