@@ -59,6 +59,7 @@ _RESUME_FRACTION = 0.8
 # holds longer than this (and rebalance callbacks, served by consume(), must not wait long).
 _HOLD_BEFORE_PAUSE = 1.0
 _REVOKE_GRACE = 30.0
+_REQUEUE_DELAY = 1.0  # after a failed Redis or dead-letter write: the write is retried, no failure counted
 _MALFORMED_LOGGED = 10  # malformed-metadata warnings logged one by one; then every 1000th
 
 DLQ_HEADERS = ("ol-dlq-source-topic", "ol-dlq-source-partition", "ol-dlq-source-offset",
@@ -454,7 +455,7 @@ class Engine:
                     out = self._out.get((event.partition, event.offset))
                     if out is not None:
                         self._forget(event.partition, event.offset)
-                        state.nack(event.queue_key, event.offset, out.token, now, lambda _: 1.0)
+                        state.requeue(event.queue_key, event.offset, out.token, now, _REQUEUE_DELAY)
 
     def _take_fetched(self, event: _Fetched) -> None:
         """Hand fetched records to the ownership they were fetched for. A record of an earlier
@@ -612,14 +613,15 @@ class Engine:
         return size
 
     def _unrelease(self, deliveries: list[Delivery], now: float) -> list[Delivery]:
-        """Redis did not take the attempt counts: give the deliveries back before anyone sees them."""
+        """Redis did not take the attempt counts: give the deliveries back before anyone sees them (not a
+        failure of theirs: their keys' backoff does not grow)."""
         for delivery in deliveries:
             record = delivery.record
             state = self._partitions.get(record.partition)
             self._forget(record.partition, record.offset)
             if state is not None:
                 record.attempts -= 1
-                state.nack(delivery.queue_key, record.offset, delivery.token, now, lambda _: 1.0)
+                state.requeue(delivery.queue_key, record.offset, delivery.token, now, _REQUEUE_DELAY)
         return []
 
     def _dispatch(self, deliveries: list[Delivery], now: float) -> None:

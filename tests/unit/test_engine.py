@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import cast
 
 import pytest
@@ -14,7 +14,8 @@ from ordering_layer.config import FlowControl, RetryPolicy, SubscriptionSettings
 from ordering_layer.record import RecordMetadata
 from ordering_layer.state import ApplyResult, StateStore
 from ordering_layer.state.store import ClaimedPartition, Op
-from ordering_layer.subscriber.engine import Engine
+from ordering_layer.subscriber.engine import Engine, _DeadLettered
+from ordering_layer.subscriber.message import Message
 from ordering_layer.subscriber.partition import Record
 
 TOPIC = "orders"
@@ -50,11 +51,16 @@ def store() -> FakeStore:
     return FakeStore()
 
 
+def make_engine(store: FakeStore, on_messages: Callable[[list[Message]], None] | None = None) -> Engine:
+    """An engine whose consumer never reaches a broker; its threads are not started (tests drive it)."""
+    settings = SubscriptionSettings(topic=TOPIC, retry_policy=RetryPolicy(minimum_backoff=10, maximum_backoff=600))
+    return Engine({"bootstrap.servers": "127.0.0.1:1"}, cast(StateStore, store), "sub", settings,
+                  flow_control=FlowControl(), on_messages=on_messages)
+
+
 @pytest.fixture
 def engine(store: FakeStore) -> Iterator[Engine]:
-    settings = SubscriptionSettings(topic=TOPIC, retry_policy=RetryPolicy(minimum_backoff=10, maximum_backoff=600))
-    engine = Engine({"bootstrap.servers": "127.0.0.1:1"}, cast(StateStore, store), "sub", settings,
-                    flow_control=FlowControl(), on_messages=None)
+    engine = make_engine(store)
     yield engine
     engine.consumer.close()
 
@@ -91,3 +97,42 @@ def test_records_fetched_before_a_revoke_are_dropped_when_no_one_owns_the_partit
     engine._handle(engine._fetched([record(o) for o in range(3, 8)]), time.monotonic())
     assert engine._partitions[0].tracker.watermark == 3
     assert engine._partitions[0].buffered == 5
+
+
+def test_a_failed_redis_write_gives_deliveries_back_without_counting_failures(store: FakeStore) -> None:
+    """DLQ-1, ACK-6: when Redis does not take the attempt counts, the deliveries go back unseen and
+    their keys' failure counts (which lengthen the backoff) do not grow; nor do their attempts."""
+    handed: list[Message] = []
+    engine = make_engine(store, handed.extend)
+    try:
+        engine._on_assign(engine.consumer, P0)
+        engine._handle(engine._fetched([record(o) for o in range(3)]), time.monotonic())
+        store.failing = True
+        engine._engine_step()
+        state = engine._partitions[0]
+        assert handed == [] and engine._out == {}
+        assert [q.failures for q in state.keys.values()] == [0, 0, 0]
+        assert [r.attempts for q in state.keys.values() for r in q.records] == [0, 0, 0]
+        assert state.buffered == 3
+    finally:
+        engine.consumer.close()
+
+
+def test_a_failed_dead_letter_write_requeues_without_counting_a_failure(store: FakeStore) -> None:
+    """DLQ-1, DLQ-2: a dead letter the broker did not take leaves the message unsettled and redelivered
+    (after a fixed delay), but its key's failure count does not grow."""
+    handed: list[Message] = []
+    engine = make_engine(store, handed.extend)
+    try:
+        engine._on_assign(engine.consumer, P0)
+        engine._handle(engine._fetched([record(0)]), time.monotonic())
+        engine._engine_step()
+        assert [m.delivery_attempt for m in handed] == [1]
+        state = engine._partitions[0]
+        delivery = engine._out[(0, 0)]
+        engine._handle(_DeadLettered(0, state.epoch, delivery.queue_key, 0, "broker down"), time.monotonic())
+        assert engine._out == {}
+        assert state.keys[delivery.queue_key].failures == 0
+        assert state.buffered == 1
+    finally:
+        engine.consumer.close()
