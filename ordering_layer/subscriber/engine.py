@@ -315,6 +315,12 @@ class Engine:
         self._next_generation(partitions)
         for tp in partitions:
             self._claim(tp.partition, self._generations[tp.partition])
+        # Assigned here rather than by the client after this callback, so that the new partitions
+        # join the fetch gate's state before their first fetch: paused while the assignment is
+        # paused (SUB-7), and resumed otherwise, as librdkafka may keep a pause from an earlier
+        # ownership of the partition, which no later resume of the then assignment reached.
+        consumer.incremental_assign(partitions)
+        self._pause(partitions, self._fetch_paused)
         _tell(self._rebalance.on_assign, partitions, "on_assign")
 
     def _claim(self, partition: int, generation: int) -> bool:
@@ -800,10 +806,13 @@ class Engine:
     def _pause_assignment(self, pause: bool) -> None:
         """Fetch thread: pause or resume the whole assignment in the consumer."""
         self._fetch_paused = pause
-        assignment = self._consumer.assignment()
-        if assignment:
+        self._pause(self._consumer.assignment(), pause)
+
+    def _pause(self, partitions: list[TopicPartition], pause: bool) -> None:
+        """Fetch thread: pause or resume these assigned partitions in the consumer."""
+        if partitions:
             try:
-                (self._consumer.pause if pause else self._consumer.resume)(assignment)
+                (self._consumer.pause if pause else self._consumer.resume)(partitions)
             except KafkaException as exc:
                 _LOGGER.warning("%s: %s failed: %s", self.subscription, "pause" if pause else "resume", exc)
 

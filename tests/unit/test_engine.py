@@ -73,6 +73,7 @@ def test_records_fetched_before_a_loss_never_reach_the_next_ownership(engine: En
     engine._on_assign(engine.consumer, P0)
     stale = engine._fetched([record(o) for o in range(100, 110)])
     engine._on_lost(engine.consumer, P0)
+    engine.consumer.incremental_unassign(P0)  # what the client does after the callback
     engine._on_assign(engine.consumer, P0)
     refetch = engine._fetched([record(o) for o in range(50, 110)])
     now = time.monotonic()
@@ -90,6 +91,7 @@ def test_records_fetched_before_a_revoke_are_dropped_when_no_one_owns_the_partit
     engine._on_assign(engine.consumer, P0)
     stale = engine._fetched([record(o) for o in range(0, 5)])
     engine._on_revoke(engine.consumer, P0)
+    engine.consumer.incremental_unassign(P0)
     engine._handle(stale, time.monotonic())
     assert 0 not in engine._partitions
     engine._on_assign(engine.consumer, P0)
