@@ -36,7 +36,7 @@ from confluent_kafka import Message as KafkaMessage
 from ordering_layer.config import FlowControl, SubscriptionSettings
 from ordering_layer.record import HeaderPairs, display_key, encode, read_metadata
 from ordering_layer.state import ApplyResult, StateStore
-from ordering_layer.state.store import Op
+from ordering_layer.state.store import Op, OpKind, OpLetter
 from ordering_layer.subscriber.histogram import Histogram, extension_seconds
 from ordering_layer.subscriber.inbox import Inbox
 from ordering_layer.subscriber.message import AckResponse, Message, Settle
@@ -449,14 +449,14 @@ class Engine:
             # Trimming before the commit succeeded would make a new owner redeliver acked messages.
             for partition, offset in event.offsets:
                 if partition in self._partitions:
-                    self._queue_op(partition, ("w", 0, offset), now)
+                    self._queue_op(partition, (OpKind.WATERMARK, 0, offset), now)
         elif isinstance(event, _DeadLettered):
             state = self._partitions.get(event.partition)
             if state is not None and state.epoch == event.epoch:
                 if event.error is None:
                     self._forget(event.partition, event.offset)
                     state.settle_dead_lettered(event.queue_key, event.offset)
-                    self._queue_op(event.partition, ("a", event.offset, 0), now)
+                    self._queue_op(event.partition, (OpKind.SETTLED, event.offset, 0), now)
                 else:
                     out = self._out.get((event.partition, event.offset))
                     if out is not None:
@@ -498,18 +498,18 @@ class Engine:
         if kind == "ack":
             self._latencies.append(now - out.first_delivery)
             state.ack(request.queue_key, offset, request.token)
-            self._queue_op(partition, ("a", offset, 0), now)
+            self._queue_op(partition, (OpKind.SETTLED, offset, 0), now)
         elif kind == "deadline":
             out.deadline = now + request.seconds
             self._watch_lease(key, out)
-            self._queue_op(partition, ("l", offset, _wall_ms(request.seconds)), now)
+            self._queue_op(partition, (OpKind.LEASE, offset, _wall_ms(request.seconds)), now)
             self._queue_future(partition, request.future)
             return
         else:
             state.nack(request.queue_key, offset, request.token, now, self.settings.retry_policy.backoff)
             if request.error:
                 out.record.last_error = request.error
-            self._queue_op(partition, ("n", offset, 0), now)
+            self._queue_op(partition, (OpKind.NACKED, offset, 0), now)
         del self._out[key]
         self._out_bytes -= out.record.size
         if request.future is not None:
@@ -540,13 +540,13 @@ class Engine:
                                                 min_extension=settings.min_duration_per_lease_extension,
                                                 max_extension=settings.max_duration_per_lease_extension)
                     out.deadline = now + seconds
-                    self._queue_op(partition, ("l", offset, _wall_ms(seconds)), now)
+                    self._queue_op(partition, (OpKind.LEASE, offset, _wall_ms(seconds)), now)
                     self._watch_lease(key, out)
                 elif now >= out.deadline:
                     _LOGGER.info("%s: lease of %d:%d lapsed; redelivering", self.subscription, partition, offset)
                     state.nack(out.queue_key, offset, out.token, now, settings.retry_policy.backoff)
                     self._forget(partition, offset)
-                    self._queue_op(partition, ("n", offset, 0), now)
+                    self._queue_op(partition, (OpKind.NACKED, offset, 0), now)
                 else:
                     self._watch_lease(key, out, check=out.deadline)
 
@@ -603,7 +603,8 @@ class Engine:
         lease_ms = _wall_ms(ack_deadline)
         outstanding = self._out
         keys = []
-        ops: list[Op] = [("b", 0, lease_ms)]  # the batch's lease deadline, for the "e" ops after it
+        ops: list[Op] = [(OpKind.BATCH_LEASE, 0, lease_ms)]  # the lease of the BATCH_DELIVERED ops after it
+        batch_delivered: OpLetter = OpKind.BATCH_DELIVERED
         size = 0
         for delivery in batch:
             record = delivery.record
@@ -612,7 +613,7 @@ class Engine:
             outstanding[key] = _Outstanding(delivery.token, record, delivery.queue_key, deadline, now)
             keys.append(key)
             size += record.size
-            ops.append(("e", offset, delivery.attempt))
+            ops.append((batch_delivered, offset, delivery.attempt))
         self._out_bytes += size
         self._queue_ops(partition, ops, now)
         self._watch_leases(deadline, keys)

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from ordering_layer.state import ApplyResult, StateStore
-from ordering_layer.state.store import partition_keys
+from ordering_layer.state.store import Op, OpKind, partition_keys
 
 pytestmark = pytest.mark.integration
 
@@ -21,7 +21,7 @@ def test_after_a_loss_of_redis_state_only_the_latest_owner_writes(endpoints: Any
     adopted and the other one was fenced: the zombie could fence the real owner out)."""
     store = StateStore(endpoints.redis_url)
     name = unique_name("fence")
-    ops = [("d", 7, 1)]
+    ops: list[Op] = [(OpKind.DELIVERED, 7, 1)]
     zombie = store.claim(name, 0).epoch
     owner = store.claim(name, 0).epoch
     assert owner > zombie
@@ -49,7 +49,7 @@ def test_a_claim_after_a_loss_of_redis_state_fences_every_earlier_owner(endpoint
     store.client.delete(*partition_keys(name, 0))
     latest = store.claim(name, 0).epoch
     assert latest > max(earlier)
-    ops = [("a", 3, 0)]
+    ops: list[Op] = [(OpKind.SETTLED, 3, 0)]
     for epoch in earlier:
         assert store.apply_many([(name, 0, epoch, ops)]) == [ApplyResult.FENCED]
     assert store.apply_many([(name, 0, latest, ops)]) == [ApplyResult.APPLIED]

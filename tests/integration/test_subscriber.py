@@ -22,7 +22,7 @@ from ordering_layer import (
 )
 from ordering_layer.errors import ConfigError, SubscriptionExistsError, SubscriptionNotFoundError
 from ordering_layer.state import ApplyResult, StateStore
-from ordering_layer.state.store import partition_keys
+from ordering_layer.state.store import Op, OpKind, OpLetter, partition_keys
 from tests.checker import DeliveryChecker, wait_until
 from tests.integration.conftest import publish_keys, pull_until, recording_callback
 
@@ -312,6 +312,9 @@ def test_batched_redis_writes_equal_one_by_one(endpoints: Any, unique_name: Call
     ops one by one (random op streams, long runs that need several calls, and the epoch fence)."""
     store = StateStore(endpoints.redis_url)
     rng = random.Random(3)
+    common: list[OpLetter] = [OpKind.DELIVERED, OpKind.LEASE, OpKind.SETTLED, OpKind.NACKED,
+                              OpKind.BATCH_DELIVERED, OpKind.BATCH_DELIVERED, OpKind.BATCH_LEASE]
+    rare: list[OpLetter] = [OpKind.DELIVERED, OpKind.LEASE, OpKind.SETTLED, OpKind.NACKED, OpKind.WATERMARK]
     for trial in range(40):
         name = unique_name(f"lua{trial}")
         epoch = store.claim(name, 0).epoch
@@ -319,29 +322,28 @@ def test_batched_redis_writes_equal_one_by_one(endpoints: Any, unique_name: Call
         attempts: dict[int, int] = {}
         leases: dict[int, int] = {}
         for size in (rng.choice([1, 40, 3000]), 2500):
-            ops = []
             batch_lease = rng.randrange(1, 10**6)
-            ops.append(("b", 0, batch_lease))
+            ops: list[Op] = [(OpKind.BATCH_LEASE, 0, batch_lease)]
             for _ in range(size):
-                kind = rng.choice("dlanw" if rng.random() < 0.05 else "dlaneeb")
+                kind = rng.choice(rare if rng.random() < 0.05 else common)
                 offset, value = rng.randrange(40), rng.randrange(1, 10**6)
-                if kind == "b":
+                if kind == OpKind.BATCH_LEASE:
                     batch_lease = value
                 ops.append((kind, offset, value))
-                if kind == "d":
+                if kind == OpKind.DELIVERED:
                     attempts[offset] = value
-                elif kind == "e":
+                elif kind == OpKind.BATCH_DELIVERED:
                     attempts[offset] = value
                     leases[offset] = batch_lease
-                elif kind == "l":
+                elif kind == OpKind.LEASE:
                     leases[offset] = value
-                elif kind == "a":
+                elif kind == OpKind.SETTLED:
                     settled.add(offset)
                     attempts.pop(offset, None)
                     leases.pop(offset, None)
-                elif kind == "n":
+                elif kind == OpKind.NACKED:
                     leases.pop(offset, None)
-                elif kind == "w":
+                elif kind == OpKind.WATERMARK:
                     settled = {o for o in settled if o >= value}
             assert store.apply_many([(name, 0, epoch, ops)]) == [ApplyResult.APPLIED]
         keys = partition_keys(name, 0)
@@ -350,8 +352,8 @@ def test_batched_redis_writes_equal_one_by_one(endpoints: Any, unique_name: Call
         assert {int(k): int(v) for k, v in store.client.hgetall(keys[3]).items()} == leases
     name = unique_name("lua-run")
     epoch = store.claim(name, 0).epoch
-    run = [("d", o, 1) for o in range(5001)] + [("l", o, 7) for o in range(5001)]
-    run += [("a", o, 0) for o in range(0, 5001, 2)]
+    run: list[Op] = [(OpKind.DELIVERED, o, 1) for o in range(5001)] + [(OpKind.LEASE, o, 7) for o in range(5001)]
+    run += [(OpKind.SETTLED, o, 0) for o in range(0, 5001, 2)]
     assert store.apply_many([(name, 0, epoch, run)]) == [ApplyResult.APPLIED]
     keys = partition_keys(name, 0)
     assert (store.client.hlen(keys[2]), store.client.hlen(keys[3]), store.client.zcard(keys[1])) == (2500, 2500, 2501)
