@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import bench_stack, ratio_line
 from ordering_layer import Admin, FlowControl, Message, OrderedConsumer, OrderedProducer, RetryPolicy, Subscriber
 from ordering_layer.stack import Endpoints
+from ordering_layer.state.store import Op, OpKind
 from ordering_layer.subscriber.engine import Engine
 
 
@@ -143,8 +144,8 @@ def leases_off() -> Iterator[None]:
     watch, queue_ops = Engine._watch_leases, Engine._queue_ops
 
     def skip_lease_ops(self: Engine, partition: int, ops: list[Any], now: float) -> None:
-        # "l" and "b" write lease deadlines; "e" is a delivery with the batch's lease, "d" one without.
-        kept = [("d", op[1], op[2]) if op[0] == "e" else op for op in ops if op[0] not in ("l", "b")]
+        kept: list[Op] = [(OpKind.DELIVERED, op[1], op[2]) if op[0] == OpKind.BATCH_DELIVERED else op
+                          for op in ops if op[0] not in (OpKind.LEASE, OpKind.BATCH_LEASE)]
         queue_ops(self, partition, kept, now)
 
     Engine._watch_leases = lambda self, deadline, keys: None  # type: ignore[method-assign]

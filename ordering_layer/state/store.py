@@ -13,6 +13,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
+from typing import Final, Literal
 
 import redis
 from redis.backoff import ExponentialBackoff
@@ -23,7 +24,35 @@ from ordering_layer.errors import SubscriptionNotFoundError
 
 _LOGGER = logging.getLogger(__name__)
 
-Op = tuple[str, int, int]
+OpLetter = Literal["d", "l", "b", "e", "a", "n", "w"]
+
+
+class OpKind:
+    """What one state change does, named; the value is its letter in ``apply.lua``'s packed argument
+    (plain strings, not an Enum: formatting an Enum member costs half as much again per op, and
+    the packing is the hot path of every flush).
+
+    Each op is (kind, offset, value):
+
+    * ``DELIVERED``: attempts[offset] = value (the attempt number); its lease comes with a ``LEASE``;
+    * ``LEASE``: leases[offset] = value (the deadline, epoch ms);
+    * ``BATCH_LEASE``: the lease deadline (value, ms) of the ``BATCH_DELIVERED`` ops after it (offset 0);
+    * ``BATCH_DELIVERED``: attempts[offset] = value and leases[offset] = the batch lease;
+    * ``SETTLED``: acked or dead-lettered: added to the settled set, attempts and lease dropped;
+    * ``NACKED``: the lease is dropped (the message stays unsettled);
+    * ``WATERMARK``: value is the committed offset: everything settled below it is forgotten (offset 0).
+    """
+
+    DELIVERED: Final = "d"
+    LEASE: Final = "l"
+    BATCH_LEASE: Final = "b"
+    BATCH_DELIVERED: Final = "e"
+    SETTLED: Final = "a"
+    NACKED: Final = "n"
+    WATERMARK: Final = "w"
+
+
+Op = tuple[OpLetter, int, int]
 
 
 class ApplyResult(enum.IntEnum):
@@ -108,7 +137,8 @@ class StateStore:
     def apply_many(self, batches: Sequence[tuple[str, int, int, Sequence[Op]]]) -> list[ApplyResult]:
         """Apply op batches of several partitions in one pipeline (one round trip).
 
-        Each batch is (subscription, partition, epoch, ops); see ``lua/apply.lua`` for the ops.
+        Each batch is (subscription, partition, epoch, ops); ``OpKind`` names what each op does. The
+        ops travel packed into one argument, ``"<letter>,<offset>,<value>;"`` each (see ``lua/apply.lua``).
         """
         # EVALSHA straight on the pipeline: redis-py's Script objects would add a SCRIPT EXISTS
         # round trip to every pipeline; the script is loaded again only after a NOSCRIPT answer

@@ -36,7 +36,7 @@ from confluent_kafka import Message as KafkaMessage
 from ordering_layer.config import FlowControl, SubscriptionSettings
 from ordering_layer.record import HeaderPairs, display_key, encode, read_metadata
 from ordering_layer.state import ApplyResult, StateStore
-from ordering_layer.state.store import Op
+from ordering_layer.state.store import Op, OpKind, OpLetter
 from ordering_layer.subscriber.histogram import Histogram, extension_seconds
 from ordering_layer.subscriber.inbox import Inbox
 from ordering_layer.subscriber.message import AckResponse, Message, Settle
@@ -59,6 +59,7 @@ _RESUME_FRACTION = 0.8
 # holds longer than this (and rebalance callbacks, served by consume(), must not wait long).
 _HOLD_BEFORE_PAUSE = 1.0
 _REVOKE_GRACE = 30.0
+_REQUEUE_DELAY = 1.0  # after a failed Redis or dead-letter write: the write is retried, no failure counted
 _MALFORMED_LOGGED = 10  # malformed-metadata warnings logged one by one; then every 1000th
 
 DLQ_HEADERS = ("ol-dlq-source-topic", "ol-dlq-source-partition", "ol-dlq-source-offset",
@@ -87,7 +88,11 @@ def _tell(callback: RebalanceCallback | None, partitions: list[TopicPartition], 
 
 
 class _Fetched(NamedTuple):
+    """Records as ``consume`` returned them, with each partition's assignment generation then:
+    records of an earlier generation were fetched for an ownership that has ended since."""
+
     records: list[Record]
+    generations: dict[int, int]
 
 
 class _Pull(NamedTuple):
@@ -169,7 +174,8 @@ class Engine:
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
         self._partitions: dict[int, PartitionState] = {}
-        self._unclaimed: dict[int, list[Record]] = {}
+        self._generations: dict[int, int] = {}  # fetch thread: bumped on each assign, revoke, loss
+        self._unclaimed: dict[int, tuple[int, list[Record]]] = {}  # generation, records waiting
         self._ops: dict[int, list[Op]] = {}
         self._ack_futures: dict[int, list[Future[AckResponse]]] = {}
         self._oldest_op = 0.0
@@ -283,8 +289,18 @@ class Engine:
                 self._malformed_metadata(record)
             records.append(record)
         if records:
-            self._inbox.put(_Fetched(records))
+            self._inbox.put(self._fetched(records))
         return 0.0
+
+    def _fetched(self, records: list[Record]) -> _Fetched:
+        """Fetch thread: tag records just returned by ``consume`` with the assignment generations."""
+        return _Fetched(records, dict(self._generations))
+
+    def _next_generation(self, partitions: list[TopicPartition]) -> None:
+        """Fetch thread: a partition's ownership changed; what was fetched before belongs to the old one."""
+        generations = self._generations
+        for tp in partitions:
+            generations[tp.partition] = generations.get(tp.partition, 0) + 1
 
     def _malformed_metadata(self, record: Record) -> None:
         """DLQ-4: malformed ``ol-`` headers are ignored; the record is delivered as a plain record."""
@@ -296,30 +312,43 @@ class Engine:
                             record.offset, record.metadata.malformed, count)
 
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self._next_generation(partitions)
         for tp in partitions:
-            self._claim(tp.partition)
+            self._claim(tp.partition, self._generations[tp.partition])
+        # Assigned here rather than by the client after this callback, so that the new partitions
+        # join the fetch gate's state before their first fetch: paused while the assignment is
+        # paused (SUB-7), and resumed otherwise, as librdkafka may keep a pause from an earlier
+        # ownership of the partition, which no later resume of the then assignment reached.
+        consumer.incremental_assign(partitions)
+        self._pause(partitions, self._fetch_paused)
         _tell(self._rebalance.on_assign, partitions, "on_assign")
 
-    def _claim(self, partition: int) -> bool:
+    def _claim(self, partition: int, generation: int) -> bool:
+        """Claim a partition assigned under ``generation``; on a Redis failure its records wait for
+        a retry (made when more of them arrive)."""
         try:
             claimed = self._store.claim(self.subscription, partition)
         except redis.RedisError as exc:
             _LOGGER.warning("claiming partition %d of %s failed (%s); retrying", partition, self.subscription, exc)
             with self._lock:
-                self._unclaimed.setdefault(partition, [])
+                entry = self._unclaimed.get(partition)
+                if entry is None or entry[0] != generation:
+                    self._unclaimed[partition] = (generation, [])
             return False
         with self._lock:
-            self._partitions[partition] = PartitionState(
+            state = self._partitions[partition] = PartitionState(
                 partition, claimed.epoch, ordered=self.settings.enable_message_ordering,
-                settled_before=claimed.settled, attempts_before=claimed.attempts)
-            waiting = self._unclaimed.pop(partition, [])
-        if waiting:
-            self._inbox.put(_Fetched(waiting))
+                settled_before=claimed.settled, attempts_before=claimed.attempts, generation=generation)
+            waited, waiting = self._unclaimed.pop(partition, (generation, []))
+            if waited == generation:
+                for record in waiting:
+                    state.add(record)
         _LOGGER.info("%s: claimed partition %d (epoch %d, %d settled above the commit)",
                      self.subscription, partition, claimed.epoch, len(claimed.settled))
         return True
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self._next_generation(partitions)
         _tell(self._rebalance.on_revoke, partitions, "on_revoke")
         numbers = [tp.partition for tp in partitions]
         with self._lock:
@@ -345,6 +374,7 @@ class Engine:
                 self._inbox.put(_Committed(done))
 
     def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self._next_generation(partitions)
         with self._lock:
             for tp in partitions:
                 self._drop(tp.partition)
@@ -412,35 +442,46 @@ class Engine:
         if isinstance(event, Settle):
             self._settle(event, now)
         elif isinstance(event, _Fetched):
-            for record in event.records:
-                state = self._partitions.get(record.partition)
-                if state is None:
-                    if record.partition in self._unclaimed:
-                        self._unclaimed[record.partition].append(record)
-                    continue
-                state.add(record)
-            for partition in list(self._unclaimed):
-                if self._unclaimed[partition]:
-                    self._claim(partition)
+            self._take_fetched(event)
         elif isinstance(event, _Pull):
             self._pulls.append(event)
         elif isinstance(event, _Committed):
             # Trimming before the commit succeeded would make a new owner redeliver acked messages.
             for partition, offset in event.offsets:
                 if partition in self._partitions:
-                    self._queue_op(partition, ("w", 0, offset), now)
+                    self._queue_op(partition, (OpKind.WATERMARK, 0, offset), now)
         elif isinstance(event, _DeadLettered):
             state = self._partitions.get(event.partition)
             if state is not None and state.epoch == event.epoch:
                 if event.error is None:
                     self._forget(event.partition, event.offset)
                     state.settle_dead_lettered(event.queue_key, event.offset)
-                    self._queue_op(event.partition, ("a", event.offset, 0), now)
+                    self._queue_op(event.partition, (OpKind.SETTLED, event.offset, 0), now)
                 else:
                     out = self._out.get((event.partition, event.offset))
                     if out is not None:
                         self._forget(event.partition, event.offset)
-                        state.nack(event.queue_key, event.offset, out.token, now, lambda _: 1.0)
+                        state.requeue(event.queue_key, event.offset, out.token, now, _REQUEUE_DELAY)
+
+    def _take_fetched(self, event: _Fetched) -> None:
+        """Hand fetched records to the ownership they were fetched for. A record of an earlier
+        generation is dropped: the partition's current owner (this subscriber again, or another)
+        fetches it again from the committed offset, and taking it here would make that refetch look
+        like duplicates (SUB-3)."""
+        partitions, unclaimed, generations = self._partitions, self._unclaimed, event.generations
+        for record in event.records:
+            generation = generations.get(record.partition)
+            state = partitions.get(record.partition)
+            if state is not None:
+                if state.generation == generation:
+                    state.add(record)
+                continue
+            entry = unclaimed.get(record.partition)
+            if entry is not None and entry[0] == generation:
+                entry[1].append(record)
+        for partition, (generation, waiting) in list(unclaimed.items()):
+            if waiting:
+                self._claim(partition, generation)
 
     def _settle(self, request: Settle, now: float) -> None:
         partition, offset = request.partition, request.offset
@@ -457,18 +498,18 @@ class Engine:
         if kind == "ack":
             self._latencies.append(now - out.first_delivery)
             state.ack(request.queue_key, offset, request.token)
-            self._queue_op(partition, ("a", offset, 0), now)
+            self._queue_op(partition, (OpKind.SETTLED, offset, 0), now)
         elif kind == "deadline":
             out.deadline = now + request.seconds
             self._watch_lease(key, out)
-            self._queue_op(partition, ("l", offset, _wall_ms(request.seconds)), now)
+            self._queue_op(partition, (OpKind.LEASE, offset, _wall_ms(request.seconds)), now)
             self._queue_future(partition, request.future)
             return
         else:
             state.nack(request.queue_key, offset, request.token, now, self.settings.retry_policy.backoff)
             if request.error:
                 out.record.last_error = request.error
-            self._queue_op(partition, ("n", offset, 0), now)
+            self._queue_op(partition, (OpKind.NACKED, offset, 0), now)
         del self._out[key]
         self._out_bytes -= out.record.size
         if request.future is not None:
@@ -499,13 +540,13 @@ class Engine:
                                                 min_extension=settings.min_duration_per_lease_extension,
                                                 max_extension=settings.max_duration_per_lease_extension)
                     out.deadline = now + seconds
-                    self._queue_op(partition, ("l", offset, _wall_ms(seconds)), now)
+                    self._queue_op(partition, (OpKind.LEASE, offset, _wall_ms(seconds)), now)
                     self._watch_lease(key, out)
                 elif now >= out.deadline:
                     _LOGGER.info("%s: lease of %d:%d lapsed; redelivering", self.subscription, partition, offset)
                     state.nack(out.queue_key, offset, out.token, now, settings.retry_policy.backoff)
                     self._forget(partition, offset)
-                    self._queue_op(partition, ("n", offset, 0), now)
+                    self._queue_op(partition, (OpKind.NACKED, offset, 0), now)
                 else:
                     self._watch_lease(key, out, check=out.deadline)
 
@@ -562,7 +603,8 @@ class Engine:
         lease_ms = _wall_ms(ack_deadline)
         outstanding = self._out
         keys = []
-        ops: list[Op] = [("b", 0, lease_ms)]  # the batch's lease deadline, for the "e" ops after it
+        ops: list[Op] = [(OpKind.BATCH_LEASE, 0, lease_ms)]  # the lease of the BATCH_DELIVERED ops after it
+        batch_delivered: OpLetter = OpKind.BATCH_DELIVERED
         size = 0
         for delivery in batch:
             record = delivery.record
@@ -571,21 +613,22 @@ class Engine:
             outstanding[key] = _Outstanding(delivery.token, record, delivery.queue_key, deadline, now)
             keys.append(key)
             size += record.size
-            ops.append(("e", offset, delivery.attempt))
+            ops.append((batch_delivered, offset, delivery.attempt))
         self._out_bytes += size
         self._queue_ops(partition, ops, now)
         self._watch_leases(deadline, keys)
         return size
 
     def _unrelease(self, deliveries: list[Delivery], now: float) -> list[Delivery]:
-        """Redis did not take the attempt counts: give the deliveries back before anyone sees them."""
+        """Redis did not take the attempt counts: give the deliveries back before anyone sees them (not a
+        failure of theirs: their keys' backoff does not grow)."""
         for delivery in deliveries:
             record = delivery.record
             state = self._partitions.get(record.partition)
             self._forget(record.partition, record.offset)
             if state is not None:
                 record.attempts -= 1
-                state.nack(delivery.queue_key, record.offset, delivery.token, now, lambda _: 1.0)
+                state.requeue(delivery.queue_key, record.offset, delivery.token, now, _REQUEUE_DELAY)
         return []
 
     def _dispatch(self, deliveries: list[Delivery], now: float) -> None:
@@ -764,10 +807,13 @@ class Engine:
     def _pause_assignment(self, pause: bool) -> None:
         """Fetch thread: pause or resume the whole assignment in the consumer."""
         self._fetch_paused = pause
-        assignment = self._consumer.assignment()
-        if assignment:
+        self._pause(self._consumer.assignment(), pause)
+
+    def _pause(self, partitions: list[TopicPartition], pause: bool) -> None:
+        """Fetch thread: pause or resume these assigned partitions in the consumer."""
+        if partitions:
             try:
-                (self._consumer.pause if pause else self._consumer.resume)(assignment)
+                (self._consumer.pause if pause else self._consumer.resume)(partitions)
             except KafkaException as exc:
                 _LOGGER.warning("%s: %s failed: %s", self.subscription, "pause" if pause else "resume", exc)
 

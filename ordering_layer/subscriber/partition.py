@@ -107,13 +107,16 @@ class PartitionState:
         ordered: ordering enabled on the subscription (SUB-1 vs SUB-6).
         settled_before: offsets settled above the committed offset, read at claim (recovery walk).
         attempts_before: delivery attempts of unsettled records, read at claim (ACK-6).
+        generation: the assignment generation it was claimed under: only records fetched under it
+            belong to it.
     """
 
     def __init__(self, partition: int, epoch: int, *, ordered: bool,
                  settled_before: frozenset[int] = frozenset(),
-                 attempts_before: dict[int, int] | None = None) -> None:
+                 attempts_before: dict[int, int] | None = None, generation: int = 0) -> None:
         self.partition = partition
         self.epoch = epoch
+        self.generation = generation
         self.ordered = ordered
         self.tracker = OffsetTracker()
         self.keys: dict[QueueKey, KeyQueue] = {}
@@ -235,25 +238,43 @@ class PartitionState:
     def nack(self, qkey: QueueKey, offset: int, token: int, now: float,
              backoff: Callable[[int], float]) -> bool:
         """Give a delivery back (nack or lapsed lease): rewind its key to it (SUB-4) and back off
-        the key (DLQ-1). False when the token is stale."""
+        the key (DLQ-1), the longer the more failures in a row. False when the token is stale."""
+        queue = self._rewind(qkey, offset, token)
+        if queue is None:
+            return False
+        queue.failures += 1
+        self._hold(qkey, queue, now, backoff(queue.failures))
+        return True
+
+    def requeue(self, qkey: QueueKey, offset: int, token: int, now: float, delay: float) -> bool:
+        """Give a delivery back because the layer failed (a Redis or dead-letter write), not the
+        message: rewind its key as ``nack`` does and hold it ``delay`` seconds, without counting a
+        failure (the key's backoff does not grow). False when the token is stale."""
+        queue = self._rewind(qkey, offset, token)
+        if queue is None:
+            return False
+        self._hold(qkey, queue, now, delay)
+        return True
+
+    def _rewind(self, qkey: QueueKey, offset: int, token: int) -> KeyQueue | None:
         queue = self.keys.get(qkey)
         if queue is None or queue.outstanding.get(offset) != token:
-            return False
+            return None
         index = next(i for i, r in enumerate(queue.records) if r.offset == offset)
         for record in itertools.islice(queue.records, index, queue.cursor):
             queue.outstanding.pop(record.offset, None)
             queue.acked.discard(record.offset)
         self.buffered += queue.cursor - index
         queue.cursor = index
-        queue.failures += 1
-        delay = backoff(queue.failures)
+        return queue
+
+    def _hold(self, qkey: QueueKey, queue: KeyQueue, now: float, delay: float) -> None:
         queue.not_before = now + delay
         if delay > 0:
             self.backing_off[qkey] = None
             self.ready.pop(qkey, None)
         elif not queue.outstanding:
             self.ready[qkey] = None
-        return True
 
     def wake(self, now: float) -> None:
         """Move keys whose backoff has ended back to the ready set."""

@@ -164,6 +164,41 @@ def test_join_and_leave_rebalance_with_fencing(kafka_config: dict[str, Any], end
         assert checker2.total() == 2
 
 
+def test_repeated_join_and_leave_loses_nothing(kafka_config: dict[str, Any], endpoints: Any,
+                                               subscription: Callable[..., tuple[str, str]]) -> None:
+    """SUB-3, SUB-1, SUB-4: a second subscriber joins and leaves three times while the first consumes
+    4,000 messages, so partitions are revoked from and assigned back to the first mid-stream (records
+    fetched for an ended ownership must never replace the refetch of the next one): every message is
+    acked, each key in order."""
+    topic, name = subscription(partitions=4)
+    checker = publish_keys(kafka_config, topic, keys=50, per_key=80)
+    fast = {**kafka_config, "session.timeout.ms": 6000, "heartbeat.interval.ms": 500}
+
+    def handler(message: Message) -> str:
+        time.sleep(0.02)
+        return "ack"
+
+    first = Subscriber(fast, redis_url=endpoints.redis_url).subscribe(
+        name, recording_callback(checker, "s1", handler), max_workers=8)
+    try:
+        wait_until(lambda: len(first.engine.assigned_partitions()) == 4, 60, "the first subscriber's assignment")
+        for cycle in range(3):
+            if checker.acked_count() == checker.total():
+                break
+            second = Subscriber(fast, redis_url=endpoints.redis_url).subscribe(
+                name, recording_callback(checker, f"s2-{cycle}", handler), max_workers=8)
+            try:
+                wait_until(second.engine.assigned_partitions, 60, "partitions at the second")
+            finally:
+                second.cancel()
+            wait_until(lambda: len(first.engine.assigned_partitions()) == 4, 60, "partitions back at the first")
+        wait_until(lambda: checker.acked_count() == checker.total(), 180, "every message acked")
+    finally:
+        first.cancel()
+    assert checker.verify() == []
+    assert len({e.subscriber for e in checker.deliveries()}) > 1
+
+
 @pytest.mark.parametrize("service", ["redis", "broker"])
 def test_service_restart_mid_stream_loses_nothing(service: str, restartable: Any, kafka_config: dict[str, Any],
                                                   endpoints: Any,

@@ -22,8 +22,8 @@ from ordering_layer import (
 )
 from ordering_layer.errors import ConfigError, SubscriptionExistsError, SubscriptionNotFoundError
 from ordering_layer.state import ApplyResult, StateStore
-from ordering_layer.state.store import partition_keys
-from tests.checker import wait_until
+from ordering_layer.state.store import Op, OpKind, OpLetter, partition_keys
+from tests.checker import DeliveryChecker, wait_until
 from tests.integration.conftest import publish_keys, pull_until, recording_callback
 
 pytestmark = pytest.mark.integration
@@ -148,6 +148,62 @@ def test_flow_control_bounds_outstanding(kafka_config: dict[str, Any], endpoints
             release.release()
         wait_until(lambda: checker.acked_count() == checker.total(), 60, "all acked")
     assert peak <= 7
+
+
+def test_partitions_assigned_while_the_fetch_is_paused_join_the_pause(kafka_config: dict[str, Any], endpoints: Any,
+                                                                    subscription: Callable[..., tuple[str, str]]
+                                                                    ) -> None:
+    """SUB-7: partitions assigned to a subscriber whose fetch is paused (over its flow-control limit)
+    are paused from their assignment on: no record of them is fetched while over the limit (before,
+    they were fetched at once); and when the limit clears they are resumed with the rest, so every
+    message is delivered, each key in order."""
+    topic, name = subscription(partitions=4)
+    fast = {**kafka_config, "session.timeout.ms": 6000, "heartbeat.interval.ms": 500}
+    unblock = threading.Event()
+    declared = threading.Event()  # messages come while publish_keys runs; it declares them at its end
+    checker = DeliveryChecker()
+
+    def blocked(message: Message) -> str:
+        unblock.wait(120)
+        return "ack"
+
+    def recording(subscriber: str, handler: Callable[[Message], str] | None = None) -> Callable[[Message], None]:
+        callback = recording_callback(checker, subscriber, handler)
+
+        def once_declared(message: Message) -> None:
+            declared.wait(60)
+            callback(message)
+
+        return once_declared
+
+    other = Subscriber(fast, redis_url=endpoints.redis_url).subscribe(name, recording("s2"), max_workers=4)
+    first = None
+    try:
+        wait_until(lambda: len(other.engine.assigned_partitions()) == 4, 60, "the other subscriber's assignment")
+        first = Subscriber(fast, redis_url=endpoints.redis_url).subscribe(
+            name, recording("s1", blocked), flow_control=FlowControl(max_messages=5), max_workers=5)
+        wait_until(lambda: len(first.engine.assigned_partitions()) == 2, 60, "a 2/2 split")
+        publish_keys(kafka_config, topic, keys=40, per_key=5, checker=checker, prefix="before")
+        declared.set()
+        wait_until(lambda: first.engine.stats()["fetch_paused"] == 1, 60, "the first subscriber's fetch paused")
+        other.cancel()
+        wait_until(lambda: len(first.engine.assigned_partitions()) == 4, 60, "all partitions at the first")
+        buffered = first.engine.stats()["buffered"]
+        publish_keys(kafka_config, topic, keys=40, per_key=5, checker=checker, prefix="after")
+        watch_until = time.monotonic() + 3.0  # a window to see that nothing is fetched, not a wait
+        while time.monotonic() < watch_until:
+            stats = first.engine.stats()
+            assert (stats["fetch_paused"], stats["buffered"]) == (1, buffered)
+            time.sleep(0.05)
+        unblock.set()
+        wait_until(lambda: checker.acked_count() == checker.total(), 120, "every message acked")
+    finally:
+        declared.set()
+        unblock.set()
+        other.cancel()
+        if first is not None:
+            first.cancel()
+    assert checker.verify() == []
     assert checker.verify(one_outstanding=False) == []
 
 
@@ -256,6 +312,9 @@ def test_batched_redis_writes_equal_one_by_one(endpoints: Any, unique_name: Call
     ops one by one (random op streams, long runs that need several calls, and the epoch fence)."""
     store = StateStore(endpoints.redis_url)
     rng = random.Random(3)
+    common: list[OpLetter] = [OpKind.DELIVERED, OpKind.LEASE, OpKind.SETTLED, OpKind.NACKED,
+                              OpKind.BATCH_DELIVERED, OpKind.BATCH_DELIVERED, OpKind.BATCH_LEASE]
+    rare: list[OpLetter] = [OpKind.DELIVERED, OpKind.LEASE, OpKind.SETTLED, OpKind.NACKED, OpKind.WATERMARK]
     for trial in range(40):
         name = unique_name(f"lua{trial}")
         epoch = store.claim(name, 0).epoch
@@ -263,29 +322,28 @@ def test_batched_redis_writes_equal_one_by_one(endpoints: Any, unique_name: Call
         attempts: dict[int, int] = {}
         leases: dict[int, int] = {}
         for size in (rng.choice([1, 40, 3000]), 2500):
-            ops = []
             batch_lease = rng.randrange(1, 10**6)
-            ops.append(("b", 0, batch_lease))
+            ops: list[Op] = [(OpKind.BATCH_LEASE, 0, batch_lease)]
             for _ in range(size):
-                kind = rng.choice("dlanw" if rng.random() < 0.05 else "dlaneeb")
+                kind = rng.choice(rare if rng.random() < 0.05 else common)
                 offset, value = rng.randrange(40), rng.randrange(1, 10**6)
-                if kind == "b":
+                if kind == OpKind.BATCH_LEASE:
                     batch_lease = value
                 ops.append((kind, offset, value))
-                if kind == "d":
+                if kind == OpKind.DELIVERED:
                     attempts[offset] = value
-                elif kind == "e":
+                elif kind == OpKind.BATCH_DELIVERED:
                     attempts[offset] = value
                     leases[offset] = batch_lease
-                elif kind == "l":
+                elif kind == OpKind.LEASE:
                     leases[offset] = value
-                elif kind == "a":
+                elif kind == OpKind.SETTLED:
                     settled.add(offset)
                     attempts.pop(offset, None)
                     leases.pop(offset, None)
-                elif kind == "n":
+                elif kind == OpKind.NACKED:
                     leases.pop(offset, None)
-                elif kind == "w":
+                elif kind == OpKind.WATERMARK:
                     settled = {o for o in settled if o >= value}
             assert store.apply_many([(name, 0, epoch, ops)]) == [ApplyResult.APPLIED]
         keys = partition_keys(name, 0)
@@ -294,8 +352,8 @@ def test_batched_redis_writes_equal_one_by_one(endpoints: Any, unique_name: Call
         assert {int(k): int(v) for k, v in store.client.hgetall(keys[3]).items()} == leases
     name = unique_name("lua-run")
     epoch = store.claim(name, 0).epoch
-    run = [("d", o, 1) for o in range(5001)] + [("l", o, 7) for o in range(5001)]
-    run += [("a", o, 0) for o in range(0, 5001, 2)]
+    run: list[Op] = [(OpKind.DELIVERED, o, 1) for o in range(5001)] + [(OpKind.LEASE, o, 7) for o in range(5001)]
+    run += [(OpKind.SETTLED, o, 0) for o in range(0, 5001, 2)]
     assert store.apply_many([(name, 0, epoch, run)]) == [ApplyResult.APPLIED]
     keys = partition_keys(name, 0)
     assert (store.client.hlen(keys[2]), store.client.hlen(keys[3]), store.client.zcard(keys[1])) == (2500, 2500, 2501)

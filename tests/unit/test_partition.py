@@ -136,3 +136,21 @@ def test_release_ready_in_pull_mode_hands_out_a_batch_per_key() -> None:
     batch = state.release_ready(0.0, 4, 10, 10**9)
     assert [(d.queue_key, d.record.offset) for d in batch] == [(b"a", 0), (b"a", 1), (b"a", 3), (b"b", 2)]
     assert state.release_ready(0.0, 10, 10, 10**9) == []
+
+
+def test_requeue_rewinds_without_counting_a_failure() -> None:
+    """DLQ-1, SUB-4: a delivery given back because a Redis or dead-letter write failed is redelivered
+    (its key rewound, after the given delay) but is no failure: the next nack backs off by the first
+    step (10 s), not the second (20 s)."""
+    state = PartitionState(0, 1, ordered=True)
+    fill(state, [b"k", b"k"])
+    (qkey, offset, token), = release_all(state)
+    assert state.requeue(qkey, offset, token, 100.0, 1.0)
+    assert not state.requeue(qkey, offset, token, 100.0, 1.0)  # the token is stale now
+    assert state.keys[b"k"].failures == 0
+    assert state.next_wake() == 101.0
+    state.wake(101.0)
+    deliveries = state.release_ready(101.0, 10, 1, 10**9)
+    assert [(d.record.offset, d.attempt) for d in deliveries] == [(0, 2)]
+    assert state.nack(b"k", 0, deliveries[0].token, 200.0, RetryPolicy(10, 600).backoff)
+    assert state.next_wake() == 210.0

@@ -6,30 +6,36 @@
 -- KEYS[4]  leases   hash: offset -> lease deadline, epoch milliseconds
 -- ARGV[1]  the caller's epoch
 -- ARGV[2]  the ops, one string "kind,offset,value;" each (one argument keeps client-side encoding
---          cheap for batches of hundreds of ops):
---            "d" delivered: attempts[offset] = value (the attempt number); lease set by a later "l"
---            "l" lease:     leases[offset] = value (deadline ms)
---            "b" batch lease: the lease deadline (value, ms) of the "e" ops that follow (offset 0)
---            "e" delivered under the batch lease: attempts[offset] = value; leases[offset] = it
---            "a" settled:   zadd settled offset; drop attempts and lease
---            "n" nack:      drop lease (the message stays unsettled)
---            "w" watermark: committed offset is value: forget everything below it
--- Returns 1 when applied, 0 when fenced (another owner claimed the partition), 2 when the epoch
--- key was gone (Redis lost its state): the caller's epoch is adopted and the ops applied; what was
--- lost can only cause redelivery, never loss (Kafka keeps the messages and the committed offset).
+--          cheap for batches of hundreds of ops); the kinds are the constants below, the same
+--          letters as ordering_layer.state.store.OpKind:
+--            DELIVERED       'd': attempts[offset] = value (the attempt number); lease by a later LEASE
+--            LEASE           'l': leases[offset] = value (deadline ms)
+--            BATCH_LEASE     'b': the lease deadline (value, ms) of the BATCH_DELIVERED ops after it
+--            BATCH_DELIVERED 'e': attempts[offset] = value; leases[offset] = the batch lease
+--            SETTLED         'a': zadd settled offset; drop attempts and lease
+--            NACKED          'n': drop lease (the message stays unsettled)
+--            WATERMARK       'w': committed offset is value: forget everything settled below it
+-- Returns 1 when applied, 0 when fenced (the stored epoch is higher: another owner claimed the
+-- partition since), 2 when the stored epoch was gone or lower (Redis lost its state): the caller's
+-- epoch is adopted and the ops applied. Claims hand out epochs above every earlier one (claim.lua),
+-- so after a loss of Redis the latest claimer adopts last and fences every earlier owner for good;
+-- what was lost can only cause redelivery, never loss (Kafka keeps the messages and the committed
+-- offset).
 --
 -- Consecutive writes of one command to one key are sent as one multi-field call (HSET, HDEL, ZADD
 -- with many pairs): the ops of a key keep their order (a run is sent before that key gets another
 -- command), and different keys are independent, so the outcome is that of applying the ops one by
 -- one, with a fraction of the calls (and of the AOF entries they propagate).
+local DELIVERED, LEASE, BATCH_LEASE, BATCH_DELIVERED = 'd', 'l', 'b', 'e'
+local SETTLED, NACKED, WATERMARK = 'a', 'n', 'w'
+
 local result = 1
-local current = redis.call('GET', KEYS[1])
-if not current then
+local current = tonumber(redis.call('GET', KEYS[1]))
+local epoch = tonumber(ARGV[1])
+if not current or current < epoch then
   redis.call('SET', KEYS[1], ARGV[1])
-  current = ARGV[1]
   result = 2
-end
-if current ~= ARGV[1] then
+elseif current > epoch then
   return 0
 end
 local CHUNK = 4000  -- arguments per call (even, so pairs stay whole); keeps unpack() within Lua's stack
@@ -55,22 +61,22 @@ local function add(k, name, a, b)
 end
 local batch_lease = nil
 for kind, offset, value in string.gmatch(ARGV[2], '(%a),(%d+),(%d+);') do
-  if kind == 'e' then
+  if kind == BATCH_DELIVERED then
     add(3, 'HSET', offset, value)
     add(4, 'HSET', offset, batch_lease)
-  elseif kind == 'b' then
+  elseif kind == BATCH_LEASE then
     batch_lease = value
-  elseif kind == 'd' then
+  elseif kind == DELIVERED then
     add(3, 'HSET', offset, value)
-  elseif kind == 'l' then
+  elseif kind == LEASE then
     add(4, 'HSET', offset, value)
-  elseif kind == 'a' then
+  elseif kind == SETTLED then
     add(2, 'ZADD', offset, offset)
     add(3, 'HDEL', offset)
     add(4, 'HDEL', offset)
-  elseif kind == 'n' then
+  elseif kind == NACKED then
     add(4, 'HDEL', offset)
-  elseif kind == 'w' then
+  elseif kind == WATERMARK then
     send(2)
     command[2] = nil
     redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', '(' .. value)

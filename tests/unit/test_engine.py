@@ -1,0 +1,140 @@
+"""The engine's handling of fetched records and of failed writes, driven without Kafka or Redis threads."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import cast
+
+import pytest
+import redis
+from confluent_kafka import TopicPartition
+
+from ordering_layer.config import FlowControl, RetryPolicy, SubscriptionSettings
+from ordering_layer.record import RecordMetadata
+from ordering_layer.state import ApplyResult, StateStore
+from ordering_layer.state.store import ClaimedPartition, Op
+from ordering_layer.subscriber.engine import Engine, _DeadLettered
+from ordering_layer.subscriber.message import Message
+from ordering_layer.subscriber.partition import Record
+
+TOPIC = "orders"
+P0 = [TopicPartition(TOPIC, 0)]
+
+
+class FakeStore:
+    """Claims hand out increasing epochs and nothing settled; writes succeed unless ``failing``."""
+
+    def __init__(self) -> None:
+        self.epoch = 0
+        self.failing = False
+
+    def claim(self, subscription: str, partition: int) -> ClaimedPartition:
+        self.epoch += 1
+        return ClaimedPartition(self.epoch, frozenset(), {})
+
+    def apply_many(self, batches: Sequence[tuple[str, int, int, Sequence[Op]]]) -> list[ApplyResult]:
+        if self.failing:
+            raise redis.ConnectionError("Redis is down")
+        return [ApplyResult.APPLIED for _ in batches]
+
+    def parked_keys(self, subscription: str) -> set[bytes]:
+        return set()
+
+
+def record(offset: int, partition: int = 0) -> Record:
+    return Record(partition, offset, b"key-%d" % (offset % 3), b"x", [], RecordMetadata(None, 1, None), 1, 0)
+
+
+@pytest.fixture
+def store() -> FakeStore:
+    return FakeStore()
+
+
+def make_engine(store: FakeStore, on_messages: Callable[[list[Message]], None] | None = None) -> Engine:
+    """An engine whose consumer never reaches a broker; its threads are not started (tests drive it)."""
+    settings = SubscriptionSettings(topic=TOPIC, retry_policy=RetryPolicy(minimum_backoff=10, maximum_backoff=600))
+    return Engine({"bootstrap.servers": "127.0.0.1:1"}, cast(StateStore, store), "sub", settings,
+                  flow_control=FlowControl(), on_messages=on_messages)
+
+
+@pytest.fixture
+def engine(store: FakeStore) -> Iterator[Engine]:
+    engine = make_engine(store)
+    yield engine
+    engine.consumer.close()
+
+
+def test_records_fetched_before_a_loss_never_reach_the_next_ownership(engine: Engine) -> None:
+    """SUB-3: records fetched before partition 0 was lost, still queued when it is assigned back, are
+    dropped; the refetch from the committed offset (50) is taken whole, so the commit point stays at 50.
+    Without assignment generations the stale batch (100..109) set the next offset past the refetch,
+    50..99 were dropped as duplicates and the watermark jumped to 100: 50 messages lost."""
+    engine._on_assign(engine.consumer, P0)
+    stale = engine._fetched([record(o) for o in range(100, 110)])
+    engine._on_lost(engine.consumer, P0)
+    engine.consumer.incremental_unassign(P0)  # what the client does after the callback
+    engine._on_assign(engine.consumer, P0)
+    refetch = engine._fetched([record(o) for o in range(50, 110)])
+    now = time.monotonic()
+    engine._handle(stale, now)
+    engine._handle(refetch, now)
+    state = engine._partitions[0]
+    assert state.epoch == 2
+    assert state.tracker.watermark == 50
+    assert state.buffered == 60
+
+
+def test_records_fetched_before_a_revoke_are_dropped_when_no_one_owns_the_partition(engine: Engine) -> None:
+    """SUB-3: a revoked partition takes no record fetched for its earlier ownership, and the
+    ownership after the next assignment takes only its own records."""
+    engine._on_assign(engine.consumer, P0)
+    stale = engine._fetched([record(o) for o in range(0, 5)])
+    engine._on_revoke(engine.consumer, P0)
+    engine.consumer.incremental_unassign(P0)
+    engine._handle(stale, time.monotonic())
+    assert 0 not in engine._partitions
+    engine._on_assign(engine.consumer, P0)
+    engine._handle(stale, time.monotonic())
+    engine._handle(engine._fetched([record(o) for o in range(3, 8)]), time.monotonic())
+    assert engine._partitions[0].tracker.watermark == 3
+    assert engine._partitions[0].buffered == 5
+
+
+def test_a_failed_redis_write_gives_deliveries_back_without_counting_failures(store: FakeStore) -> None:
+    """DLQ-1, ACK-6: when Redis does not take the attempt counts, the deliveries go back unseen and
+    their keys' failure counts (which lengthen the backoff) do not grow; nor do their attempts."""
+    handed: list[Message] = []
+    engine = make_engine(store, handed.extend)
+    try:
+        engine._on_assign(engine.consumer, P0)
+        engine._handle(engine._fetched([record(o) for o in range(3)]), time.monotonic())
+        store.failing = True
+        engine._engine_step()
+        state = engine._partitions[0]
+        assert handed == [] and engine._out == {}
+        assert [q.failures for q in state.keys.values()] == [0, 0, 0]
+        assert [r.attempts for q in state.keys.values() for r in q.records] == [0, 0, 0]
+        assert state.buffered == 3
+    finally:
+        engine.consumer.close()
+
+
+def test_a_failed_dead_letter_write_requeues_without_counting_a_failure(store: FakeStore) -> None:
+    """DLQ-1, DLQ-2: a dead letter the broker did not take leaves the message unsettled and redelivered
+    (after a fixed delay), but its key's failure count does not grow."""
+    handed: list[Message] = []
+    engine = make_engine(store, handed.extend)
+    try:
+        engine._on_assign(engine.consumer, P0)
+        engine._handle(engine._fetched([record(0)]), time.monotonic())
+        engine._engine_step()
+        assert [m.delivery_attempt for m in handed] == [1]
+        state = engine._partitions[0]
+        delivery = engine._out[(0, 0)]
+        engine._handle(_DeadLettered(0, state.epoch, delivery.queue_key, 0, "broker down"), time.monotonic())
+        assert engine._out == {}
+        assert state.keys[delivery.queue_key].failures == 0
+        assert state.buffered == 1
+    finally:
+        engine.consumer.close()
