@@ -14,6 +14,7 @@ import click
 from ordering_layer.admin import Admin
 from ordering_layer.config import DeadLetterPolicy, RetryPolicy, StartPosition
 from ordering_layer.errors import OrderingLayerError
+from ordering_layer.prober.cli import prober_command
 from ordering_layer.publisher import OrderedProducer
 from ordering_layer.stack import Endpoints, get_backend
 from ordering_layer.subscriber import Subscriber
@@ -317,3 +318,7 @@ def deadletter_redrive(subscription_name: str, topic: str | None, bootstrap: str
     except OrderingLayerError as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(f"redrove {len(letters)} dead letters")
+
+
+# -- prober ----------------------------------------------------------------------------------------
+main.add_command(prober_command(_server_options, resolve_endpoints))
