@@ -43,6 +43,16 @@ def _delay_range(text: str) -> tuple[float, float]:
     return bounds
 
 
+def _kafka_settings(pairs: tuple[str, ...]) -> dict[str, str]:
+    settings = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not name:
+            raise click.BadParameter(f"{pair!r} is not NAME=VALUE", param_hint="-X")
+        settings[name.strip()] = value.strip()
+    return settings
+
+
 _OPTIONS = [
     click.option("--mode", type=click.Choice(MODES), default="full", show_default=True,
                  help="full: publish, consume and verify; publish: publish only; consume: consume and write "
@@ -94,6 +104,9 @@ _OPTIONS = [
                  help="--from-events: seconds events are held back to merge the files in time order."),
     click.option("--max-examples", type=click.IntRange(min=0), default=20, show_default=True,
                  help="Violation examples kept per kind."),
+    click.option("-X", "--kafka-config", "kafka_settings", multiple=True, metavar="NAME=VALUE",
+                 help="A confluent-kafka setting for the producer and the subscriber (repeatable), for example "
+                      "-X session.timeout.ms=6000."),
     click.option("--summary", "summary_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
                  help="Write the JSON summary here instead of stdout."),
     click.option("--progress/--no-progress", default=True, show_default=True,
@@ -126,7 +139,7 @@ def _run(endpoints: Endpoints, summary_file: Path | None, progress: bool, progre
          expect_file: Path | None, delay_ms: str, slow_keys: str, slow_delay_ms: float, nack_rate: float,
          seed: int | None, ack_deadline: float, min_backoff: float, max_backoff: float,
          dead_letter_topic: str | None, max_delivery_attempts: int, subscriber_id: str | None,
-         run_id: str | None, **options: Any) -> None:
+         run_id: str | None, kafka_settings: tuple[str, ...], **options: Any) -> None:
     """Run the prober with the parsed options; exit as the command's help says."""
     if not endpoints.redis_url and options["mode"] != "publish":
         raise ProbeError("subscribing needs Redis: --redis-url or $ORDERING_LAYER_REDIS_URL")
@@ -143,7 +156,8 @@ def _run(endpoints: Endpoints, summary_file: Path | None, progress: bool, progre
             subscriber_id=subscriber_id or f"{socket.gethostname()}-{os.getpid()}",
             expect=load_expectations(expect_file) if expect_file else None)
         line = ProgressLine(interval=progress_interval) if progress else None
-        run = ProbeRun({"bootstrap.servers": endpoints.bootstrap}, endpoints.redis_url, opts,
+        run = ProbeRun({**_kafka_settings(kafka_settings), "bootstrap.servers": endpoints.bootstrap},
+                       endpoints.redis_url, opts,
                        progress=line.update if line else None)
         with _stopping_on_signals(run.stop):
             try:

@@ -6,26 +6,29 @@ key: a handler's ack or nack is recorded before it is sent, so it precedes the k
 Per key (a run id and an ordering key) it keeps: ``last`` (seq of the last delivery), ``high``
 (highest seq delivered), ``acked`` (every seq <= acked was acked or dead-lettered) plus one range
 of acks beyond it, the current *run* (deliveries since the last step back or change of subscriber:
-its first seq, first delivery number, holder, batch, unsettled count), the lowest nacked seq not
-redelivered yet, the lowest seq whose ack was refused, and the fault generation it last saw.
+its first seq and delivery number, holder, batch, unsettled count, and ``run_acked``: how far it was
+acked in order), the lowest nacked seq not redelivered yet, the lowest seq whose ack was refused,
+and the fault generation it last saw. Settlements of a key are expected in delivery order.
 
 A delivery of seq n with ``n > last`` goes forward; with ``n <= last`` it steps back (a restart).
-A step back has a *cause* when the key has a nack not yet redelivered, an unsettled delivery
-(lease expiry), a refused ack at or above n, a new subscriber (the holder was lost), or a fault
-reported since the key's last delivery. Violations (each names its property):
+A restart has a *cause* when the key has a nack not yet redelivered or an unsettled delivery (lease
+expiry); it is *excused* when it goes to a new subscriber (the holder was lost), a fault was
+reported since the key's last delivery, or an ack at or above n was refused: then acks recorded
+may not have been durable. A caused restart must come back to ``run_acked + 1``, the lowest
+message not acked in the run. Violations (each names its property):
 
 * ``two_outstanding`` (SUB-1): a forward delivery while the key has an unsettled delivery from
   another batch (callback mode: any unsettled delivery); ``affinity`` (SUB-5) when it goes to
   another subscriber than the one holding it.
-* ``gap`` (SUB-1): a delivery that skips a message never acked: forward past never-delivered
-  messages (``n > high + 1``), forward past a nacked message, or a caused restart above the
-  lowest unacked message.
+* ``gap`` (SUB-1): a delivery that skips a message not acked: forward past never-delivered
+  messages (``n > high + 1``), forward past a nacked message, or a restart above ``run_acked + 1``.
 * ``missing_cascade`` (SUB-4): after a restart at m, a forward delivery that skips one of the
   already-delivered m+1..high (or, at the end, a cascade that never reached ``high``).
-* ``reorder`` (SUB-1): a step back without a cause to a message not acked: it arrives after a later
-  one. The key's position is kept. An injected swap of n and n+1 shows as a gap and a reorder.
-* ``duplicate`` (SUB-4): a step back without a cause to an acked message (a key redelivered
-  though all it had out was acked).
+* ``reorder`` (SUB-1): a step back with neither cause nor excuse to a message never acked: it
+  arrives after a later one. The key keeps its position. An injected swap of n and n+1 shows as a
+  gap and a reorder.
+* ``duplicate`` (SUB-4): a step back without cause or excuse to an acked message, or a caused
+  restart that goes back further than ``run_acked + 1`` without excuse.
 * ``attempt`` (ACK-6): an attempt below 1, or the redelivery of the key's last (or run-starting)
   message with an attempt not above its previous one (excused after a fault). Attempts of
   messages replayed in a cascade are not compared (no per-message memory).
@@ -68,12 +71,14 @@ class Violation:
 
 class _Key:
     __slots__ = ("acked", "ahead_hi", "ahead_lo", "batch", "expected", "gen", "high", "holder", "last",
-                 "last_attempt", "nacked", "owed", "run_attempt", "run_first", "run_start", "unsettled")
+                 "last_attempt", "nacked", "owed", "run_acked", "run_attempt", "run_first", "run_start",
+                 "unsettled")
 
     def __init__(self, gen: int) -> None:
         self.last = self.high = self.acked = -1
         self.ahead_lo = self.ahead_hi = -1  # one range of acks beyond ``acked`` (empty when lo < 0)
         self.run_start = self.run_first = self.run_attempt = self.last_attempt = 0
+        self.run_acked = -1
         self.holder = ""
         self.batch: int | None = None
         self.unsettled = 0
@@ -190,17 +195,21 @@ class Verifier:
         handover = d.subscriber != k.holder
         fault = k.gen != self._gen
         failed_ack = k.owed is not None and n <= k.owed
-        caused = handover or fault or failed_ack or k.nacked is not None or k.unsettled > 0
-        lowest_unacked = k.acked + 1
-        if not caused and n >= lowest_unacked:
-            self._violate("reorder", d, n, f"came after {k.last} with no nack, expiry or fault to explain it")
-            k.unsettled += 1
-            return False
-        if n > lowest_unacked:
-            self._violate("gap", d, n, f"redelivery restarted at {n}, skipping unacked {lowest_unacked}..{n - 1}")
-        elif n < lowest_unacked and not (handover or fault or failed_ack):
-            self._violate("duplicate", d, n, f"acked {n} redelivered with no fault or lost subscriber "
-                                             f"(acked up to {k.acked})")
+        excused = handover or fault or failed_ack
+        pending = k.run_acked + 1  # the current run's lowest message not acked in it: where SUB-4 restarts
+        if not (excused or k.nacked is not None or k.unsettled > 0):
+            if n > k.acked:
+                self._violate("reorder", d, n, f"came after {k.last} with no nack, expiry or fault to explain it")
+                k.unsettled += 1
+                return False
+            self._violate("duplicate", d, n, f"acked {n} redelivered with nothing nacked or outstanding "
+                                             f"and no fault or lost subscriber")
+        elif n > pending:
+            self._violate("gap", d, n, f"redelivery restarted at {n}, skipping {pending}..{n - 1} (nacked or "
+                                       f"unsettled)")
+        elif n < pending and not excused:
+            self._violate("duplicate", d, n, f"redelivery went back to {n}, before {pending} (acked in this run, "
+                                             f"no fault or lost subscriber)")
         if not fault and n == k.last and d.attempt <= k.last_attempt:
             self._violate("attempt", d, n, f"redelivered with attempt {d.attempt}, was {k.last_attempt}")
         elif not fault and n == k.run_start and n != k.last and d.attempt <= k.run_attempt:
@@ -208,7 +217,7 @@ class Verifier:
         self.counts["restarts"] += 1
         if handover:
             self.counts["handovers"] += 1
-        if k.owed is not None and n <= k.owed:
+        if failed_ack:
             k.owed = None
         k.nacked = None
         self._new_run(k, d, n)
@@ -217,6 +226,7 @@ class Verifier:
     @staticmethod
     def _new_run(k: _Key, d: Delivery, n: int) -> None:
         k.holder, k.run_start, k.run_first, k.run_attempt, k.unsettled = d.subscriber, n, d.delivery, d.attempt, 1
+        k.run_acked = n - 1
 
     # -- settlements -------------------------------------------------------------------------------
     def _settled(self, s: Settlement) -> None:
@@ -236,11 +246,15 @@ class Verifier:
         k.unsettled = max(0, k.unsettled - 1)
         if s.outcome == ACK:
             self.counts["acks"] += 1
+            if n == k.run_acked + 1:
+                k.run_acked = n
             self._ack(k, n)
             return
         self.counts["nacks"] += 1
         if self.max_delivery_attempts is not None and s.attempt >= self.max_delivery_attempts:
             self.counts["dead_lettered"] += 1
+            if n == k.run_acked + 1:
+                k.run_acked = n
             self._ack(k, n)
         else:
             k.nacked = n if k.nacked is None else min(k.nacked, n)

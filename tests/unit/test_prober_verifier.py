@@ -333,3 +333,26 @@ def test_latency_percentiles_and_unverified_records() -> None:
     latency = verdict["latency"]
     assert latency["count"] == 100
     assert 49 <= latency["p50_ms"] <= 52 and 98 <= latency["p99_ms"] <= 100.5 and latency["max_ms"] == 100.0
+
+
+def test_replayed_message_nacked_again_restarts_there() -> None:
+    """SUB-4: a cascade replays 1..3 (1 and 2 acked before); the replayed 2 is nacked: the next
+    restart is at 2 although 2 had been acked in the first round; going back to 1 instead is a
+    duplicate."""
+    for restart, expected in ((2, {}), (1, {"duplicate": 1})):
+        s = Stream()
+        s.expect(4)
+        d = [s.deliver(n, batch=1) for n in range(4)]
+        s.ack(0, d[0])
+        s.nack(1, d[1])
+        s.ack(2, d[2])
+        s.ack(3, d[3])
+        e = {n: s.deliver(n, batch=2, attempt=2) for n in (1, 2, 3)}
+        s.ack(1, e[1], attempt=2)
+        s.nack(2, e[2], attempt=2)
+        s.ack(3, e[3], attempt=2)
+        f = {n: s.deliver(n, batch=3, attempt=3) for n in range(restart, 4)}
+        for n, number in f.items():
+            s.ack(n, number, attempt=3)
+        verdict = s.finish()
+        assert verdict["violations"] == expected, verdict["examples"]
