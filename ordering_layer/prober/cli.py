@@ -20,8 +20,9 @@ import click
 
 from ordering_layer.errors import OrderingLayerError
 from ordering_layer.prober.consumer import FRONT_ENDS, HandlerPlan
+from ordering_layer.prober.options import MODES, ProbeOptions, SubscriptionPlan, load_expectations
 from ordering_layer.prober.progress import ProgressLine
-from ordering_layer.prober.runner import MODES, ProbeOptions, ProbeRun, SubscriptionPlan, load_expectations
+from ordering_layer.prober.runner import ProbeRun
 from ordering_layer.stack import Endpoints
 
 

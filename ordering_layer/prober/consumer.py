@@ -157,8 +157,15 @@ class ProbeConsumer:
         for group in by_key.values():
             self._groups.acquire()  # at most two groups per handler thread queued: pull no faster
             future = self._pool.submit(self._handle_group, group)
-            future.add_done_callback(lambda _f: self._groups.release())
+            future.add_done_callback(self._group_done)
         return 0.0
+
+    def _group_done(self, future: Future[None]) -> None:
+        self._groups.release()
+        error = future.exception()
+        if error is not None:
+            _LOGGER.error("prober handler failed; its messages stay unsettled until their leases end",
+                          exc_info=error)
 
     def _handle_group(self, group: list[tuple[Message, int]]) -> None:
         nacked = False

@@ -7,8 +7,9 @@ Per key (a run id and an ordering key) it keeps: ``last`` (seq of the last deliv
 (highest seq delivered), ``acked`` (every seq <= acked was acked or dead-lettered) plus one range
 of acks beyond it, the current *run* (deliveries since the last step back or change of subscriber:
 its first seq and delivery number, holder, batch, unsettled count, and ``run_acked``: how far it was
-acked in order), the lowest nacked seq not redelivered yet, the lowest seq whose ack was refused,
-and the fault generation it last saw. Settlements of a key are expected in delivery order.
+acked in order), the first seq and delivery of the last 8 runs, the lowest nacked seq not
+redelivered yet, the lowest seq whose ack was refused with no later delivery of it, and the fault
+generation it last saw. Settlements of a key are expected in delivery order.
 
 A delivery of seq n with ``n > last`` goes forward; with ``n <= last`` it steps back (a restart).
 A restart has a *cause* when the key has a nack not yet redelivered or an unsettled delivery (lease
@@ -40,11 +41,14 @@ A nack at attempt ``max_delivery_attempts`` counts as dead-lettered (DLQ-2), i.e
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
 from ordering_layer.prober.events import ACK, ACK_FAILED, Delivery, Event, Expectation, Fault, Settlement
 from ordering_layer.prober.latency import LatencyHistogram
+
+_RUNS_KEPT = 8
 
 PROPERTIES = {"two_outstanding": "SUB-1", "affinity": "SUB-5", "gap": "SUB-1", "missing_cascade": "SUB-4",
               "reorder": "SUB-1", "duplicate": "SUB-4", "attempt": "ACK-6", "lost": "SUB-3",
@@ -72,7 +76,7 @@ class Violation:
 class _Key:
     __slots__ = ("acked", "ahead_hi", "ahead_lo", "batch", "expected", "gen", "high", "holder", "last",
                  "last_attempt", "nacked", "owed", "run_acked", "run_attempt", "run_first", "run_start",
-                 "unsettled")
+                 "runs", "unsettled")
 
     def __init__(self, gen: int) -> None:
         self.last = self.high = self.acked = -1
@@ -84,6 +88,8 @@ class _Key:
         self.unsettled = 0
         self.nacked: int | None = None
         self.owed: int | None = None
+        # The last few runs (subscriber, first delivery number, first seq): judge refused acks by.
+        self.runs: deque[tuple[str, int, int]] = deque(maxlen=_RUNS_KEPT)
         self.gen = gen
         self.expected: int | None = None
 
@@ -104,7 +110,8 @@ class Verifier:
         self.examples: list[Violation] = []
         self.counts = dict.fromkeys(("deliveries", "first_deliveries", "redeliveries", "redelivered_acked",
                                      "restarts", "handovers", "acks", "nacks", "ack_failures", "dead_lettered",
-                                     "stale_settlements", "unverified", "faults", "acked_messages"), 0)
+                                     "ack_failures_unjudged", "stale_settlements", "unverified", "faults",
+                                     "acked_messages"), 0)
         self._keys: dict[tuple[str, str], _Key] = {}
         self._gen = 0
         self._per_kind: dict[str, int] = {}
@@ -227,6 +234,7 @@ class Verifier:
     def _new_run(k: _Key, d: Delivery, n: int) -> None:
         k.holder, k.run_start, k.run_first, k.run_attempt, k.unsettled = d.subscriber, n, d.delivery, d.attempt, 1
         k.run_acked = n - 1
+        k.runs.append((d.subscriber, d.delivery, n))
 
     # -- settlements -------------------------------------------------------------------------------
     def _settled(self, s: Settlement) -> None:
@@ -237,7 +245,7 @@ class Verifier:
         current = k is not None and s.subscriber == k.holder and s.delivery >= k.run_first
         if s.outcome == ACK_FAILED:
             self.counts["ack_failures"] += 1
-            if k is not None and (current or n < k.run_start):  # else the current run redelivers it
+            if k is not None and not self._redelivered_since(k, s):
                 k.owed = n if k.owed is None else min(k.owed, n)
             return
         if k is None or not current:
@@ -258,6 +266,19 @@ class Verifier:
             self._ack(k, n)
         else:
             k.nacked = n if k.nacked is None else min(k.nacked, n)
+
+    def _redelivered_since(self, k: _Key, s: Settlement) -> bool:
+        """Whether a run that began after the settled delivery covers its message: then the refused
+        ack was of a superseded delivery. Unknown (the delivery is older than the runs kept) counts
+        as covered."""
+        lowest = s.seq if s.seq is not None else 0
+        since = None
+        for subscriber, first, start in reversed(k.runs):
+            if subscriber == s.subscriber and first <= s.delivery:
+                return since is not None and since <= lowest
+            since = start if since is None else min(since, start)
+        self.counts["ack_failures_unjudged"] += 1
+        return True
 
     def _ack(self, k: _Key, n: int) -> None:
         before = k.acked

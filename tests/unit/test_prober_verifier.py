@@ -356,3 +356,36 @@ def test_replayed_message_nacked_again_restarts_there() -> None:
             s.ack(n, number, attempt=3)
         verdict = s.finish()
         assert verdict["violations"] == expected, verdict["examples"]
+
+
+def test_refused_ack_of_a_superseded_delivery_is_not_a_loss() -> None:
+    """SUB-3: pull batches of one key overlap (the old batch's handler still acks while the cascade
+    redelivers): a refused ack of 3 from the first round, reported after a later round covered 3
+    and a further restart at 4, is no loss."""
+    s = Stream()
+    s.expect(5)
+    first = {n: s.deliver(n, batch=1) for n in range(5)}
+    s.nack(0, first[0])
+    second = {n: s.deliver(n, batch=2, attempt=2) for n in range(5)}
+    for n in range(4):
+        s.ack(n, second[n], attempt=2)
+    s.nack(4, second[4], attempt=2)
+    s.ack(4, s.deliver(4, batch=3, attempt=3), attempt=3)
+    s.settle(ACK_FAILED, 3, first[3])
+    verdict = s.finish()
+    assert verdict["ok"], verdict["examples"]
+
+
+def test_fenced_ack_never_redelivered_is_a_loss() -> None:
+    """SUB-3, ACK-5: subscriber a acks 0..2 but its ack of 2 is refused (fenced); the key moves on to
+    b with 3: 2 was never redelivered, so it is lost although an ack was recorded."""
+    s = Stream()
+    s.expect(4)
+    numbers = {}
+    for n in range(3):
+        numbers[n] = s.deliver(n, sub="a")
+        s.ack(n, numbers[n], sub="a")
+    s.handle(3, sub="b")
+    s.settle(ACK_FAILED, 2, numbers[2], sub="a")
+    verdict = s.finish()
+    assert verdict["violations"] == {"lost": 1} and verdict["lost_messages"] == 1
