@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import click
+from confluent_kafka import KafkaException
+from redis.exceptions import RedisError
 
 from ordering_layer.errors import OrderingLayerError
 from ordering_layer.prober.consumer import FRONT_ENDS, HandlerPlan
@@ -142,7 +144,7 @@ def _run(endpoints: Endpoints, summary_file: Path | None, progress: bool, progre
          dead_letter_topic: str | None, max_delivery_attempts: int, subscriber_id: str | None,
          run_id: str | None, kafka_settings: tuple[str, ...], **options: Any) -> None:
     """Run the prober with the parsed options; exit as the command's help says."""
-    if not endpoints.redis_url and options["mode"] != "publish":
+    if not endpoints.redis_url and options["mode"] != "publish" and options["from_events"] is None:
         raise ProbeError("subscribing needs Redis: --redis-url or $ORDERING_LAYER_REDIS_URL")
     try:
         if run_id:
@@ -166,8 +168,8 @@ def _run(endpoints: Endpoints, summary_file: Path | None, progress: bool, progre
             finally:
                 if line:
                     line.close()
-    except OrderingLayerError as exc:
-        raise ProbeError(str(exc)) from exc
+    except (OrderingLayerError, RedisError, KafkaException) as exc:  # the servers' errors too: exit status 2
+        raise ProbeError(f"{type(exc).__name__}: {exc}") from exc
     text = json.dumps(summary, indent=2)
     if summary_file is not None:
         summary_file.write_text(text + "\n")

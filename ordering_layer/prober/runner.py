@@ -60,6 +60,7 @@ class ProbeRun:
         self._reader: EventFolderReader | None = None
         self._expected_fed = False
         self._publish_error: Exception | None = None
+        self._interrupted = False
 
     def _feed(self, event: Event) -> None:
         if self._log is not None:
@@ -72,6 +73,7 @@ class ProbeRun:
         """Run to the end (plan published and everything settled, idle, duration, or ``stop``).
 
         Raises:
+            SubscriptionNotFoundError: consume or check mode without a topic to create it from.
             OrderingLayerError: a topic or subscription cannot be made or used, or publishing failed
                 other than by a failed publish of a key (which is retried).
         """
@@ -102,6 +104,7 @@ class ProbeRun:
         try:
             self._wait(started, publishing)
         finally:
+            self._interrupted = self.stop.is_set()
             self._teardown(publishing)
         if self._publish_error is not None:
             raise self._publish_error
@@ -112,13 +115,15 @@ class ProbeRun:
         opts = self.options
         if opts.mode in ("full", "publish"):
             admin.create_topic(opts.topic_name, partitions=opts.partitions, exist_ok=True)
-        if opts.mode == "publish":
+        if opts.mode == "publish" or (opts.from_events is not None and not self._redis_url):
             return None
         try:
             return admin.store.settings(opts.subscription_name)
         except SubscriptionNotFoundError:
             if opts.from_events is not None:
                 return None
+            if opts.mode != "full" and opts.topic is None:
+                raise
         plan = opts.subscription_plan
         return admin.create_subscription(
             opts.subscription_name, topic=opts.topic_name, enable_message_ordering=True,
@@ -237,6 +242,7 @@ class ProbeRun:
             "mode": opts.mode, "run_id": opts.run_id, "topic": opts.topic_name,
             "subscription": None if opts.mode == "publish" else opts.subscription_name,
             "wall_seconds": round(time.monotonic() - started, 3),
+            "interrupted": self._interrupted,  # stopped from outside: unconsumed messages count as lost
             "options": _options_json(opts)}
         if self._publisher is not None:
             publisher = self._publisher
