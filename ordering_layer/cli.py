@@ -14,6 +14,7 @@ import click
 from ordering_layer.admin import Admin
 from ordering_layer.config import DeadLetterPolicy, RetryPolicy, StartPosition
 from ordering_layer.errors import OrderingLayerError
+from ordering_layer.prober.cli import prober_command
 from ordering_layer.publisher import OrderedProducer
 from ordering_layer.scheduler import cli as schedule_commands
 from ordering_layer.stack import Endpoints, get_backend
@@ -350,3 +351,6 @@ def deadletter_redrive(subscription_name: str, topic: str | None, bootstrap: str
 
 main.add_command(schedule_commands.schedule)
 main.add_command(schedule_commands.scheduler)
+
+# -- prober ----------------------------------------------------------------------------------------
+main.add_command(prober_command(_server_options, resolve_endpoints))

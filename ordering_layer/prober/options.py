@@ -1,0 +1,88 @@
+"""The prober's run options (what the CLI parses) and the expected counts of a publish summary."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ordering_layer.errors import ConfigError
+from ordering_layer.prober.consumer import HandlerPlan
+
+MODES = ("full", "publish", "consume", "check")
+
+
+@dataclass(frozen=True)
+class SubscriptionPlan:
+    """Settings of the subscription the prober creates when it does not exist (ordering on)."""
+
+    ack_deadline: float = 10.0
+    minimum_backoff: float = 0.0
+    maximum_backoff: float = 0.0
+    dead_letter_topic: str | None = None
+    max_delivery_attempts: int = 5
+
+
+@dataclass(frozen=True)
+class ProbeOptions:
+    """Everything a prober run needs besides the servers (see the CLI's help for each)."""
+
+    mode: str = "full"
+    run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    topic: str | None = None
+    subscription: str | None = None
+    partitions: int = 6
+    keys: int = 100
+    key_prefix: str = "key"
+    messages: int = 10_000
+    duration: float = 0.0
+    rate: float = 0.0
+    payload_size: int = 100
+    front_end: str = "callback"
+    handler: HandlerPlan = field(default_factory=HandlerPlan)
+    workers: int = 10
+    batch_size: int = 100
+    max_outstanding: int = 1000
+    subscription_plan: SubscriptionPlan = field(default_factory=SubscriptionPlan)
+    subscriber_id: str = "prober"
+    events_dir: Path | None = None
+    from_events: Path | None = None
+    expect: Mapping[str, Mapping[str, int]] | None = None
+    idle_timeout: float = 30.0
+    lag: float = 2.0
+    max_examples: int = 20
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.mode == "consume" and self.events_dir is None:
+            raise ConfigError("consume mode writes its records to an events folder: give events_dir")
+        if self.from_events is not None and self.mode != "check":
+            raise ConfigError("from_events is for check mode")
+        if self.mode in ("full", "publish") and not (self.messages or self.duration):
+            raise ConfigError("publishing needs a message count or a duration")
+
+    @property
+    def topic_name(self) -> str:
+        """The topic (default ``prober-<run id>``)."""
+        return self.topic or f"prober-{self.run_id}"
+
+    @property
+    def subscription_name(self) -> str:
+        """The subscription (default ``<topic>-prober``)."""
+        return self.subscription or f"{self.topic_name}-prober"
+
+
+def load_expectations(path: Path) -> dict[str, dict[str, int]]:
+    """The per-run, per-key counts in a publish-mode summary file (``{"expected": {run: {key: n}}}``).
+
+    Raises:
+        ConfigError: the file is not such a summary.
+    """
+    try:
+        expected = json.loads(path.read_text())["expected"]
+        return {str(run): {str(k): int(n) for k, n in keys.items()} for run, keys in expected.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ConfigError(f"{path}: not a prober publish summary with 'expected' counts ({exc})") from exc
