@@ -27,6 +27,7 @@ from ordering_layer.errors import (
     SubscriptionNotFoundError,
     UnsupportedOperationError,
 )
+from ordering_layer.scheduler.participant import join_activation
 from ordering_layer.state import StateStore
 from ordering_layer.subscriber.engine import Engine, RebalanceHooks
 from ordering_layer.subscriber.message import AckResponse, Message
@@ -76,6 +77,7 @@ class OrderedConsumer:
         self._auto_commit = _is_true(conf.get("enable.auto.commit", True))
         self._redis_url = redis_url_from(redis_url)
         self._store = StateStore(self._redis_url)
+        self._activation = join_activation(conf, self._redis_url)  # PUB-5
         self._flow_control = flow_control or FlowControl()
         self._engine: Engine | None = None
         self._topic = ""
@@ -266,6 +268,7 @@ class OrderedConsumer:
         if self._closed:
             return
         self.unsubscribe()
+        self._activation.close()
         self._closed = True
 
     def _require(self) -> Engine:

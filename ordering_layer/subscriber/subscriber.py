@@ -10,6 +10,7 @@ from typing import Any
 
 from ordering_layer.config import FlowControl, require_bootstrap
 from ordering_layer.errors import ConfigError
+from ordering_layer.scheduler.participant import Activation, join_activation
 from ordering_layer.state import StateStore
 from ordering_layer.subscriber.consumer import redis_url_from
 from ordering_layer.subscriber.engine import Engine
@@ -73,9 +74,10 @@ class CallbackPool:
 class StreamingPullFuture:
     """Handle of a callback subscription: ``cancel()`` stops it, ``result()`` waits for the end."""
 
-    def __init__(self, engine: Engine, pool: CallbackPool) -> None:
+    def __init__(self, engine: Engine, pool: CallbackPool, activation: Activation) -> None:
         self.engine = engine
         self._pool = pool
+        self._activation = activation
         self._done = threading.Event()
         self._lock = threading.Lock()
 
@@ -86,6 +88,7 @@ class StreamingPullFuture:
                 return False
             self.engine.close(timeout)
             self._pool.shutdown()
+            self._activation.close()
             self._done.set()
             return True
 
@@ -121,7 +124,11 @@ class Subscriber:
     def __init__(self, kafka_config: Mapping[str, Any], *, redis_url: str | None = None) -> None:
         require_bootstrap(kafka_config)
         self._kafka = dict(kafka_config)
-        self._store = StateStore(redis_url_from(redis_url))
+        self._redis_url = redis_url_from(redis_url)
+        self._store = StateStore(self._redis_url)
+        # PUB-5: a running subscription takes part in activating scheduled messages; pull mode
+        # from its first pull until close().
+        self._pull_activation: Activation | None = None
         self._pull_engines: dict[str, Engine] = {}
         self._last_pull: dict[str, list[Message]] = {}
         self._lock = threading.Lock()
@@ -150,7 +157,7 @@ class Subscriber:
         engine = Engine(self._kafka, self._store, subscription, settings,
                         flow_control=flow_control or FlowControl(), on_messages=pool.submit)
         engine.start()
-        return StreamingPullFuture(engine, pool)
+        return StreamingPullFuture(engine, pool, join_activation(self._kafka, self._redis_url))
 
     def pull(self, subscription: str, max_messages: int = 100, timeout: float = 1.0, *,
              commit_on_get: bool = False, flow_control: FlowControl | None = None) -> list[Message]:
@@ -169,6 +176,8 @@ class Subscriber:
                                 flow_control=flow_control or FlowControl(), on_messages=None)
                 engine.start()
                 self._pull_engines[subscription] = engine
+                if self._pull_activation is None:
+                    self._pull_activation = join_activation(self._kafka, self._redis_url)
             previous = self._last_pull.pop(subscription, [])
         if commit_on_get:
             self.acknowledge(previous)
@@ -187,6 +196,9 @@ class Subscriber:
         """Leave the groups joined by ``pull`` (outstanding pulled messages get ``timeout`` to be acked)."""
         with self._lock:
             engines, self._pull_engines = list(self._pull_engines.values()), {}
+            activation, self._pull_activation = self._pull_activation, None
+        if activation is not None:
+            activation.close()
         for engine in engines:
             engine.close(timeout)
 

@@ -232,3 +232,22 @@ def test_a_subscriber_side_participant_activates_with_its_own_producer(
     switched_off = join_activation(consumer_config, endpoints.redis_url, enabled=False)
     assert not hasattr(switched_off, "scheduler")
     switched_off.close()
+
+
+def test_a_running_subscription_activates_without_anything_else(
+        endpoints: Endpoints, subscription_factory: Callable[..., CreatedSubscription]) -> None:
+    """PUB-5: as in Service Bus, no extra process is needed: with the producer not taking part, a
+    running ``Subscriber.subscribe`` activates the due message (default schedule topic) and gets it."""
+    created = subscription_factory(partitions=1)
+    kafka = {"bootstrap.servers": endpoints.bootstrap}
+    with OrderedProducer(kafka, redis_url=endpoints.redis_url, settings={"scheduler": False}) as producer:
+        schedule_id = producer.schedule(created.topic, b"due soon", ordering_key="k",
+                                        enqueue_at=datetime.now(UTC) + timedelta(seconds=1))
+    got: list[str] = []
+
+    def callback(message: Any) -> None:
+        got.append(message.message_id)
+        message.ack()
+
+    with Subscriber(kafka, redis_url=endpoints.redis_url).subscribe(created.subscription, callback):
+        wait_until(lambda: got == [schedule_id], 30, "the scheduled message, activated by the subscriber")
