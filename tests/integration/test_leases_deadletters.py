@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -138,37 +139,65 @@ def test_nacked_every_time_goes_to_dead_letters_after_max_attempts(
     assert admin.describe_subscription(name)["backlog"] == 0
 
 
+def _events(log: Path) -> list[dict[str, Any]]:
+    if not log.exists():
+        return []
+    return [json.loads(line) for line in log.read_text().splitlines() if line.endswith("}")]
+
+
+def _run_worker(args: list[str], log: Path, err: Path, done_id: str, budget: float) -> int | None:
+    """Run one subscriber process until it exits (its exit code) or until the message ``done_id``
+    is acked, which happens only after the poison message before it is settled (then None)."""
+    with err.open("w") as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "tests.integration.subscriber_worker", *args],
+                                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=stderr,
+                                env={**os.environ, "PYTHONPATH": str(ROOT)})
+        deadline = time.monotonic() + budget
+        try:
+            while time.monotonic() < deadline:
+                try:
+                    return proc.wait(0.2)
+                except subprocess.TimeoutExpired:
+                    if any(e["id"] == done_id and e["action"] == "ack" for e in _events(log)):
+                        return None
+            return None
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
 def test_poison_message_crashing_the_process_is_dead_lettered(
         tmp_path: Path, admin: Admin, kafka_config: dict[str, Any], endpoints: Any,
         subscription: Callable[..., tuple[str, str]], unique_name: Callable[[str], str]) -> None:
     """DLQ-3, ACK-6: a message that kills its subscriber process (os._exit) on every delivery reaches
-    the dead-letter topic after max_delivery_attempts attempts, across process restarts."""
+    the dead-letter topic after exactly max_delivery_attempts deliveries, each of which crashed a
+    process: attempts 1..5 in five processes that each exited with the crash code, then the dead letter.
+
+    Deliveries are counted from the processes' own log, not from exit codes: a process can end for
+    another reason (a failed start, no partition within its budget), which is not a delivery."""
     dlq = unique_name("dlq")
     topic, name = subscription(partitions=1, dead_letter_policy=DeadLetterPolicy(dlq, max_delivery_attempts=5))
-    publish_keys(kafka_config, topic, keys=1, per_key=3)
+    published = publish_keys(kafka_config, topic, keys=1, per_key=3).published["key-0"]
+    poison, after = published[1], published[2]
     log = tmp_path / "events.jsonl"
-    crashes = 0
-    for _ in range(8):
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.integration.subscriber_worker", "--bootstrap", endpoints.bootstrap,
-             "--redis-url", endpoints.redis_url, "--subscription", name, "--name", f"w{crashes}", "--log", str(log),
-             "--crash-on", "key-0:1", "--session-ms", "2000", "--seconds", "60"],
-            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            env={**os.environ, "PYTHONPATH": str(ROOT)})
-        try:
-            code = proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            code = None
-        if code == 3:
-            crashes += 1
-            continue
-        break
+    exits: dict[str, int | None] = {}
+    for n in range(6):
+        worker = f"w{n}"
+        exits[worker] = _run_worker(
+            ["--bootstrap", endpoints.bootstrap, "--redis-url", endpoints.redis_url, "--subscription", name,
+             "--name", worker, "--log", str(log), "--crash-on", "key-0:1", "--session-ms", "2000",
+             "--seconds", "120"], log, tmp_path / f"{worker}.stderr", after, 120)
+        if exits[worker] != 3:
+            break
+    stderr = {w: (tmp_path / f"{w}.stderr").read_text()[-2000:] for w in exits}
+    deliveries = [(e["sub"], e["attempt"]) for e in _events(log) if e["id"] == poison and e["action"] == "deliver"]
+    assert deliveries == [(f"w{n}", n + 1) for n in range(5)], (exits, stderr)
+    assert exits == {**{f"w{n}": 3 for n in range(5)}, "w5": None}, (exits, stderr)
     letters = admin.list_dead_letters(name)
-    assert crashes == 5
-    assert [(d.reason, d.delivery_attempts) for d in letters] == [("MAX_DELIVERY_ATTEMPTS", 5)]
-    assert letters[0].value is not None
+    assert [(d.reason, d.delivery_attempts, d.message_id) for d in letters] == [
+        ("MAX_DELIVERY_ATTEMPTS", 5, poison)]
+    assert letters[0].value == b"key-0:1"
 
 
 def test_park_key_keeps_order_and_redrive_restores_it(
