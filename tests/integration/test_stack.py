@@ -10,11 +10,13 @@ from typing import Any
 import pytest
 import redis
 from click.testing import CliRunner
+from confluent_kafka import KafkaException
 
 from ordering_layer import Admin, OrderedProducer
 from ordering_layer.cli import main
 from ordering_layer.errors import StackError
 from ordering_layer.stack import StackBackend, containers
+from tests.checker import wait_until
 from tests.kafka_helpers import end_offsets
 
 pytestmark = pytest.mark.integration
@@ -58,7 +60,14 @@ def test_broker_kill_9_and_restart_keep_its_address_and_data(restartable: StackB
     assert not restartable.status()["kafka"]["running"]
     restartable.start_broker()
     assert restartable.endpoints() == endpoints
-    assert end_offsets(endpoints.bootstrap, topic) == {0: 1}
+
+    def kept() -> bool:
+        try:  # the restarted broker answers before it leads its partitions again
+            return end_offsets(endpoints.bootstrap, topic) == {0: 1}
+        except KafkaException:
+            return False
+
+    wait_until(kept, 60, "the record kept, its partition led again")
 
 
 def test_cli_reports_a_missing_stack(tmp_path: Path) -> None:
