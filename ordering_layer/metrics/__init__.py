@@ -26,7 +26,7 @@ _LOGGER = logging.getLogger(__name__)
 COLLECTOR = LayerCollector()
 _LOCK = threading.Lock()
 _registered = False
-_servers: dict[tuple[str, int], MetricsServer] = {}
+_servers: dict[int, MetricsServer] = {}  # by port: one endpoint per port, whatever address it binds
 
 
 def register(source: Any, *, kafka_config: Mapping[str, Any] | None = None) -> None:
@@ -63,15 +63,15 @@ class MetricsServer:
     def close(self) -> None:
         """Stop serving and free the port."""
         with _LOCK:
-            _servers.pop((self.addr, self.port), None)
+            _servers.pop(self.port, None)
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(5.0)
 
 
 def start_metrics_server(port: int, addr: str = "0.0.0.0") -> MetricsServer:
-    """Serve the metrics on ``http://addr:port/metrics``; a second call for the same port returns the
-    running server (every subscriber and producer of a process may ask for the same port).
+    """Serve the metrics on ``http://addr:port/metrics``; a later call for a port this process serves
+    already returns that server (every subscriber and producer of a process may ask for the same port).
 
     Args:
         port: TCP port; 0 picks a free one (read it from the result's ``port``).
@@ -81,13 +81,13 @@ def start_metrics_server(port: int, addr: str = "0.0.0.0") -> MetricsServer:
         ConfigError: the port cannot be bound.
     """
     with _LOCK:
-        running = _servers.get((addr, port))
+        running = _servers.get(port) if port else None
         if running is not None:
             return running
         try:
             server = MetricsServer(addr, port)
         except OSError as exc:
             raise ConfigError(f"metrics endpoint {addr}:{port} cannot be opened: {exc}") from exc
-        _servers[(addr, server.port)] = server
+        _servers[server.port] = server
     _LOGGER.info("metrics served on %s:%d", addr, server.port)
     return server
