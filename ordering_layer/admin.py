@@ -7,7 +7,6 @@ broker's enqueued time.
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -25,6 +24,7 @@ from ordering_layer.config import (
     require_bootstrap,
 )
 from ordering_layer.deadletter import DeadLetter, list_dead_letters, redrive
+from ordering_layer.describe import SubscriptionDescription, describe_subscription
 from ordering_layer.errors import ConfigError, SubscriptionExistsError, TopicError, TopicExistsError
 from ordering_layer.state import StateStore
 
@@ -147,26 +147,18 @@ class Admin:
         finally:
             consumer.close()
 
-    def describe_subscription(self, name: str) -> dict[str, Any]:
-        """Settings, and per partition: committed offset, end offset, backlog, outstanding leases."""
-        settings = self.store.settings(name)
-        consumer = Consumer({**self._config, "group.id": name, "enable.auto.commit": False})
+    def describe_subscription(self, name: str) -> SubscriptionDescription:
+        """Settings, group state, and per partition: owner, epoch, committed offset, log end, backlog,
+        outstanding messages, oldest unacked age, held and parked keys (``ordering_layer.describe``).
+
+        Raises:
+            SubscriptionNotFoundError: no such subscription.
+            TopicError: Kafka did not answer.
+        """
         try:
-            count = self.describe_topic(settings.topic).partitions
-            committed = consumer.committed([TopicPartition(settings.topic, p) for p in range(count)],
-                                           timeout=_TIMEOUT)
-            rows = []
-            for tp in committed:
-                _, high = consumer.get_watermark_offsets(TopicPartition(settings.topic, tp.partition),
-                                                         timeout=_TIMEOUT)
-                offset = tp.offset if tp.offset >= 0 else None
-                rows.append({"partition": tp.partition, "committed": offset, "end": high,
-                             "backlog": high - (offset or 0),
-                             "outstanding": self.store.outstanding(name, tp.partition)})
-        finally:
-            consumer.close()
-        return {"name": name, "settings": json.loads(settings.to_json()), "partitions": rows,
-                "backlog": sum(r["backlog"] for r in rows)}
+            return describe_subscription(self._admin, self._config, self.store, name, _TIMEOUT)
+        except KafkaException as exc:
+            raise TopicError(f"describing subscription {name!r} failed: {exc.args[0]}", topic=name) from exc
 
     def _dead_letter_topic(self, subscription: str) -> str:
         policy = self.store.settings(subscription).dead_letter_policy

@@ -13,6 +13,7 @@ import click
 
 from ordering_layer.admin import Admin
 from ordering_layer.config import DeadLetterPolicy, RetryPolicy, StartPosition
+from ordering_layer.describe_table import render_description
 from ordering_layer.errors import OrderingLayerError
 from ordering_layer.prober.cli import prober_command
 from ordering_layer.publisher import OrderedProducer
@@ -266,13 +267,16 @@ def subscription_create(name: str, topic: str, ordering: bool, ack_deadline: flo
 
 @subscription.command("describe")
 @click.argument("name")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @_server_options
-def subscription_describe(name: str, bootstrap: str | None, redis_url: str | None) -> None:
-    """Settings and, per partition, committed offset, end offset, backlog and outstanding (JSON)."""
+def subscription_describe(name: str, as_json: bool, bootstrap: str | None, redis_url: str | None) -> None:
+    """Settings and, per partition: owner, epoch, committed offset, log end, backlog, outstanding
+    messages, oldest unacked age, held and parked keys."""
     try:
-        click.echo(json.dumps(_admin(bootstrap, redis_url).describe_subscription(name), indent=2))
+        described = _admin(bootstrap, redis_url).describe_subscription(name)
     except OrderingLayerError as exc:
         raise click.ClickException(str(exc)) from exc
+    click.echo(json.dumps(described.to_json(), indent=2) if as_json else render_description(described))
 
 
 @subscription.command("delete")

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from confluent_kafka import KafkaError, KafkaException, Producer
 from confluent_kafka import Message as KafkaMessage
 
+from ordering_layer import metrics
 from ordering_layer.config import (
     MAX_ORDERING_KEY_BYTES,
     PublisherSettings,
@@ -71,6 +72,7 @@ _BUSY_WINDOW = 0.02
 _RECORD_OVERHEAD = 64
 _HEADER_OVERHEAD = 10
 _UNCHECKED_HEADER_BYTES = 512
+_MAX_LATENCY_SAMPLES = 10_000  # kept between two scrapes (640 000 records at 1 in 64); more are dropped
 _TRANSACTIONS = "transactions (the layer's per-key pause and ordering are per record, not per transaction)"
 
 
@@ -209,8 +211,12 @@ class PublishFuture(LightFuture[PublishResult]):
         """The record's delivery report (called by librdkafka through ``poll``/``flush``)."""
         if err is None:
             self._partition = msg.partition()  # type: ignore[assignment]  # never None in a report
-            self._offset = msg.offset()  # type: ignore[assignment]
+            self._offset = offset = msg.offset()  # type: ignore[assignment]
             self._stamp = msg.timestamp()[1]
+            # Publish latency is sampled by offset (1 in 64, unrelated to latency): the test costs
+            # a few ns per message, the sample a C call and an append.
+            if not offset & 63:  # type: ignore[operator]
+                self._owner._sample_latency(msg)
         else:
             self._exception = self._owner._failed(msg, err)
         # LightFuture._complete inlined (one completion per record; nobody waits on most).
@@ -235,6 +241,8 @@ class OrderedProducer:
         redis_url: the layer's Redis (default ``$ORDERING_LAYER_REDIS_URL``), for ``schedule``;
             with one, the producer also activates due scheduled messages while it runs, unless
             ``settings={"scheduler": False}`` (PUB-5).
+        metrics_port: serve Prometheus metrics (publish latency, paused keys) on this port
+            (``ordering_layer.metrics``); None: no endpoint.
 
     Raises:
         ConfigError: missing bootstrap, an unknown layer or Kafka setting, or a setting that
@@ -243,7 +251,7 @@ class OrderedProducer:
 
     def __init__(self, config: Mapping[str, Any] | None = None, /, *,
                  settings: PublisherSettings | Mapping[str, Any] | None = None, redis_url: str | None = None,
-                 **kwargs: Any) -> None:
+                 metrics_port: int | None = None, **kwargs: Any) -> None:
         conf = {**(config or {}), **kwargs}
         require_bootstrap(conf)
         self.settings = from_mapping(PublisherSettings, settings)
@@ -280,6 +288,11 @@ class OrderedProducer:
         self._book: ScheduleBook | None = None
         self._activation = join_activation(conf, self._redis_url, enabled=self.settings.scheduler, producer=self,
                                            book=self._schedules() if self._redis_url else None)
+        self._latency_samples: list[tuple[str, float]] = []
+        self._metrics = metrics_port is not None
+        if metrics_port is not None:
+            metrics.register(self)
+            metrics.start_metrics_server(metrics_port)
 
     # -- publishing ------------------------------------------------------------------------------
     def publish(self, topic: str, data: bytes, ordering_key: str | bytes | None = None,
@@ -498,6 +511,20 @@ class OrderedProducer:
         key_text, _ = encode_ordering_key(ordering_key)
         return key_text in self._paused
 
+    # -- metrics ---------------------------------------------------------------------------------
+    def _sample_latency(self, msg: KafkaMessage) -> None:
+        samples = self._latency_samples
+        if len(samples) < _MAX_LATENCY_SAMPLES:
+            latency = msg.latency()
+            if latency is not None:
+                samples.append((msg.topic() or "", latency))
+
+    def metrics_snapshot(self) -> dict[str, Any]:
+        """For ``ordering_layer.metrics``: ``paused_keys`` (gauge) and ``publish_latency_seconds``, the
+        (topic, seconds) samples taken since the previous call (records whose offset is a multiple of 64)."""
+        samples, self._latency_samples = self._latency_samples, []
+        return {"paused_keys": len(self._paused), "publish_latency_seconds": samples}
+
     # -- metadata --------------------------------------------------------------------------------
     def _describe(self, topic: str, cached: _Topic | None) -> _Topic:
         """Read the topic's partition count (cached for ``metadata_max_age``); the stale one on error."""
@@ -594,6 +621,8 @@ class OrderedProducer:
         self._producer.poll(0)
         if self._book is not None:
             self._book.close()
+        if self._metrics:
+            metrics.unregister(self)
         return remaining
 
     def __enter__(self) -> OrderedProducer:

@@ -92,7 +92,7 @@ def test_every_bad_record_reaches_user_code(kafka_config: dict[str, Any], endpoi
         _check(seen[offset], case)
     assert "malformed layer metadata" in caplog.text
     admin = Admin(kafka_config, redis_url=endpoints.redis_url)
-    wait_until(lambda: admin.describe_subscription(name)["backlog"] == 0, 30, "all committed")
+    wait_until(lambda: admin.describe_subscription(name).backlog == 0, 30, "all committed")
 
 
 def test_bad_records_through_the_drop_in_consumer(kafka_config: dict[str, Any], endpoints: Any,

@@ -98,7 +98,7 @@ def test_kill_9_mid_stream_second_subscriber_takes_over(tmp_path: Path, admin: A
         killed_at = a.kill()
         checker.subscriber_died("A", killed_at)
         wait_until(lambda: len(settled_ids(read_events(log_a, log_b), "A")) == checker.total()
-                   and admin.describe_subscription(name)["backlog"] == 0, 120, "every message acked")
+                   and admin.describe_subscription(name).backlog == 0, 120, "every message acked")
     finally:
         a.stop()
         if b is not None:

@@ -136,7 +136,7 @@ def test_nacked_every_time_goes_to_dead_letters_after_max_attempts(
         ("key-1", 5, "MAX_DELIVERY_ATTEMPTS")]
     checker.record(poison, "s1", 5, "dead")
     assert checker.verify(one_outstanding=True, max_delivery_attempts=5) == []
-    assert admin.describe_subscription(name)["backlog"] == 0
+    assert admin.describe_subscription(name).backlog == 0
 
 
 def _events(log: Path) -> list[dict[str, Any]]:

@@ -215,7 +215,7 @@ def test_partition_leader_killed_during_publish_and_subscribe_loses_nothing(
             restarted.set()
         publishing.result(timeout=300)
         wait_until(lambda: checker.acked_count() == checker.total()
-                   and admin.describe_subscription(name)["backlog"] == 0, 180, "every message acked",
+                   and admin.describe_subscription(name).backlog == 0, 180, "every message acked",
                    interval=0.5)
     _LOGGER.info("failover of broker %d: new leader after %.1f s, two thirds acked after %.1f s; "
                  "%d deliveries of %d messages", victim, new_leader_after, caught_up_after,

@@ -281,7 +281,7 @@ def test_subscription_settings_and_start_positions(admin: Admin, kafka_config: d
     assert len(got[oldest]) == 40
     assert checker.total() == 20
     described = admin.describe_subscription(oldest)
-    assert described["settings"]["topic"] == topic
+    assert described.settings.topic == topic
     admin.delete_subscription(latest)
     with pytest.raises(SubscriptionNotFoundError):
         Subscriber(kafka_config, redis_url=endpoints.redis_url).subscribe(latest, lambda m: None)
@@ -300,11 +300,11 @@ def test_commit_on_get_and_batch_ack(admin: Admin, kafka_config: dict[str, Any],
             first = subscriber.pull(name, max_messages=100, timeout=0.5, commit_on_get=True)
         assert len(first) == 4
         assert subscriber.pull(name, max_messages=100, timeout=0.5, commit_on_get=True) == []
-        wait_until(lambda: admin.describe_subscription(name)["backlog"] == 0, 30, "first pull committed")
+        wait_until(lambda: admin.describe_subscription(name).backlog == 0, 30, "first pull committed")
         publish_keys(kafka_config, topic, keys=1, per_key=3, prefix="more")
         batch = pull_until(subscriber, name, 3)
         Subscriber.acknowledge(batch)
-        wait_until(lambda: admin.describe_subscription(name)["backlog"] == 0, 30, "batch ack committed")
+        wait_until(lambda: admin.describe_subscription(name).backlog == 0, 30, "batch ack committed")
 
 
 def test_batched_redis_writes_equal_one_by_one(endpoints: Any, unique_name: Callable[[str], str]) -> None:

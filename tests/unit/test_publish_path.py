@@ -45,6 +45,9 @@ class FakeMessage:
     def timestamp(self) -> tuple[int, int]:
         return 2, self._stamp
 
+    def latency(self) -> float:
+        return 0.004
+
 
 @pytest.fixture
 def sent() -> Iterator[tuple[OrderedProducer, list[tuple[Any, ...]]]]:
@@ -109,6 +112,17 @@ def test_future_resolves_lazily_to_publish_result(sent: tuple[OrderedProducer, l
     assert result.sequence_number == (result.partition << 48) | 41
     assert result.enqueued_time == datetime.fromtimestamp(1_700_000_000.123, tz=UTC)
     assert future.result() is result
+
+
+def test_publish_latency_sampled_at_offsets_multiple_of_64(
+        sent: tuple[OrderedProducer, list[tuple[Any, ...]]]) -> None:
+    """PUB-3: the delivery report samples publish latency for 1 record in 64 (by offset), for metrics."""
+    producer, calls = sent
+    for offset in range(130):
+        producer.publish("t", b"x", ordering_key="k")
+        deliver(calls[-1], offset=offset)
+    assert producer.metrics_snapshot() == {"paused_keys": 0, "publish_latency_seconds": [("t", 0.004)] * 3}
+    assert producer.metrics_snapshot()["publish_latency_seconds"] == []  # drained
 
 
 def test_failure_pauses_key_until_resume(sent: tuple[OrderedProducer, list[tuple[Any, ...]]]) -> None:
