@@ -247,7 +247,7 @@ def _check_example(profile: Profile, admin: Admin, kafka_config: dict[str, Any],
     tracker = Tracker(written, ordered=profile.ordered, callback_mode=not profile.pull)
 
     def settled() -> bool:
-        return bool(admin.describe_subscription(name)["backlog"] == 0)
+        return bool(admin.describe_subscription(name).backlog == 0)
 
     started = time.monotonic()
     dead: dict[tuple[int, int], Any] = {}
