@@ -92,7 +92,7 @@ def test_cli_topic_subscription_publish_pull(endpoints: Any, unique_name: Callab
     assert pulled.exit_code == 0, pulled.output
     lines = [line.split("\t") for line in pulled.output.splitlines() if line.startswith("k")]
     assert [(line[0], line[-1]) for line in lines if line[0] == "k1"] == [("k1", "first"), ("k1", "second")]
-    described = runner.invoke(main, ["subscription", "describe", name, *servers])
+    described = runner.invoke(main, ["subscription", "describe", name, "--json", *servers])
     assert described.exit_code == 0
     assert json.loads(described.output)["backlog"] == 0
 
