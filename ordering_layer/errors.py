@@ -97,3 +97,14 @@ class InvalidMessageError(OrderingLayerError, ValueError):
 
 class TopicExistsError(TopicError):
     """``create_topic`` named a topic that exists already."""
+
+
+class AuthenticationError(OrderingLayerError):
+    """A server refused the layer's credentials or TLS handshake (wrong user, password or CA).
+
+    ``server`` names which one: ``"kafka"`` or ``"redis"``. The message never carries the secret.
+    """
+
+    def __init__(self, message: str, *, server: str) -> None:
+        super().__init__(message)
+        self.server = server
