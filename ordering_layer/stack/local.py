@@ -257,7 +257,8 @@ class LocalStack(FolderStateBackend):
                 "-cp", f"{kafka_jars()}/*"]
 
     def _format_storage(self, state: dict[str, Any], config: Path) -> None:
-        command = [*self._java(), "kafka.tools.StorageTool", "format", "-t", state["cluster_id"],
+        # "--cluster-id=": a base64 id may start with "-", which argparse would take for an option.
+        command = [*self._java(), "kafka.tools.StorageTool", "format", f"--cluster-id={state['cluster_id']}",
                    "-c", str(config), "--standalone"]
         hidden: list[str] = []
         if state.get("secure"):
