@@ -20,11 +20,13 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
+import redis
+
 from ordering_layer.errors import StackError
 from ordering_layer.stack.base import free_port
 from ordering_layer.stack.certs import TlsFiles
 from ordering_layer.stack.processes import START_TIMEOUT, alive, spawn, stop, wait_until, write_private
-from ordering_layer.state.client import RedisClient, redis_client
+from ordering_layer.state.client import redis_client
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -126,8 +128,11 @@ class RedisNodes:
         write_private(config, "\n".join(lines) + "\n")
         return config
 
-    def _client(self, index: int) -> RedisClient:
-        return redis_client(self.node_url(index))
+    def node_client(self, index: int) -> redis.Redis[bytes]:
+        """A plain client of node ``index`` alone (close it after use)."""
+        client = redis_client(self.node_url(index))
+        assert isinstance(client, redis.Redis)
+        return client
 
     def start_node(self, index: int) -> None:
         """Start node ``index`` (unless it runs) and wait until it answers PING."""
@@ -141,7 +146,7 @@ class RedisNodes:
         pid = spawn([binary, str(self._config(index, state))], log)
         state["pids"][index] = pid
         self._save(state)
-        client = self._client(index)
+        client = self.node_client(index)
         try:
             wait_until(client.ping, f"redis-server {index}", pid, log)
         finally:
@@ -180,7 +185,7 @@ class RedisNodes:
     def _form(self) -> None:
         state = self._load()
         per_node = _SLOTS // self.count
-        clients = [self._client(i) for i in range(self.count)]
+        clients = [self.node_client(i) for i in range(self.count)]
         try:
             for index, client in enumerate(clients):
                 first = index * per_node
@@ -200,7 +205,7 @@ class RedisNodes:
         _LOGGER.info("Redis Cluster formed: %d masters on ports %s", self.count, state["ports"])
 
     def _cluster_info(self, index: int) -> dict[str, str]:
-        client = self._client(index)
+        client = self.node_client(index)
         try:
             info = client.execute_command("CLUSTER", "INFO")
         finally:
@@ -237,7 +242,7 @@ class RedisNodes:
 
     def node_of(self, key: str) -> int:
         """The index of the node serving ``key``'s slot."""
-        client = self._client(0)
+        client = self.node_client(0)
         try:
             slot = int(client.execute_command("CLUSTER", "KEYSLOT", key))
         finally:

@@ -35,8 +35,15 @@ _TIMEOUT = 5.0  # seconds, for connecting and for each answer
 RedisClient: TypeAlias = Union["redis.Redis[bytes]", "RedisCluster[bytes]"]
 
 
-def _retry() -> Retry:
-    return Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=5)
+def retry_policy() -> Retry:
+    """The layer's retry policy for Redis: 5 retries, exponential backoff from 50 ms to 2 s, on
+    connection and timeout errors and on a cluster that is down (a master failed or restarting).
+
+    A single server's client applies it itself; redis-py's cluster client counts its retries but
+    does not wait between them, so the state store applies it around cluster calls.
+    """
+    return Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=5,
+                 supported_errors=(redis.ConnectionError, redis.TimeoutError, redis.exceptions.ClusterDownError))
 
 
 def is_cluster_url(url: str) -> bool:
@@ -78,14 +85,14 @@ def redis_client(url: str) -> RedisClient:
     """
     if not is_cluster_url(url):
         try:
-            return redis.Redis.from_url(url, retry=_retry(), socket_timeout=_TIMEOUT,
+            return redis.Redis.from_url(url, retry=retry_policy(), socket_timeout=_TIMEOUT,
                                         socket_connect_timeout=_TIMEOUT,
                                         retry_on_error=[redis.ConnectionError, redis.TimeoutError])
         except ValueError as exc:
             raise ConfigError(f"bad Redis URL {mask_url(url)}: {exc}") from exc
     options, nodes = _cluster_parts(url)
     try:
-        return RedisCluster(startup_nodes=[ClusterNode(host, port) for host, port in nodes], retry=_retry(),
+        return RedisCluster(startup_nodes=[ClusterNode(host, port) for host, port in nodes], retry=retry_policy(),
                             socket_timeout=_TIMEOUT, socket_connect_timeout=_TIMEOUT, **options)
     except redis.exceptions.RedisClusterException as exc:
         raise redis.exceptions.ClusterDownError(f"Redis Cluster {mask_url(url)}: {exc}") from exc

@@ -17,14 +17,14 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import redis
 from redis.cluster import RedisCluster
 
 from ordering_layer.config import SubscriptionSettings
 from ordering_layer.errors import SubscriptionNotFoundError
-from ordering_layer.state.client import mask_url, redis_client, verify_redis
+from ordering_layer.state.client import mask_url, redis_client, retry_policy, verify_redis
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -67,16 +67,25 @@ _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
 
-def _cluster_errors_as_redis_errors(method: Callable[_P, _R]) -> Callable[_P, _R]:
-    """The cluster client raises some topology failures (a slot no node serves) outside
-    ``redis.RedisError``; callers handle Redis failures as ``RedisError``, so translate them."""
+def _redis_call(method: Callable[Concatenate[StateStore, _P], _R]) -> Callable[Concatenate[StateStore, _P], _R]:
+    """Run a store method under the layer's retry policy on a cluster, raising only ``RedisError``.
+
+    The cluster client retries without waiting, which would turn a failed master into a busy loop
+    of the callers' own retries; and it raises some topology failures (a slot no node serves)
+    outside ``redis.RedisError``, while callers handle Redis failures as ``RedisError``.
+    """
 
     @functools.wraps(method)
-    def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
-        try:
-            return method(*args, **kwargs)
-        except redis.exceptions.RedisClusterException as exc:
-            raise redis.exceptions.ClusterDownError(f"Redis Cluster: {exc}") from exc
+    def wrapper(store: StateStore, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        def call() -> _R:
+            try:
+                return method(store, *args, **kwargs)
+            except redis.exceptions.RedisClusterException as exc:
+                raise redis.exceptions.ClusterDownError(f"Redis Cluster: {exc}") from exc
+
+        if store._cluster_retry is None:
+            return call()
+        return store._cluster_retry.call_with_retry(call, lambda _error: None)
 
     return wrapper
 
@@ -96,6 +105,7 @@ class StateStore:
     def __init__(self, redis_url: str) -> None:
         verify_redis(redis_url)
         self.client = redis_client(redis_url)
+        self._cluster_retry = retry_policy() if isinstance(self.client, RedisCluster) else None
         self._url = mask_url(redis_url)
         self._apply_source = _script("apply")
         self._apply_sha = hashlib.sha1(self._apply_source.encode()).hexdigest()
@@ -105,12 +115,12 @@ class StateStore:
         return f"StateStore({self._url})"
 
     # -- subscription settings -------------------------------------------------------------------
-    @_cluster_errors_as_redis_errors
+    @_redis_call
     def create_settings(self, subscription: str, settings: SubscriptionSettings) -> bool:
         """Store settings unless the subscription exists; True when created."""
         return bool(self.client.set(settings_key(subscription), settings.to_json(), nx=True))
 
-    @_cluster_errors_as_redis_errors
+    @_redis_call
     def settings(self, subscription: str) -> SubscriptionSettings:
         """The stored settings. Raises ``SubscriptionNotFoundError``."""
         raw = self.client.get(settings_key(subscription))
@@ -118,7 +128,7 @@ class StateStore:
             raise SubscriptionNotFoundError(subscription)
         return SubscriptionSettings.from_json(raw)
 
-    @_cluster_errors_as_redis_errors
+    @_redis_call
     def delete_subscription(self, subscription: str) -> int:
         """Remove the settings and every partition key of the subscription; return keys removed.
 
@@ -140,7 +150,7 @@ class StateStore:
         return removed
 
     # -- partitions ------------------------------------------------------------------------------
-    @_cluster_errors_as_redis_errors
+    @_redis_call
     def claim(self, subscription: str, partition: int) -> ClaimedPartition:
         """Become the owner of a partition: bump its epoch, read settled offsets and attempts."""
         keys = partition_keys(subscription, partition)[:3]
@@ -153,7 +163,7 @@ class StateStore:
             attempts={int(pairs[i]): int(pairs[i + 1]) for i in range(0, len(pairs), 2)},
         )
 
-    @_cluster_errors_as_redis_errors
+    @_redis_call
     def apply_many(self, batches: Sequence[tuple[str, int, int, Sequence[Op]]]) -> list[ApplyResult]:
         """Apply op batches of several partitions in one pipeline (one round trip).
 
@@ -186,22 +196,22 @@ class StateStore:
                 return [ApplyResult(int(r)) for r in results]
         raise redis.exceptions.NoScriptError("apply.lua could not be loaded")
 
-    @_cluster_errors_as_redis_errors
+    @_redis_call
     def parked_keys(self, subscription: str) -> set[str]:
         """Ordering keys parked by a ``park_key`` dead-letter policy (DLQ-2)."""
         return {k.decode() for k in self.client.smembers(f"{settings_key(subscription)}:parked")}
 
-    @_cluster_errors_as_redis_errors
+    @_redis_call
     def park_key(self, subscription: str, ordering_key: str) -> None:
         """Park a key: its later messages follow its dead letter until ``release_key``."""
         self.client.sadd(f"{settings_key(subscription)}:parked", ordering_key)
 
-    @_cluster_errors_as_redis_errors
+    @_redis_call
     def release_key(self, subscription: str, ordering_key: str) -> bool:
         """Release a parked key; True when it was parked."""
         return bool(self.client.srem(f"{settings_key(subscription)}:parked", ordering_key))
 
-    @_cluster_errors_as_redis_errors
+    @_redis_call
     def outstanding(self, subscription: str, partition: int) -> int:
         """Leases currently held in the partition (delivered, not yet settled)."""
         return int(self.client.hlen(partition_keys(subscription, partition)[3]))
