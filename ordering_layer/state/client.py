@@ -107,7 +107,8 @@ def _probe_clients(url: str) -> list[tuple[str, redis.Redis[bytes]]]:
         nodes = [(options.pop("host", "localhost"), int(options.pop("port", 6379)))]
     once = Retry(NoBackoff(), 0)
     options.update(socket_timeout=_TIMEOUT, socket_connect_timeout=_TIMEOUT, retry=once)
-    return [(f"{host}:{port}", redis.Redis(host=host, port=port, **options)) for host, port in nodes]
+    return [(f"{host}:{port}", redis.Redis(connection_pool=redis.ConnectionPool(host=host, port=port, **options)))
+            for host, port in nodes]
 
 
 def verify_redis(url: str) -> None:
