@@ -53,9 +53,9 @@ test-redis-cluster: setup
 	ORDERING_LAYER_REDIS_CLUSTER=1 $(PY) -m pytest -ra $(REDIS_CLUSTER_TESTS)
 
 # The session's stack is secured (ORDERING_LAYER_SECURE=1: TLS with a CA made here, Kafka SASL/SCRAM,
-# a Redis ACL user): publisher, subscriber and dead-letter tests through it, and the secrets tests.
-SECURE_TESTS ?= tests/integration/test_publisher.py tests/integration/test_subscriber.py \
-	tests/integration/test_leases_deadletters.py tests/integration/test_secure.py
+# a Redis ACL user): the subscriber, lease/dead-letter and chaos tests through it, and the secrets tests.
+SECURE_TESTS ?= tests/integration/test_subscriber.py tests/integration/test_leases_deadletters.py \
+	tests/integration/test_chaos.py tests/integration/test_secure.py
 
 test-secure: setup
 	ORDERING_LAYER_SECURE=1 $(PY) -m pytest -ra $(SECURE_TESTS)
