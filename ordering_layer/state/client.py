@@ -51,8 +51,18 @@ def is_cluster_url(url: str) -> bool:
     return urlsplit(url).scheme in _CLUSTER_SCHEMES
 
 
+def _keywords(url: str) -> dict[str, Any]:
+    """The ``redis.Redis`` keywords of a single-server URL (TLS as ``ssl=True``, as the cluster
+    client builds each node's client from keywords)."""
+    options = parse_url(url)
+    if options.pop("connection_class", None) is redis.SSLConnection:
+        options["ssl"] = True
+    return options
+
+
 def _cluster_parts(url: str) -> tuple[dict[str, Any], list[tuple[str, int]]]:
-    """redis-py connection options and the (host, port) startup nodes of a cluster URL."""
+    """redis-py client options (``redis.Redis`` keywords) and the (host, port) startup nodes of a
+    cluster URL."""
     parts = urlsplit(url)
     userinfo, _, hosts = parts.netloc.rpartition("@")
     nodes = []
@@ -62,7 +72,7 @@ def _cluster_parts(url: str) -> tuple[dict[str, Any], list[tuple[str, int]]]:
             raise ConfigError(f"cluster URL node {item!r} is not host:port (in {mask_url(url)})")
         nodes.append((host, int(port)))
     first = f"{userinfo}@{hosts.split(',')[0]}" if userinfo else hosts.split(",")[0]
-    options = parse_url(urlunsplit((_CLUSTER_SCHEMES[parts.scheme], first, "", parts.query, "")))
+    options = _keywords(urlunsplit((_CLUSTER_SCHEMES[parts.scheme], first, "", parts.query, "")))
     if options.pop("db", 0) != 0:
         raise ConfigError(f"a Redis Cluster has database 0 only (in {mask_url(url)})")
     if parts.path.strip("/") not in ("", "0"):
@@ -103,12 +113,10 @@ def _probe_clients(url: str) -> list[tuple[str, redis.Redis[bytes]]]:
     if is_cluster_url(url):
         options, nodes = _cluster_parts(url)
     else:
-        options = parse_url(url)
+        options = _keywords(url)
         nodes = [(options.pop("host", "localhost"), int(options.pop("port", 6379)))]
-    once = Retry(NoBackoff(), 0)
-    options.update(socket_timeout=_TIMEOUT, socket_connect_timeout=_TIMEOUT, retry=once)
-    return [(f"{host}:{port}", redis.Redis(connection_pool=redis.ConnectionPool(host=host, port=port, **options)))
-            for host, port in nodes]
+    options.update(socket_timeout=_TIMEOUT, socket_connect_timeout=_TIMEOUT, retry=Retry(NoBackoff(), 0))
+    return [(f"{host}:{port}", redis.Redis(host=host, port=port, **options)) for host, port in nodes]
 
 
 def verify_redis(url: str) -> None:

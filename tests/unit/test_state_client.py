@@ -21,7 +21,7 @@ def test_cluster_urls_name_every_startup_node_and_keep_credentials_and_tls_optio
     assert nodes == [("127.0.0.1", 7000), ("localhost", 7001)]
     assert options["username"] == "ol" and options["password"] == "s@cret"
     assert options["ssl_ca_certs"] == "/tmp/ca.pem"
-    assert options["connection_class"] is redis.SSLConnection
+    assert options["ssl"] is True
     assert "host" not in options and "db" not in options
 
 
