@@ -10,6 +10,7 @@ is secured (``make test-secure``), else one started for this session.
 from __future__ import annotations
 
 import logging
+import re
 import time
 import uuid
 from collections.abc import Callable
@@ -65,7 +66,7 @@ def test_publish_subscribe_dead_letter_and_describe_through_tls_and_authenticati
     """SUB-1, DLQ-2, DLQ-5, ACK-4 over SASL_SSL and TLS Redis: per-key order, a poison message dead-lettered
     through the secured dead-letter producer and listed, the backlog described, an OrderedConsumer too."""
     kafka = secure.kafka_config()
-    assert kafka["security.protocol"] == "SASL_SSL" and secure.redis_url.startswith("rediss://")
+    assert kafka["security.protocol"] == "SASL_SSL" and secure.redis_url.startswith("rediss")
     admin = Admin(kafka, redis_url=secure.redis_url)
     topic, name = unique_name("sec-topic"), unique_name("sec-sub")
     admin.create_topic(topic, partitions=2)
@@ -210,7 +211,8 @@ def test_stack_env_prints_what_a_client_needs(secure: Endpoints, passwords: list
     result = CliRunner().invoke(main, ["stack", "env", "--state-dir", state_dir])
     assert result.exit_code == 0, result.output
     assert f"export ORDERING_LAYER_KAFKA_CONFIG={secure.kafka_config_file}" in result.output
-    assert "ORDERING_LAYER_REDIS_URL='rediss://ol:" in result.output and "ssl_ca_certs=" in result.output
+    assert re.search(r"ORDERING_LAYER_REDIS_URL='rediss(\+cluster)?://ol:", result.output)
+    assert "ssl_ca_certs=" in result.output
     assert passwords[1] in result.output
     settings: dict[str, Any] = secure.kafka_config()
     assert settings["sasl.mechanism"] == "SCRAM-SHA-512" and Path(settings["ssl.ca.location"]).exists()
