@@ -121,7 +121,7 @@ def test_apply_reloads_its_script_on_a_restarted_master_only_where_refused(
         assert {int(k): int(v) for k, v in store.client.hgetall(attempts).items()} == {11: 2}
         assert store.client.hlen(leases) == 0
     claimed = store.claim(name, where[victim])
-    assert claimed.epoch == epochs[where[victim]] + 1 and claimed.settled == frozenset({10})
+    assert claimed.epoch > epochs[where[victim]] and claimed.settled == frozenset({10})
     store.delete_subscription(name)
 
 

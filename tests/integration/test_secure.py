@@ -92,7 +92,8 @@ def test_publish_subscribe_dead_letter_and_describe_through_tls_and_authenticati
             for letter in admin.list_dead_letters(name)] == [("key-0", topic, 5)]
     wait_until(lambda: admin.describe_subscription(name)["backlog"] == 0, 60, "the backlog described as 0")
 
-    consumer = OrderedConsumer({**kafka, "group.id": unique_name("sec-group")}, redis_url=secure.redis_url)
+    consumer = OrderedConsumer({**kafka, "group.id": unique_name("sec-group"), "auto.offset.reset": "earliest"},
+                               redis_url=secure.redis_url)
     consumer.subscribe([topic])
     seen: list[bytes] = []
     try:
