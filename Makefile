@@ -5,7 +5,8 @@ PY := $(VENV)/bin/python
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup system-deps python-deps jars demo test test-unit lint bench clean docker-engine images test-docker compose-check
+.PHONY: setup system-deps python-deps jars demo test test-unit lint bench clean docker-engine images test-docker compose-check \
+	test-redis-cluster test-secure
 
 setup: system-deps python-deps jars
 
@@ -43,6 +44,23 @@ test: setup
 
 test-unit: python-deps
 	$(PY) -m pytest -ra tests/unit
+
+# The session's Redis is a three-master Redis Cluster (ORDERING_LAYER_REDIS_CLUSTER=1): the subscriber,
+# lease/dead-letter, chaos (all masters killed and restarted) and launcher tests, and the cluster's
+# own (one master killed and restarted mid-subscription, script reload, scans of every primary).
+REDIS_CLUSTER_TESTS ?= tests/integration/test_subscriber.py tests/integration/test_leases_deadletters.py \
+	tests/integration/test_chaos.py tests/integration/test_stack.py tests/integration/test_redis_cluster.py
+
+test-redis-cluster: setup
+	ORDERING_LAYER_REDIS_CLUSTER=1 $(PY) -m pytest -ra $(REDIS_CLUSTER_TESTS)
+
+# The session's stack is secured (ORDERING_LAYER_SECURE=1: TLS with a CA made here, Kafka SASL/SCRAM,
+# a Redis ACL user): the subscriber, lease/dead-letter and chaos tests through it, and the secrets tests.
+SECURE_TESTS ?= tests/integration/test_subscriber.py tests/integration/test_leases_deadletters.py \
+	tests/integration/test_chaos.py tests/integration/test_secure.py
+
+test-secure: setup
+	ORDERING_LAYER_SECURE=1 $(PY) -m pytest -ra $(SECURE_TESTS)
 
 lint: python-deps
 	$(VENV)/bin/ruff check .

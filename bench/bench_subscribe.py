@@ -25,7 +25,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import redis
 from confluent_kafka import Consumer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -33,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import bench_stack, ratio_line
 from ordering_layer import Admin, FlowControl, Message, OrderedConsumer, OrderedProducer, RetryPolicy, Subscriber
 from ordering_layer.stack import Endpoints
+from ordering_layer.state.client import redis_client
 from ordering_layer.state.store import Op, OpKind
 from ordering_layer.subscriber.engine import Engine
 
@@ -158,7 +158,7 @@ def leases_off() -> Iterator[None]:
 
 def redis_round_trips(endpoints: Endpoints) -> int:
     """Commands sent by clients (those the Lua scripts run inside Redis excluded)."""
-    stats = redis.Redis.from_url(endpoints.redis_url).info("commandstats")
+    stats = redis_client(endpoints.redis_url).info("commandstats")
     return sum(int(v["calls"]) for k, v in stats.items() if k not in _INSIDE_SCRIPTS)
 
 

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, ConfigResource, NewPartitions, NewTopic  # type: ignore[attr-defined]
 
+from ordering_layer.auth import verify_kafka
 from ordering_layer.config import (
     DeadLetterPolicy,
     RetryPolicy,
@@ -74,12 +75,20 @@ class Admin:
     """Topic (and subscription) administration.
 
     Args:
-        config: confluent-kafka settings; ``bootstrap.servers`` is required.
-        redis_url: the Redis holding subscription state (needed for subscriptions only).
+        config: confluent-kafka settings; ``bootstrap.servers`` is required (with ``security.protocol``,
+            ``sasl.*`` and ``ssl.*`` for a secured cluster).
+        redis_url: the Redis holding subscription state (needed for subscriptions only); see
+            ``ordering_layer.state.client`` for its forms (TLS, ACL user, Redis Cluster).
+
+    Raises:
+        ConfigError: ``bootstrap.servers`` is missing or confluent-kafka refuses the config.
+        AuthenticationError: Kafka refused the credentials or the TLS handshake (``server="kafka"``);
+            Redis does so on first use of a subscription method (``server="redis"``).
     """
 
     def __init__(self, config: Mapping[str, Any], *, redis_url: str | None = None) -> None:
         require_bootstrap(config)
+        verify_kafka(config)
         conf = dict(config)
         conf.setdefault("logger", logging.getLogger("ordering_layer.kafka.admin"))
         try:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
-import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -20,10 +21,12 @@ from ordering_layer.publisher import OrderedProducer
 from ordering_layer.scheduler import cli as schedule_commands
 from ordering_layer.stack import Endpoints, get_backend
 from ordering_layer.stack.base import BROKER_COUNTS
+from ordering_layer.state.client import mask_url
 from ordering_layer.subscriber import Subscriber
 
 _ENV_BOOTSTRAP = "ORDERING_LAYER_BOOTSTRAP"
 _ENV_REDIS = "ORDERING_LAYER_REDIS_URL"
+_ENV_KAFKA_CONFIG = "ORDERING_LAYER_KAFKA_CONFIG"
 
 
 def _stack_option(func: Any) -> Any:
@@ -34,25 +37,55 @@ def _stack_option(func: Any) -> Any:
         func)
 
 
-def _server_options(func: Any) -> Any:
+@dataclass(frozen=True)
+class ServerOptions:
+    """The server options of a command, resolved to endpoints on demand."""
+
+    bootstrap: str | None
+    redis_url: str | None
+    kafka_config: str | None
+
+    def __repr__(self) -> str:
+        return f"ServerOptions({self.bootstrap!r}, {mask_url(self.redis_url or '')!r}, {self.kafka_config!r})"
+
+    def endpoints(self) -> Endpoints:
+        """See ``resolve_endpoints``."""
+        return resolve_endpoints(self.bootstrap, self.redis_url, self.kafka_config)
+
+
+def _server_options(command: Any) -> Any:
+    """Adds --bootstrap, --kafka-config and --redis-url; the command gets them as ``servers``."""
+
+    @functools.wraps(command)
+    def with_servers(*args: Any, bootstrap: str | None, redis_url: str | None, kafka_config: str | None,
+                     **kwargs: Any) -> Any:
+        return command(*args, servers=ServerOptions(bootstrap, redis_url, kafka_config), **kwargs)
+
+    func: Any = with_servers
     func = click.option("--bootstrap", envvar=_ENV_BOOTSTRAP, default=None,
                         help=f"Kafka bootstrap servers (default: ${_ENV_BOOTSTRAP}, then the local stack).")(func)
+    func = click.option("--kafka-config", envvar=_ENV_KAFKA_CONFIG, default=None,
+                        type=click.Path(exists=True, dir_okay=False),
+                        help="Properties file of further Kafka client settings (security.protocol, sasl.*, "
+                             f"ssl.*; default: ${_ENV_KAFKA_CONFIG}, then the local stack's).")(func)
     return click.option("--redis-url", envvar=_ENV_REDIS, default=None,
                         help=f"Redis URL (default: ${_ENV_REDIS}, then the local stack).")(func)
 
 
-def resolve_endpoints(bootstrap: str | None, redis_url: str | None) -> Endpoints:
+def resolve_endpoints(bootstrap: str | None, redis_url: str | None, kafka_config: str | None = None) -> Endpoints:
     """Explicit addresses, else the environment, else the running local stack."""
     if bootstrap and redis_url:
-        return Endpoints(bootstrap, redis_url)
+        return Endpoints(bootstrap, redis_url, kafka_config or "")
     try:
         local = get_backend().endpoints()
     except OrderingLayerError as exc:
         if bootstrap:
-            return Endpoints(bootstrap, redis_url or "")
+            return Endpoints(bootstrap, redis_url or "", kafka_config or "")
         raise click.ClickException(
             f"no servers named (--bootstrap/--redis-url or ${_ENV_BOOTSTRAP}/${_ENV_REDIS}) and {exc}") from exc
-    return Endpoints(bootstrap or local.bootstrap, redis_url or local.redis_url)
+    if bootstrap:
+        return Endpoints(bootstrap, redis_url or local.redis_url, kafka_config or "")
+    return Endpoints(local.bootstrap, redis_url or local.redis_url, kafka_config or local.kafka_config_file)
 
 
 @click.group()
@@ -74,13 +107,23 @@ def stack() -> None:
               help="1 broker, or a 3-broker KRaft cluster (topics get 3 replicas, min ISR 2). "
                    "Default: the running stack's count, else 1.")
 @_stack_option
-def stack_up(brokers: str | None, state_dir: Path | None, backend: str | None) -> None:
+@click.option("--redis-cluster", is_flag=True, default=None,
+              help="Redis as a three-master Redis Cluster (default: $ORDERING_LAYER_REDIS_CLUSTER).")
+@click.option("--secure", is_flag=True, default=None,
+              help="TLS with a CA made here, Kafka SASL/SCRAM and a Redis ACL user; one broker only "
+                   "(default: $ORDERING_LAYER_SECURE).")
+def stack_up(brokers: str | None, state_dir: Path | None, backend: str | None, redis_cluster: bool | None,
+             secure: bool | None) -> None:
     """Start the local Kafka broker(s) and Redis (harmless when they run already)."""
     try:
-        endpoints = get_backend(backend, state_dir).up(int(brokers) if brokers else None)
+        chosen = get_backend(backend, state_dir, redis_cluster=redis_cluster, secure=secure)
+        endpoints = chosen.up(int(brokers) if brokers else None)
     except OrderingLayerError as exc:
         raise click.ClickException(str(exc)) from exc
-    click.echo(f"Kafka  {endpoints.bootstrap}\nRedis  {endpoints.redis_url}")
+    click.echo(f"Kafka  {endpoints.bootstrap}\nRedis  {mask_url(endpoints.redis_url)}")
+    if endpoints.kafka_config_file:
+        click.echo(f"Kafka client settings  {endpoints.kafka_config_file}\n"
+                   "Client settings with secrets: eval \"$(ordering-layer stack env)\"")
     click.echo("Stop it with: ordering-layer stack down")
 
 
@@ -129,7 +172,8 @@ def stack_status(state_dir: Path | None, backend: str | None) -> None:
 @stack.command("env")
 @_stack_option
 def stack_env(state_dir: Path | None, backend: str | None) -> None:
-    """Print export lines for ORDERING_LAYER_BOOTSTRAP and ORDERING_LAYER_REDIS_URL."""
+    """Print export lines for ORDERING_LAYER_BOOTSTRAP, ORDERING_LAYER_REDIS_URL (with its password) and,
+    for a secured stack, ORDERING_LAYER_KAFKA_CONFIG."""
     try:
         endpoints = get_backend(backend, state_dir).endpoints()
     except OrderingLayerError as exc:
@@ -147,11 +191,11 @@ def topic() -> None:
 @click.argument("name")
 @click.option("--partitions", type=click.IntRange(min=1), default=1, show_default=True)
 @_server_options
-def topic_create(name: str, partitions: int, bootstrap: str | None, redis_url: str | None) -> None:
+def topic_create(name: str, partitions: int, servers: ServerOptions) -> None:
     """Create topic NAME."""
-    endpoints = resolve_endpoints(bootstrap, redis_url)
+    endpoints = servers.endpoints()
     try:
-        described = Admin({"bootstrap.servers": endpoints.bootstrap}).create_topic(name, partitions=partitions)
+        described = Admin(endpoints.kafka_config()).create_topic(name, partitions=partitions)
     except OrderingLayerError as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(f"created {described.name}: {described.partitions} partitions, {described.timestamp_type}")
@@ -160,11 +204,11 @@ def topic_create(name: str, partitions: int, bootstrap: str | None, redis_url: s
 @topic.command("describe")
 @click.argument("name")
 @_server_options
-def topic_describe(name: str, bootstrap: str | None, redis_url: str | None) -> None:
+def topic_describe(name: str, servers: ServerOptions) -> None:
     """Describe topic NAME (JSON)."""
-    endpoints = resolve_endpoints(bootstrap, redis_url)
+    endpoints = servers.endpoints()
     try:
-        described = Admin({"bootstrap.servers": endpoints.bootstrap}).describe_topic(name)
+        described = Admin(endpoints.kafka_config()).describe_topic(name)
     except OrderingLayerError as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(json.dumps({"name": described.name, "partitions": described.partitions,
@@ -181,12 +225,12 @@ def topic_describe(name: str, bootstrap: str | None, redis_url: str | None) -> N
               help="Split each line at the first SEPARATOR into ordering key and data (e.g. a tab).")
 @_server_options
 def publish(topic_name: str, source: TextIO, ordering_key: str | None, key_separator: str | None,
-            bootstrap: str | None, redis_url: str | None) -> None:
+            servers: ServerOptions) -> None:
     """Publish each line of a file or stdin as one message of TOPIC_NAME."""
-    endpoints = resolve_endpoints(bootstrap, redis_url)
+    endpoints = servers.endpoints()
     count = 0
     try:
-        with OrderedProducer({"bootstrap.servers": endpoints.bootstrap}) as producer:
+        with OrderedProducer(endpoints.kafka_config()) as producer:
             futures = []
             for line in source:
                 line = line.rstrip("\n")
@@ -211,25 +255,24 @@ def publish(topic_name: str, source: TextIO, ordering_key: str | None, key_separ
 @click.option("--partitions", type=click.IntRange(min=1), default=6, show_default=True)
 @click.option("--spark/--no-spark", default=True, show_default=True, help="Include the Spark step.")
 @_server_options
-def demo(messages: int, keys: int, partitions: int, spark: bool, bootstrap: str | None,
-         redis_url: str | None) -> None:
+def demo(messages: int, keys: int, partitions: int, spark: bool, servers: ServerOptions) -> None:
     """The main job end to end on the local stack (started if needed)."""
     from ordering_layer.demo import run
 
-    if not (bootstrap or os.environ.get(_ENV_BOOTSTRAP)):
+    if not servers.bootstrap:
         get_backend().up()
-    endpoints = resolve_endpoints(bootstrap, redis_url)
+    endpoints = servers.endpoints()
     ok = run(endpoints, messages=messages, keys=keys, partitions=partitions, out=click.echo, spark=spark)
     if not ok:
         sys.exit(1)
 
 
 # -- subscriptions -----------------------------------------------------------------------------------
-def _admin(bootstrap: str | None, redis_url: str | None) -> Admin:
-    endpoints = resolve_endpoints(bootstrap, redis_url)
+def _admin(servers: ServerOptions) -> Admin:
+    endpoints = servers.endpoints()
     if not endpoints.redis_url:
         raise click.ClickException(f"subscriptions need Redis: --redis-url or ${_ENV_REDIS}")
-    return Admin({"bootstrap.servers": endpoints.bootstrap}, redis_url=endpoints.redis_url)
+    return Admin(endpoints.kafka_config(), redis_url=endpoints.redis_url)
 
 
 @main.group()
@@ -251,10 +294,10 @@ def subscription() -> None:
 @_server_options
 def subscription_create(name: str, topic: str, ordering: bool, ack_deadline: float, min_backoff: float,
                         max_backoff: float, dead_letter_topic: str | None, max_delivery_attempts: int,
-                        dead_letter_mode: str, start: str, bootstrap: str | None, redis_url: str | None) -> None:
+                        dead_letter_mode: str, start: str, servers: ServerOptions) -> None:
     """Create subscription NAME of --topic."""
     try:
-        settings = _admin(bootstrap, redis_url).create_subscription(
+        settings = _admin(servers).create_subscription(
             name, topic=topic, enable_message_ordering=ordering, ack_deadline=ack_deadline,
             retry_policy=RetryPolicy(min_backoff, max_backoff),
             dead_letter_policy=DeadLetterPolicy(dead_letter_topic, max_delivery_attempts, dead_letter_mode)
@@ -269,11 +312,11 @@ def subscription_create(name: str, topic: str, ordering: bool, ack_deadline: flo
 @click.argument("name")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @_server_options
-def subscription_describe(name: str, as_json: bool, bootstrap: str | None, redis_url: str | None) -> None:
+def subscription_describe(name: str, as_json: bool, servers: ServerOptions) -> None:
     """Settings and, per partition: owner, epoch, committed offset, log end, backlog, outstanding
     messages, oldest unacked age, held and parked keys."""
     try:
-        described = _admin(bootstrap, redis_url).describe_subscription(name)
+        described = _admin(servers).describe_subscription(name)
     except OrderingLayerError as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(json.dumps(described.to_json(), indent=2) if as_json else render_description(described))
@@ -282,10 +325,10 @@ def subscription_describe(name: str, as_json: bool, bootstrap: str | None, redis
 @subscription.command("delete")
 @click.argument("name")
 @_server_options
-def subscription_delete(name: str, bootstrap: str | None, redis_url: str | None) -> None:
+def subscription_delete(name: str, servers: ServerOptions) -> None:
     """Delete subscription NAME (its settings, state and consumer group)."""
     try:
-        _admin(bootstrap, redis_url).delete_subscription(name)
+        _admin(servers).delete_subscription(name)
     except OrderingLayerError as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(f"deleted {name}")
@@ -297,12 +340,11 @@ def subscription_delete(name: str, bootstrap: str | None, redis_url: str | None)
 @click.option("--timeout", type=float, default=5.0, show_default=True, help="Seconds to wait for messages.")
 @click.option("--ack/--no-ack", default=True, show_default=True)
 @_server_options
-def pull(subscription_name: str, max_messages: int, timeout: float, ack: bool, bootstrap: str | None,
-         redis_url: str | None) -> None:
+def pull(subscription_name: str, max_messages: int, timeout: float, ack: bool, servers: ServerOptions) -> None:
     """Pull up to --max-messages of SUBSCRIPTION_NAME, print them, and ack them."""
-    endpoints = resolve_endpoints(bootstrap, redis_url)
+    endpoints = servers.endpoints()
     try:
-        with Subscriber({"bootstrap.servers": endpoints.bootstrap}, redis_url=endpoints.redis_url) as subscriber:
+        with Subscriber(endpoints.kafka_config(), redis_url=endpoints.redis_url) as subscriber:
             messages = subscriber.pull(subscription_name, max_messages=max_messages, timeout=timeout)
             for message in messages:
                 click.echo(f"{message.ordering_key or '-'}\tseq={message.sequence_number}\t"
@@ -326,10 +368,10 @@ def deadletter() -> None:
 @deadletter.command("list")
 @click.argument("subscription_name")
 @_server_options
-def deadletter_list(subscription_name: str, bootstrap: str | None, redis_url: str | None) -> None:
+def deadletter_list(subscription_name: str, servers: ServerOptions) -> None:
     """List the dead letters of SUBSCRIPTION_NAME, in order."""
     try:
-        letters = _admin(bootstrap, redis_url).list_dead_letters(subscription_name)
+        letters = _admin(servers).list_dead_letters(subscription_name)
     except OrderingLayerError as exc:
         raise click.ClickException(str(exc)) from exc
     for letter in letters:
@@ -343,11 +385,10 @@ def deadletter_list(subscription_name: str, bootstrap: str | None, redis_url: st
 @click.argument("subscription_name")
 @click.option("--topic", default=None, help="Republish here instead of the source topic.")
 @_server_options
-def deadletter_redrive(subscription_name: str, topic: str | None, bootstrap: str | None,
-                       redis_url: str | None) -> None:
+def deadletter_redrive(subscription_name: str, topic: str | None, servers: ServerOptions) -> None:
     """Republish the dead letters not redriven yet, per key in their original order."""
     try:
-        letters = _admin(bootstrap, redis_url).redrive_dead_letters(subscription_name, topic=topic)
+        letters = _admin(servers).redrive_dead_letters(subscription_name, topic=topic)
     except OrderingLayerError as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(f"redrove {len(letters)} dead letters")
@@ -357,4 +398,4 @@ main.add_command(schedule_commands.schedule)
 main.add_command(schedule_commands.scheduler)
 
 # -- prober ----------------------------------------------------------------------------------------
-main.add_command(prober_command(_server_options, resolve_endpoints))
+main.add_command(prober_command(_server_options))

@@ -10,6 +10,7 @@ import dataclasses
 import json
 from collections.abc import Mapping
 from datetime import datetime
+from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 from ordering_layer.errors import ConfigError
@@ -45,6 +46,32 @@ def require_bootstrap(config: Mapping[str, Any]) -> None:
     """Refuse a Kafka config without ``bootstrap.servers``."""
     if not str(config.get("bootstrap.servers") or "").strip():
         raise ConfigError("Kafka config needs 'bootstrap.servers' (for example '127.0.0.1:9092')")
+
+
+def read_kafka_properties(path: Path) -> dict[str, str]:
+    """Kafka client settings from a ``key=value`` properties file (``#`` comments, blank lines).
+
+    The format of Kafka's own ``client.properties``, restricted to one setting per line; the keys
+    are librdkafka's (``security.protocol``, ``sasl.username``, ``ssl.ca.location``, ...).
+
+    Raises:
+        ConfigError: the file cannot be read or a line is not ``key=value``.
+    """
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read Kafka config file {path}: {exc.strerror}") from None
+    settings = {}
+    for number, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith(("#", "!")):
+            continue
+        key, sep, value = line.partition("=")
+        if not sep or not key.strip():
+            # The line is not echoed: it may hold a password.
+            raise ConfigError(f"{path}:{number}: expected key=value")
+        settings[key.strip()] = value.strip()
+    return settings
 
 
 @dataclasses.dataclass(frozen=True)

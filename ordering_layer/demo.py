@@ -26,6 +26,7 @@ from ordering_layer.config import DeadLetterPolicy, RetryPolicy
 from ordering_layer.publisher import OrderedProducer, PublishResult
 from ordering_layer.record import attributes_of
 from ordering_layer.stack import Endpoints
+from ordering_layer.state.client import mask_url
 from ordering_layer.subscriber import Message, Subscriber
 
 
@@ -35,7 +36,7 @@ def run(endpoints: Endpoints, *, messages: int, keys: int, partitions: int,
     kafka = {"bootstrap.servers": endpoints.bootstrap}
     topic = f"demo-orders-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
     Admin(kafka).create_topic(topic, partitions=partitions)
-    out(f"== ordering-layer demo on Kafka {endpoints.bootstrap}, Redis {endpoints.redis_url}")
+    out(f"== ordering-layer demo on Kafka {endpoints.bootstrap}, Redis {mask_url(endpoints.redis_url)}")
     out(f"topic {topic}: {partitions} partitions, broker append time")
 
     start = time.perf_counter()

@@ -106,3 +106,14 @@ class UnsupportedOperationError(OrderingLayerError, NotImplementedError):
     def __init__(self, operation: str, reason: str) -> None:
         super().__init__(f"{operation} is not supported by ordering_layer: {reason}")
         self.operation = operation
+
+
+class AuthenticationError(OrderingLayerError):
+    """A server refused the layer's credentials or TLS handshake (wrong user, password or CA).
+
+    ``server`` names which one: ``"kafka"`` or ``"redis"``. The message never carries the secret.
+    """
+
+    def __init__(self, message: str, *, server: str) -> None:
+        super().__init__(message)
+        self.server = server

@@ -12,8 +12,17 @@ Installing ``ordering-layer`` registers this plugin, so a user's test module can
   started by the first test that asks for it, for tests that kill and restart brokers.
 
 Where the services come from: ``ORDERING_LAYER_BOOTSTRAP`` and ``ORDERING_LAYER_REDIS_URL`` name an
-existing cluster; otherwise the project's launcher starts them, as local processes
+existing cluster (``ORDERING_LAYER_KAFKA_CONFIG`` a properties file of further Kafka client settings,
+such as TLS and SASL); otherwise the project's launcher starts them, as local processes
 (``ORDERING_LAYER_STACK=local``, the default) or in containers (``ORDERING_LAYER_STACK=testcontainers``).
+The local stack runs Redis as a three-master Redis Cluster with ``ORDERING_LAYER_REDIS_CLUSTER=1`` and
+secures Kafka and Redis (TLS, SASL/SCRAM, an ACL user) with ``ORDERING_LAYER_SECURE=1``.
+
+Two more fixtures start their own servers, only in sessions whose tests ask for them:
+
+- ``ordering_layer_redis_cluster``: a three-master Redis Cluster (``RedisNodes``: its ``url()``,
+  ``stop_node``/``start_node`` for restart tests); the session's own when it runs one;
+- ``ordering_layer_secure_stack``: a secured Kafka + Redis stack (``LocalStack(secure=True)``).
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ import pytest
 from ordering_layer.admin import Admin
 from ordering_layer.config import SubscriptionSettings
 from ordering_layer.stack import Endpoints, LocalStack, StackBackend, get_backend
+from ordering_layer.stack.redis_nodes import RedisNodes
 
 
 @dataclass(frozen=True)
@@ -46,7 +56,7 @@ def _names_named_by_environment() -> Endpoints | None:
     bootstrap = os.environ.get("ORDERING_LAYER_BOOTSTRAP")
     redis_url = os.environ.get("ORDERING_LAYER_REDIS_URL")
     if bootstrap and redis_url:
-        return Endpoints(bootstrap, redis_url)
+        return Endpoints(bootstrap, redis_url, os.environ.get("ORDERING_LAYER_KAFKA_CONFIG", ""))
     return None
 
 
@@ -75,7 +85,8 @@ def kafka_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSta
     """
     if _names_named_by_environment() is not None:
         pytest.skip("services named by environment: no cluster whose brokers the tests may kill")
-    backend = LocalStack(Path(tmp_path_factory.mktemp("ordering-layer-cluster")))
+    # Redis as the session's variant asks; never secured, which a three-broker stack does not offer.
+    backend = LocalStack(Path(tmp_path_factory.mktemp("ordering-layer-cluster")), secure=False)
     try:
         backend.up(brokers=3)
         yield backend
@@ -106,9 +117,42 @@ def redis_url(ordering_layer_endpoints: Endpoints) -> str:
 
 
 @pytest.fixture(scope="session")
-def kafka_config(kafka_bootstrap: str) -> dict[str, Any]:
-    """A confluent-kafka config naming the session's broker."""
-    return {"bootstrap.servers": kafka_bootstrap}
+def kafka_config(ordering_layer_endpoints: Endpoints) -> dict[str, Any]:
+    """A confluent-kafka config naming the session's broker (with its security settings, if any)."""
+    return ordering_layer_endpoints.kafka_config()
+
+
+@pytest.fixture(scope="session")
+def ordering_layer_redis_cluster(ordering_layer_stack: StackBackend | None,
+                                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisNodes]:
+    """A three-master Redis Cluster: the session stack's when it runs one, else one started for the
+    session (stopped at its end)."""
+    if isinstance(ordering_layer_stack, LocalStack) and ordering_layer_stack.redis_node_count() > 1:
+        yield ordering_layer_stack.redis_nodes()
+        return
+    nodes = RedisNodes(Path(tmp_path_factory.mktemp("ordering-layer-redis-cluster")), count=3, cluster=True)
+    try:
+        nodes.up()
+        yield nodes
+    finally:
+        nodes.stop()
+
+
+@pytest.fixture(scope="session")
+def ordering_layer_secure_stack(ordering_layer_stack: StackBackend | None,
+                                tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
+    """A secured local stack (TLS, Kafka SASL/SCRAM, a Redis ACL user): the session's when it is one,
+    else one started for the session (stopped at its end)."""
+    if isinstance(ordering_layer_stack, LocalStack) and ordering_layer_stack.status().get("secure"):
+        yield ordering_layer_stack
+        return
+    stack = LocalStack(Path(tmp_path_factory.mktemp("ordering-layer-secure-stack")), secure=True,
+                       redis_cluster=False)
+    try:
+        stack.up()
+        yield stack
+    finally:
+        stack.down()
 
 
 @pytest.fixture(scope="session")

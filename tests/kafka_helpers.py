@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPartition
 from confluent_kafka import Message as KafkaMessage
 
 
-def read_topic(bootstrap: str, topic: str, expected: int, timeout: float = 60.0) -> list[KafkaMessage]:
-    """Every record of ``topic`` from the start, waiting until ``expected`` have arrived."""
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"reader-{uuid.uuid4().hex}",
+def read_topic(kafka: str | Mapping[str, Any], topic: str, expected: int, timeout: float = 60.0) -> list[KafkaMessage]:
+    """Every record of ``topic`` from the start, waiting until ``expected`` have arrived.
+
+    ``kafka`` is a bootstrap address or a client config (with its security settings).
+    """
+    config = {"bootstrap.servers": kafka} if isinstance(kafka, str) else dict(kafka)
+    consumer = Consumer({**config, "group.id": f"reader-{uuid.uuid4().hex}",
                          "enable.auto.commit": False})
     try:
         metadata = consumer.list_topics(topic, timeout=10)

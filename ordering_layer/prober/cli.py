@@ -107,7 +107,7 @@ _OPTIONS = [
                  help="--from-events: seconds events are held back to merge the files in time order."),
     click.option("--max-examples", type=click.IntRange(min=0), default=20, show_default=True,
                  help="Violation examples kept per kind."),
-    click.option("-X", "--kafka-config", "kafka_settings", multiple=True, metavar="NAME=VALUE",
+    click.option("-X", "--kafka-setting", "kafka_settings", multiple=True, metavar="NAME=VALUE",
                  help="A confluent-kafka setting for the producer and the subscriber (repeatable), for example "
                       "-X session.timeout.ms=6000."),
     click.option("--summary", "summary_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
@@ -118,19 +118,19 @@ _OPTIONS = [
 ]
 
 
-def prober_command(server_options: Callable[[Any], Any],
-                   resolve_endpoints: Callable[[str | None, str | None], Endpoints]) -> click.Command:
-    """The ``prober`` command, with the main CLI's ``--bootstrap``/``--redis-url`` options and their
-    resolution (passed in: the main CLI imports this module to register the command)."""
+def prober_command(server_options: Callable[[Any], Any]) -> click.Command:
+    """The ``prober`` command, with the main CLI's server options (``--bootstrap``, ``--redis-url``,
+    ``--kafka-config``), passed in: the main CLI imports this module to register the command. They
+    reach the command as ``servers``, whose ``endpoints()`` resolves them."""
 
-    def prober(bootstrap: str | None, redis_url: str | None, **options: Any) -> None:
+    def prober(servers: Any, **options: Any) -> None:
         """Publish per-key sequences, subscribe with random nacks and delays, and verify per-key order
         (SUB-1), cascades (SUB-4), affinity (SUB-5), nothing lost (SUB-3) and attempts (ACK-6).
 
         Prints a JSON summary; exit status 0 when every property held, 1 on any violation or loss,
         2 when the run could not be made.
         """
-        _run(resolve_endpoints(bootstrap, redis_url), **options)
+        _run(servers.endpoints(), **options)
 
     command: Any = server_options(prober)
     for option in reversed(_OPTIONS):
@@ -159,7 +159,9 @@ def _run(endpoints: Endpoints, summary_file: Path | None, progress: bool, progre
             subscriber_id=subscriber_id or f"{socket.gethostname()}-{os.getpid()}",
             expect=load_expectations(expect_file) if expect_file else None)
         line = ProgressLine(interval=progress_interval) if progress else None
-        run = ProbeRun({**_kafka_settings(kafka_settings), "bootstrap.servers": endpoints.bootstrap},
+        kafka = {**endpoints.kafka_config(), **_kafka_settings(kafka_settings),
+                 "bootstrap.servers": endpoints.bootstrap}
+        run = ProbeRun(kafka,
                        endpoints.redis_url, opts,
                        progress=line.update if line else None)
         with _stopping_on_signals(run.stop):

@@ -43,7 +43,7 @@ def _endpoints(bootstrap: str | None, redis_url: str | None) -> Endpoints:
 
 def _book(bootstrap: str | None, redis_url: str | None, schedule_topic: str) -> ScheduleBook:
     endpoints = _endpoints(bootstrap, redis_url)
-    return ScheduleBook({"bootstrap.servers": endpoints.bootstrap}, endpoints.redis_url,
+    return ScheduleBook(endpoints.kafka_config(), endpoints.redis_url,
                         SchedulerSettings(schedule_topic=schedule_topic))
 
 
@@ -104,7 +104,7 @@ def schedule_publish(topic_name: str, at: str | None, delay: float | None, data:
     payload = data.encode() if data is not None else source.read()
     endpoints = _endpoints(bootstrap, redis_url)
     try:
-        with OrderedProducer({"bootstrap.servers": endpoints.bootstrap}, redis_url=endpoints.redis_url,
+        with OrderedProducer(endpoints.kafka_config(), redis_url=endpoints.redis_url,
                              settings={"scheduler": False, "schedule_topic": schedule_topic}) as producer:
             schedule_id = producer.schedule(topic_name, payload, ordering_key, pairs or None, enqueue_at=when)
     except OrderingLayerError as exc:
@@ -160,7 +160,7 @@ def scheduler(lease: float, batch: int, schedule_topic: str, bootstrap: str | No
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        running = Scheduler({"bootstrap.servers": endpoints.bootstrap}, endpoints.redis_url,
+        running = Scheduler(endpoints.kafka_config(), endpoints.redis_url,
                             settings=SchedulerSettings(schedule_topic=schedule_topic, lease=lease, batch=batch))
         running.start()
     except OrderingLayerError as exc:

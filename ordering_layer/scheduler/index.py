@@ -15,10 +15,9 @@ from importlib import resources
 from typing import Any, NamedTuple
 
 import redis
-from redis.backoff import ExponentialBackoff
-from redis.retry import Retry
 
 from ordering_layer.scheduler.records import CancelResult, ScheduledMessage, ScheduleState
+from ordering_layer.state.client import redis_client
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -54,22 +53,20 @@ class ScheduleIndex:
     """Typed access to the Redis time index of one schedule topic.
 
     Args:
-        redis_url: e.g. ``redis://127.0.0.1:6379/0``.
+        redis_url: e.g. ``redis://127.0.0.1:6379/0``, ``redis+cluster://h1:7000,h2:7001/`` (see
+            ``ordering_layer.state.client``).
         schedule_topic: the schedule topic the index belongs to.
     """
 
     def __init__(self, redis_url: str, schedule_topic: str) -> None:
-        self.client = redis.Redis.from_url(
-            redis_url, socket_timeout=5.0, socket_connect_timeout=5.0,
-            retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=5),
-            retry_on_error=[redis.ConnectionError, redis.TimeoutError])
+        self.client = redis_client(redis_url)
         self.keys = index_keys(schedule_topic)
         self._lock_key = self.keys[0].rsplit(":", 1)[0] + ":rebuild-lock"
-        self._add = self.client.register_script(_script("add"))
-        self._claim = self.client.register_script(_script("claim"))
-        self._complete = self.client.register_script(_script("complete"))
-        self._cancel = self.client.register_script(_script("cancel"))
-        self._sweep = self.client.register_script(_script("sweep"))
+        self._add = self.client.register_script(_script("add"))  # type: ignore[union-attr]
+        self._claim = self.client.register_script(_script("claim"))  # type: ignore[union-attr]
+        self._complete = self.client.register_script(_script("complete"))  # type: ignore[union-attr]
+        self._cancel = self.client.register_script(_script("cancel"))  # type: ignore[union-attr]
+        self._sweep = self.client.register_script(_script("sweep"))  # type: ignore[union-attr]
 
     def add(self, message: ScheduledMessage) -> bool:
         """Index a PENDING message; False when the id is done or being activated already."""
@@ -105,7 +102,8 @@ class ScheduleIndex:
 
     def restore(self, messages: Sequence[ScheduledMessage]) -> None:
         """Load the last record of each id read from the topic (a rebuild), in one pipeline."""
-        pipe = self.client.pipeline(transaction=False)
+        # A cluster pipeline takes no Script: there the scripts run one by one (a rebuild is rare).
+        pipe: Any = self.client.pipeline(transaction=False) if isinstance(self.client, redis.Redis) else self.client
         for message in messages:
             if message.state is ScheduleState.PENDING:
                 self._add(keys=self.keys, args=[message.schedule_id, message.enqueue_at_ms, message.encode()],
@@ -113,7 +111,8 @@ class ScheduleIndex:
             else:
                 self._complete(keys=self.keys, args=[message.done_at_ms or 0, message.state.value,
                                                      message.schedule_id], client=pipe)
-        pipe.execute()
+        if pipe is not self.client:
+            pipe.execute()
 
     def is_built(self) -> bool:
         """True while the index holds every schedule the topic holds."""

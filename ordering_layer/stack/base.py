@@ -9,13 +9,17 @@ container backend runs a single node behind testcontainers.
 from __future__ import annotations
 
 import json
+import shlex
 import socket
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ordering_layer.config import read_kafka_properties
 from ordering_layer.errors import StackError
+from ordering_layer.stack.processes import write_private
+from ordering_layer.state.client import mask_url
 
 #: Broker settings every backend's single-node Kafka uses (besides its listeners and log folder).
 BROKER_SETTINGS: dict[str, str] = {
@@ -67,17 +71,36 @@ def free_port() -> int:
 
 @dataclass(frozen=True)
 class Endpoints:
-    """Where a running stack answers."""
+    """Where a running stack answers, and how to talk to it.
+
+    ``redis_url`` may carry a password; ``kafka_config_file`` names a properties file of the Kafka
+    client settings besides ``bootstrap.servers`` (TLS, SASL), empty for a plain broker. ``repr``
+    masks the password.
+    """
 
     bootstrap: str
     redis_url: str
+    kafka_config_file: str = ""
+
+    def __repr__(self) -> str:
+        return (f"Endpoints(bootstrap={self.bootstrap!r}, redis_url={mask_url(self.redis_url)!r}, "
+                f"kafka_config_file={self.kafka_config_file!r})")
+
+    def kafka_config(self) -> dict[str, Any]:
+        """A confluent-kafka config for this stack: ``bootstrap.servers`` plus the file's settings."""
+        settings = read_kafka_properties(Path(self.kafka_config_file)) if self.kafka_config_file else {}
+        return {**settings, "bootstrap.servers": self.bootstrap}
 
     def env_lines(self) -> list[str]:
-        """Shell ``export`` lines naming this stack for the CLI, tests and benchmarks."""
-        return [
-            f"export ORDERING_LAYER_BOOTSTRAP={self.bootstrap}",
-            f"export ORDERING_LAYER_REDIS_URL={self.redis_url}",
+        """Shell ``export`` lines naming this stack for the CLI, tests and benchmarks (the Redis URL
+        with its password: the lines are what a client needs)."""
+        lines = [
+            f"export ORDERING_LAYER_BOOTSTRAP={shlex.quote(self.bootstrap)}",
+            f"export ORDERING_LAYER_REDIS_URL={shlex.quote(self.redis_url)}",
         ]
+        if self.kafka_config_file:
+            lines.append(f"export ORDERING_LAYER_KAFKA_CONFIG={shlex.quote(self.kafka_config_file)}")
+        return lines
 
 
 class StackBackend(ABC):
@@ -131,6 +154,19 @@ class StackBackend(ABC):
     def start_redis(self) -> None:
         """Start Redis again on the same address and wait until it answers PING."""
 
+    def redis_node_count(self) -> int:
+        """How many Redis servers run (the masters of a Redis Cluster, else 1)."""
+        return 1
+
+    def stop_redis_node(self, index: int, *, kill: bool = False) -> None:
+        """Stop one Redis server (a cluster master) keeping its data. Raises ``StackError`` when
+        the backend runs no Redis Cluster."""
+        raise StackError(f"{type(self).__name__} runs no Redis Cluster")
+
+    def start_redis_node(self, index: int) -> None:
+        """Start one Redis server again and wait until the cluster serves every slot."""
+        raise StackError(f"{type(self).__name__} runs no Redis Cluster")
+
 
 class FolderStateBackend(StackBackend, ABC):
     """A backend that keeps its state (ports, process or container ids) in ``state_dir/state.json``,
@@ -148,10 +184,8 @@ class FolderStateBackend(StackBackend, ABC):
         return loaded
 
     def _save(self, state: dict[str, Any]) -> None:
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-        tmp = self._state_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(state, indent=2))
-        tmp.replace(self._state_file)
+        # Owner-only: a secured stack keeps its generated passwords here.
+        write_private(self._state_file, json.dumps(state, indent=2))
 
     def _state_or_fail(self) -> dict[str, Any]:
         state = self._load()

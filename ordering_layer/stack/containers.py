@@ -25,12 +25,12 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
-import redis
 from confluent_kafka.admin import AdminClient
 
 from ordering_layer.errors import StackError
 from ordering_layer.stack.base import BROKER_SETTINGS, Endpoints, FolderStateBackend, free_port
 from ordering_layer.stack.jars import cache_dir, kafka_version
+from ordering_layer.state.client import redis_client
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -286,7 +286,7 @@ class ContainerStack(FolderStateBackend):
         self._stop("redis", kill=kill)
 
     def start_redis(self) -> None:
-        client = redis.Redis.from_url(self.endpoints().redis_url, socket_timeout=2)
+        client = redis_client(self.endpoints().redis_url)
 
         def answers() -> bool:
             return bool(client.ping())

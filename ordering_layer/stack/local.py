@@ -3,8 +3,18 @@
 Kafka runs as one combined broker + controller node, or as three such nodes forming a three-voter
 controller quorum (``up(brokers=3)``) whose topics keep three replicas. Every process is a child in
 its own session on 127.0.0.1 and free ports. Everything lives in one state folder (``state.json``,
-``broker-<node>/`` with each broker's config, data and log, Redis' data and log), so ``down``,
-``status``, ``env`` and ``kill-broker`` of a later CLI call find a stack that an earlier one started.
+``broker-<node>/`` with each broker's config, data and log, ``redis/`` with each Redis server's), so
+``down``, ``status``, ``env`` and ``kill-broker`` of a later CLI call find a stack that an earlier
+one started.
+
+Two variants, chosen when the stack is first started and kept in its state:
+
+- ``redis_cluster``: Redis is a Redis Cluster of three masters (``redis+cluster://`` URL).
+- ``secure`` (one broker only): a CA and a server certificate are made for 127.0.0.1/localhost; the
+  broker's client listener is SASL_SSL with SCRAM-SHA-512 (users created when the storage is
+  formatted), Redis speaks TLS only and admits one ACL user with a password. The controller listener
+  stays plaintext on the loopback interface (KRaft cannot authenticate it with SCRAM). Clients find
+  their settings in ``client.properties`` and the ``rediss://`` URL (``ordering-layer stack env``).
 """
 
 from __future__ import annotations
@@ -13,6 +23,7 @@ import base64
 import contextlib
 import logging
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -21,7 +32,6 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import redis
 from confluent_kafka.admin import AdminClient
 
 from ordering_layer.errors import StackError
@@ -33,17 +43,25 @@ from ordering_layer.stack.base import (
     check_broker_count,
     free_port,
 )
+from ordering_layer.stack.certs import TlsFiles, make_certificates
 from ordering_layer.stack.jars import cache_dir, kafka_jars
+from ordering_layer.stack.processes import START_TIMEOUT, alive, spawn, wait_until, write_private
+from ordering_layer.stack.redis_nodes import RedisAccess, RedisNodes
+from ordering_layer.state.client import mask_url
 
 _LOGGER = logging.getLogger(__name__)
 
 _BROKER_HEAP = "-Xmx512m"
 _CLUSTER_BROKER_HEAP = "-Xmx384m"
-_START_TIMEOUT = 90.0
 # Three JVMs starting (or one catching up) on two busy cores take longer than one alone.
 _CLUSTER_START_TIMEOUT = 180.0
 _STOP_TIMEOUT = 30.0
 _HOST = "127.0.0.1"
+_CLUSTER_MASTERS = 3
+_SCRAM = "SCRAM-SHA-512"
+_KAFKA_BROKER_USER = "ol-broker"
+_KAFKA_CLIENT_USER = "ol-client"
+_REDIS_USER = "ol"
 
 _LOG4J2 = """\
 status = error
@@ -73,14 +91,18 @@ def kafka_uuid() -> str:
             return text
 
 
-def new_state(brokers: int) -> dict[str, Any]:
-    """The state of a stack not started yet: cluster id, Redis port, and per broker its node id,
-    client and controller ports and storage directory id (all kept across restarts).
+def new_state(brokers: int, *, redis_cluster: bool = False, secure: bool = False) -> dict[str, Any]:
+    """The state of a stack not started yet: cluster id, the Redis port (of a single server; a
+    cluster's masters take theirs when first started), the variant, generated secrets of a secured
+    stack, and per broker its node id, client and controller ports and storage directory id (all
+    kept across restarts).
 
     Raises:
-        StackError: ``brokers`` is not a count a stack runs.
+        StackError: ``brokers`` is not a count a stack runs, or a secured stack of several brokers.
     """
     check_broker_count(brokers)
+    if secure and brokers > 1:
+        raise StackError("a secured stack runs one broker: use --secure without --brokers 3")
     ports: list[int] = []
     while len(ports) < 2 * brokers + 1:
         port = free_port()
@@ -88,27 +110,49 @@ def new_state(brokers: int) -> dict[str, Any]:
             ports.append(port)
     nodes = [{"node": n, "port": ports[2 * n - 2], "controller_port": ports[2 * n - 1],
               "directory_id": kafka_uuid(), "pid": None} for n in range(1, brokers + 1)]
-    return {"brokers": brokers, "cluster_id": kafka_uuid(), "redis_port": ports[-1], "redis_pid": None,
-            "nodes": nodes}
+    state: dict[str, Any] = {"brokers": brokers, "cluster_id": kafka_uuid(), "redis_port": ports[-1],
+                             "redis_cluster": redis_cluster, "secure": secure, "nodes": nodes}
+    if secure:
+        state["secrets"] = {name: secrets.token_urlsafe(18)
+                            for name in ("kafka_broker", "kafka_client", "redis", "keystore")}
+    return state
 
 
-def broker_properties(state: dict[str, Any], node: dict[str, Any], data: Path) -> dict[str, str]:
-    """``server.properties`` of one combined broker + controller node of the stack in ``state``."""
+def broker_properties(state: dict[str, Any], node: dict[str, Any], data: Path,
+                      tls: TlsFiles | None = None) -> dict[str, str]:
+    """``server.properties`` of one combined broker + controller node of the stack in ``state``;
+    with ``tls`` (a secured stack) its client and inter-broker listener is SASL_SSL."""
     nodes = state["nodes"]
-    listeners = f"PLAINTEXT://{_HOST}:{node['port']},CONTROLLER://{_HOST}:{node['controller_port']}"
-    return {
+    name = "SASL_SSL" if tls else "PLAINTEXT"
+    listeners = f"{name}://{_HOST}:{node['port']},CONTROLLER://{_HOST}:{node['controller_port']}"
+    props = {
         "process.roles": "broker,controller",
         "node.id": str(node["node"]),
         "controller.quorum.bootstrap.servers": ",".join(f"{_HOST}:{n['controller_port']}" for n in nodes),
         "listeners": listeners,
         "advertised.listeners": listeners,
         "controller.listener.names": "CONTROLLER",
-        "inter.broker.listener.name": "PLAINTEXT",
-        "listener.security.protocol.map": "CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT",
+        "inter.broker.listener.name": name,
+        "listener.security.protocol.map": f"CONTROLLER:PLAINTEXT,{name}:{name}",
         "log.dirs": str(data),
         **BROKER_SETTINGS,
         **(CLUSTER_SETTINGS if len(nodes) > 1 else {}),
     }
+    if tls is None:
+        return props
+    keystore_password = state["secrets"]["keystore"]
+    jaas = (f'org.apache.kafka.common.security.scram.ScramLoginModule required username="{_KAFKA_BROKER_USER}" '
+            f'password="{state["secrets"]["kafka_broker"]}";')
+    return {**props,
+            "sasl.enabled.mechanisms": _SCRAM,
+            "sasl.mechanism.inter.broker.protocol": _SCRAM,
+            f"listener.name.sasl_ssl.{_SCRAM.lower()}.sasl.jaas.config": jaas,
+            "ssl.keystore.type": "PKCS12",
+            "ssl.keystore.location": str(tls.keystore),
+            "ssl.keystore.password": keystore_password,
+            "ssl.key.password": keystore_password,
+            "ssl.truststore.type": "PEM",
+            "ssl.truststore.location": str(tls.ca)}
 
 
 def quorum_arguments(state: dict[str, Any]) -> list[str]:
@@ -121,43 +165,21 @@ def quorum_arguments(state: dict[str, Any]) -> list[str]:
     return ["--initial-controllers", voters]
 
 
-def _alive(pid: int | None) -> bool:
-    if not pid:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().split()[2] != "Z"
-    except OSError:
-        return True
-
-
-def _wait(check: Any, what: str, pid: int, log: Path, timeout: float = _START_TIMEOUT) -> None:
-    """Poll ``check()`` until it is true; fail early when the process died, naming its log."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not _alive(pid):
-            tail = log.read_text(errors="replace")[-3000:] if log.exists() else ""
-            raise StackError(f"{what} exited during start; last lines of {log}:\n{tail}")
-        try:
-            if check():
-                return
-        except Exception:  # noqa: BLE001 - not answering yet is the expected state here
-            pass
-        time.sleep(0.2)
-    raise StackError(f"{what} did not answer within {timeout:.0f} s; see {log}")
-
-
 class LocalStack(FolderStateBackend):
-    """Kafka (one node or a three-node cluster) + Redis as local processes, state kept in ``state_dir``."""
+    """Kafka (one node or a three-node cluster) + Redis as local processes, state kept in ``state_dir``.
 
-    def __init__(self, state_dir: Path | None = None) -> None:
+    Args:
+        state_dir: the state folder (default ``default_state_dir()``).
+        redis_cluster: run Redis as a three-master Redis Cluster. None: as the running stack was
+            started, else ``$ORDERING_LAYER_REDIS_CLUSTER`` (``1`` for yes), else no.
+        secure: TLS and authentication on Kafka and Redis (one broker only). None: as the running
+            stack was started, else ``$ORDERING_LAYER_SECURE``, else no.
+    """
+
+    def __init__(self, state_dir: Path | None = None, *, redis_cluster: bool | None = None,
+                 secure: bool | None = None) -> None:
         super().__init__(Path(state_dir) if state_dir else default_state_dir())
+        self._requested = {"redis_cluster": redis_cluster, "secure": secure}
 
     def _load(self) -> dict[str, Any]:
         state = super()._load()
@@ -165,6 +187,30 @@ class LocalStack(FolderStateBackend):
             raise StackError(f"{self._state_file} has no broker list (written by an older ordering-layer): "
                              f"stop the processes it names and remove {self.state_dir}")
         return state
+
+    # -- variant and secrets ---------------------------------------------------------------------
+    def _variant(self) -> dict[str, bool]:
+        return {name: bool(int(os.environ.get(f"ORDERING_LAYER_{name.upper()}", "0") or "0"))
+                if requested is None else requested for name, requested in self._requested.items()}
+
+    def _check_variant(self, state: dict[str, Any]) -> None:
+        for name, requested in self._requested.items():
+            if requested is not None and requested != bool(state.get(name)):
+                raise StackError(f"the stack in {self.state_dir} runs with {name}={bool(state.get(name))}; "
+                                 "stop it first ('ordering-layer stack down')")
+
+    def _tls(self, state: dict[str, Any]) -> TlsFiles | None:
+        if not state.get("secure"):
+            return None
+        return make_certificates(self.state_dir / "tls", state["secrets"]["keystore"])
+
+    def _redis(self, state: dict[str, Any] | None = None) -> RedisNodes:
+        state = state or self._state_or_fail()
+        tls = self._tls(state)
+        access = RedisAccess(tls, _REDIS_USER, state["secrets"]["redis"]) if tls else RedisAccess()
+        if state.get("redis_cluster"):
+            return RedisNodes(self.state_dir / "redis", count=_CLUSTER_MASTERS, cluster=True, access=access)
+        return RedisNodes(self.state_dir / "redis", access=access, ports=[int(state["redis_port"])])
 
     # -- public ----------------------------------------------------------------------------------
     def up(self, brokers: int | None = None) -> Endpoints:
@@ -174,18 +220,19 @@ class LocalStack(FolderStateBackend):
             brokers: 1 or 3; default: the count of the stack in the state folder, else 1.
 
         Raises:
-            StackError: java, redis-server or Maven is missing, a service did not come up, or the
-                state folder holds a stack of another broker count.
+            StackError: java, redis-server or Maven is missing, a service did not come up, the
+                state folder holds a stack of another broker count or variant, or a secured stack
+                of three brokers was asked for.
         """
         state = self._load()
         if not state:
-            state = new_state(brokers or 1)
+            state = new_state(brokers or 1, **self._variant())
             self._save(state)
         elif brokers is not None and brokers != state["brokers"]:
             raise StackError(f"{self.state_dir} holds a stack of {state['brokers']} broker(s), not {brokers}: "
                              "run 'ordering-layer stack down' first")
-        if not _alive(state.get("redis_pid")):
-            self.start_redis()
+        self._check_variant(state)
+        self._redis(state).up()
         self.start_broker()
         return self.endpoints()
 
@@ -195,67 +242,65 @@ class LocalStack(FolderStateBackend):
             # The data goes next, so a controlled shutdown (slow once the quorum loses its majority)
             # protects nothing.
             self.stop_broker(kill=True)
-            self.stop_redis()
+            self.stop_redis(kill=True)
         shutil.rmtree(self.state_dir, ignore_errors=True)
 
     def endpoints(self) -> Endpoints:
         state = self._state_or_fail()
         return Endpoints(
             bootstrap=",".join(f"{_HOST}:{n['port']}" for n in state["nodes"]),
-            redis_url=f"redis://{_HOST}:{state['redis_port']}/0",
+            redis_url=self._redis(state).url(),
+            kafka_config_file=str(self._client_properties(state)) if state.get("secure") else "",
         )
 
     def status(self) -> dict[str, Any]:
         state = self._load()
         if not state:
             return {"backend": "local", "state_dir": str(self.state_dir), "up": False}
-        brokers = [{"node": n["node"], "running": _alive(n.get("pid")), "pid": n.get("pid"),
+        brokers = [{"node": n["node"], "running": alive(n.get("pid")), "pid": n.get("pid"),
                     "address": f"{_HOST}:{n['port']}"} for n in state["nodes"]]
         kafka_up = all(broker["running"] for broker in brokers)
-        redis_up = _alive(state.get("redis_pid"))
+        redis = self._redis(state)
+        redis_up = all(redis.running())
         endpoints = self.endpoints()
         return {
             "backend": "local",
             "state_dir": str(self.state_dir),
             "up": kafka_up and redis_up,
-            "kafka": {"running": kafka_up, "bootstrap": endpoints.bootstrap, "brokers": brokers},
-            "redis": {"running": redis_up, "pid": state.get("redis_pid"), "url": endpoints.redis_url},
+            "secure": bool(state.get("secure")),
+            "redis_cluster": bool(state.get("redis_cluster")),
+            "kafka": {"running": kafka_up, "bootstrap": endpoints.bootstrap, "brokers": brokers,
+                      "config_file": endpoints.kafka_config_file or None},
+            "redis": {"running": redis_up, "pid": redis.pids()[0], "pids": redis.pids(),
+                      "url": mask_url(endpoints.redis_url)},
         }
 
     # -- Redis -----------------------------------------------------------------------------------
     def start_redis(self) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise StackError("redis-server not found: apt-get install -y redis-server (or run 'make setup')")
-        state = self._state_or_fail()
-        if _alive(state.get("redis_pid")):
-            return
-        data = self.state_dir / "redis"
-        data.mkdir(parents=True, exist_ok=True)
-        log = self.state_dir / "redis.log"
-        port = int(state["redis_port"])
-        with open(log, "ab") as out:
-            proc = subprocess.Popen(
-                [binary, "--port", str(port), "--bind", _HOST, "--dir", str(data),
-                 "--appendonly", "yes", "--appendfsync", "everysec", "--save", "",
-                 "--daemonize", "no", "--protected-mode", "no"],
-                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-        state["redis_pid"] = proc.pid
-        self._save(state)
-        client = redis.Redis(host=_HOST, port=port, socket_timeout=1.0)
-        try:
-            _wait(lambda: client.ping(), "redis-server", proc.pid, log)
-        finally:
-            client.close()
+        self._redis().up()
 
     def stop_redis(self, *, kill: bool = False) -> None:
-        state = self._load()
-        if state:
-            _terminate([state.get("redis_pid")], kill=kill)
-            state["redis_pid"] = None
-            self._save(state)
+        self._redis().stop(kill=kill)
+
+    def redis_node_count(self) -> int:
+        return self._redis().count
+
+    def stop_redis_node(self, index: int, *, kill: bool = False) -> None:
+        redis = self._redis()
+        if not redis.cluster:
+            super().stop_redis_node(index, kill=kill)
+        redis.stop_node(index, kill=kill)
+
+    def start_redis_node(self, index: int) -> None:
+        redis = self._redis()
+        if not redis.cluster:
+            super().start_redis_node(index)
+        redis.start_node(index)
+        redis.wait_cluster_ok()
+
+    def redis_nodes(self) -> RedisNodes:
+        """The Redis servers of this stack (for tests that look at single nodes)."""
+        return self._redis()
 
     # -- Kafka -----------------------------------------------------------------------------------
     def start_broker(self, *, node: int | None = None) -> None:
@@ -276,6 +321,18 @@ class LocalStack(FolderStateBackend):
     def _broker_dir(self, node: int) -> Path:
         return self.state_dir / f"broker-{node}"
 
+    def _client_properties(self, state: dict[str, Any]) -> Path:
+        """The client settings file of a secured stack (written on first use)."""
+        path = self.state_dir / "client.properties"
+        if not path.exists():
+            tls = self._tls(state)
+            assert tls is not None
+            settings = {"security.protocol": "SASL_SSL", "sasl.mechanism": _SCRAM,
+                        "sasl.username": _KAFKA_CLIENT_USER, "sasl.password": state["secrets"]["kafka_client"],
+                        "ssl.ca.location": str(tls.ca)}
+            write_private(path, "".join(f"{k}={v}\n" for k, v in settings.items()))
+        return path
+
     def _java(self, state: dict[str, Any]) -> list[str]:
         java = shutil.which("java")
         if java is None:
@@ -285,39 +342,45 @@ class LocalStack(FolderStateBackend):
                 f"-Dlog4j2.configurationFile={self.state_dir / 'log4j2.properties'}",
                 "-cp", f"{kafka_jars()}/*"]
 
+    def _format_storage(self, state: dict[str, Any], entry: dict[str, Any], config: Path) -> None:
+        # "--cluster-id=": a base64 id may start with "-", which argparse would take for an option.
+        command = [*self._java(state), "kafka.tools.StorageTool", "format", f"--cluster-id={state['cluster_id']}",
+                   "-c", str(config), *quorum_arguments(state)]
+        hidden: list[str] = []
+        if state.get("secure"):
+            for user, secret in ((_KAFKA_BROKER_USER, "kafka_broker"), (_KAFKA_CLIENT_USER, "kafka_client")):
+                password = state["secrets"][secret]
+                hidden.append(password)
+                command += ["--add-scram", f"{_SCRAM}=[name={user},password={password}]"]
+        result = subprocess.run(command, capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            output = result.stdout + result.stderr
+            for password in hidden:
+                output = output.replace(password, "***")
+            raise StackError(f"formatting Kafka storage of broker {entry['node']} failed:\n{output}")
+
     def _spawn(self, state: dict[str, Any], entry: dict[str, Any]) -> bool:
         """Start one broker process unless it runs; format its storage on the first start."""
-        if _alive(entry.get("pid")):
+        if alive(entry.get("pid")):
             return False
         folder = self._broker_dir(entry["node"])
         folder.mkdir(parents=True, exist_ok=True)
         data = folder / "data"
         config = folder / "server.properties"
-        config.write_text("".join(f"{k}={v}\n" for k, v in broker_properties(state, entry, data).items()))
+        props = broker_properties(state, entry, data, self._tls(state))
+        # Owner-only: a secured broker's config holds its passwords.
+        write_private(config, "".join(f"{k}={v}\n" for k, v in props.items()))
         (self.state_dir / "log4j2.properties").write_text(_LOG4J2)
-        java = self._java(state)
         if not (data / "meta.properties").exists():
-            result = subprocess.run(
-                [*java, "kafka.tools.StorageTool", "format", "-t", state["cluster_id"], "-c", str(config),
-                 *quorum_arguments(state)],
-                capture_output=True, text=True, check=False,
-            )
-            if result.returncode != 0:
-                raise StackError(f"formatting Kafka storage of broker {entry['node']} failed:\n"
-                                 f"{result.stdout}{result.stderr}")
-        with open(folder / "kafka.log", "ab") as out:
-            proc = subprocess.Popen(
-                [*java, "kafka.Kafka", str(config)],
-                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-        entry["pid"] = proc.pid
+            self._format_storage(state, entry, config)
+        entry["pid"] = spawn([*self._java(state), "kafka.Kafka", str(config)], folder / "kafka.log")
         self._save(state)
         return True
 
     def _await_broker(self, state: dict[str, Any], entry: dict[str, Any]) -> None:
         """Wait until the broker lists itself as alive (registered and unfenced) with a controller."""
-        admin = AdminClient({"bootstrap.servers": f"{_HOST}:{entry['port']}",
+        settings = self.endpoints().kafka_config()
+        admin = AdminClient({**settings, "bootstrap.servers": f"{_HOST}:{entry['port']}",
                              "logger": logging.getLogger("ordering_layer.kafka.client")})  # type: ignore[dict-item]
 
         def answers() -> bool:
@@ -325,8 +388,8 @@ class LocalStack(FolderStateBackend):
             return entry["node"] in metadata.brokers and metadata.controller_id >= 0
 
         single = state["brokers"] == 1
-        _wait(answers, "Kafka broker" if single else f"Kafka broker {entry['node']}", entry["pid"],
-              self._broker_dir(entry["node"]) / "kafka.log", _START_TIMEOUT if single else _CLUSTER_START_TIMEOUT)
+        wait_until(answers, "Kafka broker" if single else f"Kafka broker {entry['node']}", entry["pid"],
+                   self._broker_dir(entry["node"]) / "kafka.log", START_TIMEOUT if single else _CLUSTER_START_TIMEOUT)
 
 
 def _select(state: dict[str, Any], node: int | None) -> list[dict[str, Any]]:
@@ -342,23 +405,19 @@ def _select(state: dict[str, Any], node: int | None) -> list[dict[str, Any]]:
 def _terminate(pids: list[int | None], *, kill: bool) -> None:
     """Signal every live process at once (SIGKILL when ``kill``), then wait for each; one that
     outlives ``_STOP_TIMEOUT`` is killed."""
-    live = [pid for pid in pids if pid is not None and _alive(pid)]
+    live = [pid for pid in pids if pid is not None and alive(pid)]
     for pid in live:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL if kill else signal.SIGTERM)
     deadline = time.monotonic() + _STOP_TIMEOUT
     for pid in live:
-        while _alive(pid) and time.monotonic() < deadline:
+        while alive(pid) and time.monotonic() < deadline:
             time.sleep(0.1)
-        if _alive(pid):
+        if alive(pid):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            while _alive(pid):
+            while alive(pid):
                 time.sleep(0.05)
-        _reap(pid)
-
-
-def _reap(pid: int) -> None:
-    """Collect the exit status when the process is our child, so it does not linger as a zombie."""
-    with contextlib.suppress(ChildProcessError):
-        os.waitpid(pid, os.WNOHANG)
+        # Collect the exit status when the process is our child, so it does not linger as a zombie.
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)

@@ -1,26 +1,30 @@
 """The Redis state store: one hash tag per (subscription, partition), Lua scripts for every write.
 
 Keys: ``ol:{<subscription>:<partition>}:epoch|settled|attempts|leases`` (one slot per partition, so
-Redis Cluster works) and ``ol:sub:<subscription>`` for the settings. Redis is an accelerator of
-correctness: losing it loses no message (Kafka holds them), it only causes redelivery.
+every script touches one slot of a Redis Cluster), ``ol:sub:<subscription>`` for the settings and
+``ol:sub:<subscription>:parked`` for parked keys (each read and written alone, by one-key commands).
+Redis is an accelerator of correctness: losing it loses no message (Kafka holds them), it only causes
+redelivery. The client comes from ``state.client.redis_client``, so a Redis Cluster URL works as well.
 """
 
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 import logging
-from collections.abc import Sequence
+import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import resources
-from typing import Final, Literal
+from typing import Any, Concatenate, Final, Literal, ParamSpec, TypeVar
 
 import redis
-from redis.backoff import ExponentialBackoff
-from redis.retry import Retry
+from redis.cluster import RedisCluster
 
 from ordering_layer.config import SubscriptionSettings
 from ordering_layer.errors import SubscriptionNotFoundError
+from ordering_layer.state.client import mask_url, redis_client, retry_policy, verify_redis
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -87,27 +91,64 @@ def settings_key(subscription: str) -> str:
     return f"ol:sub:{subscription}"
 
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _redis_call(method: Callable[Concatenate[StateStore, _P], _R]) -> Callable[Concatenate[StateStore, _P], _R]:
+    """Run a store method under the layer's retry policy on a cluster, raising only ``RedisError``.
+
+    The cluster client retries without waiting, which would turn a failed master into a busy loop
+    of the callers' own retries; and it raises some topology failures (a slot no node serves)
+    outside ``redis.RedisError``, while callers handle Redis failures as ``RedisError``.
+    """
+
+    @functools.wraps(method)
+    def wrapper(store: StateStore, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        def call() -> _R:
+            try:
+                return method(store, *args, **kwargs)
+            except redis.exceptions.RedisClusterException as exc:
+                raise redis.exceptions.ClusterDownError(f"Redis Cluster: {exc}") from exc
+
+        if store._cluster_retry is None:
+            return call()
+        return store._cluster_retry.call_with_retry(call, lambda _error: None)
+
+    return wrapper
+
+
 class StateStore:
     """Typed access to the layer's Redis state.
 
     Args:
-        redis_url: e.g. ``redis://127.0.0.1:6379/0``.
+        redis_url: e.g. ``redis://127.0.0.1:6379/0``, ``redis+cluster://h1:7000,h2:7001/`` (see
+            ``ordering_layer.state.client``).
+
+    Raises:
+        AuthenticationError: Redis refused the credentials or the TLS handshake.
+        ConfigError: the URL is malformed.
     """
 
     def __init__(self, redis_url: str) -> None:
-        self.client = redis.Redis.from_url(
-            redis_url, socket_timeout=5.0, socket_connect_timeout=5.0,
-            retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=5),
-            retry_on_error=[redis.ConnectionError, redis.TimeoutError])
+        verify_redis(redis_url)
+        self.client = redis_client(redis_url)
+        self._cluster_retry = retry_policy() if isinstance(self.client, RedisCluster) else None
+        self._url = mask_url(redis_url)
         self._apply_source = _script("apply")
         self._apply_sha = hashlib.sha1(self._apply_source.encode()).hexdigest()
-        self._claim = self.client.register_script(_script("claim"))
+        self._claim = self.client.register_script(_script("claim"))  # type: ignore[union-attr]
+
+    def __repr__(self) -> str:
+        return f"StateStore({self._url})"
 
     # -- subscription settings -------------------------------------------------------------------
+    @_redis_call
     def create_settings(self, subscription: str, settings: SubscriptionSettings) -> bool:
         """Store settings unless the subscription exists; True when created."""
         return bool(self.client.set(settings_key(subscription), settings.to_json(), nx=True))
 
+    @_redis_call
     def settings(self, subscription: str) -> SubscriptionSettings:
         """The stored settings. Raises ``SubscriptionNotFoundError``."""
         raw = self.client.get(settings_key(subscription))
@@ -115,13 +156,29 @@ class StateStore:
             raise SubscriptionNotFoundError(subscription)
         return SubscriptionSettings.from_json(raw)
 
+    @_redis_call
     def delete_subscription(self, subscription: str) -> int:
-        """Remove the settings and every partition key of the subscription; return keys removed."""
-        keys: list[str | bytes] = [settings_key(subscription), f"{settings_key(subscription)}:parked"]
-        keys.extend(self.client.scan_iter(match=f"ol:{{{subscription}:*", count=1000))
-        return int(self.client.delete(*keys))
+        """Remove the settings and every partition key of the subscription; return keys removed.
+
+        On a cluster the scan visits every primary; keys are deleted one slot at a time.
+        """
+        removed = int(self.client.delete(settings_key(subscription)))
+        removed += int(self.client.delete(f"{settings_key(subscription)}:parked"))
+        # The glob narrows the scan; the regex keeps only this subscription's keys (a name may hold
+        # glob characters or a colon, so that "a" must not match the keys of "a:1").
+        match = "ol:{" + re.sub(r"([\\*?\[\]])", r"\\\1", subscription) + ":*"
+        own = re.compile(r"ol:\{" + re.escape(subscription) + r":\d+\}:")
+        scan: dict[str, Any] = {"target_nodes": RedisCluster.PRIMARIES} if isinstance(self.client, RedisCluster) else {}
+        by_tag: dict[bytes, list[bytes]] = {}
+        for key in self.client.scan_iter(match=match, count=1000, **scan):
+            if own.match(key.decode(errors="replace")):
+                by_tag.setdefault(key.partition(b"}")[0], []).append(key)
+        for keys in by_tag.values():
+            removed += int(self.client.delete(*keys))
+        return removed
 
     # -- partitions ------------------------------------------------------------------------------
+    @_redis_call
     def claim(self, subscription: str, partition: int) -> ClaimedPartition:
         """Become the owner of a partition: bump its epoch, read settled offsets and attempts."""
         keys = partition_keys(subscription, partition)[:3]
@@ -134,6 +191,7 @@ class StateStore:
             attempts={int(pairs[i]): int(pairs[i + 1]) for i in range(0, len(pairs), 2)},
         )
 
+    @_redis_call
     def apply_many(self, batches: Sequence[tuple[str, int, int, Sequence[Op]]]) -> list[ApplyResult]:
         """Apply op batches of several partitions in one pipeline (one round trip).
 
@@ -141,31 +199,48 @@ class StateStore:
         ops travel packed into one argument, ``"<letter>,<offset>,<value>;"`` each (see ``lua/apply.lua``).
         """
         # EVALSHA straight on the pipeline: redis-py's Script objects would add a SCRIPT EXISTS
-        # round trip to every pipeline; the script is loaded again only after a NOSCRIPT answer
-        # (a restarted or flushed Redis).
-        for _ in range(2):
+        # round trip to every pipeline (and a cluster pipeline takes no Script). After a NOSCRIPT
+        # answer (a restarted or flushed server, on a cluster maybe one primary of several) the
+        # script is loaded on every primary and only the refused batches are sent again: the
+        # others were applied already.
+        results: list[Any] = [None] * len(batches)
+        pending = list(range(len(batches)))
+        for reload in (False, True):
+            if reload:
+                self.client.script_load(self._apply_source)  # type: ignore[union-attr]
             pipe = self.client.pipeline(transaction=False)
-            for subscription, partition, epoch, ops in batches:
+            for index in pending:
+                subscription, partition, epoch, ops = batches[index]
                 packed = "".join([f"{kind},{offset},{value};" for kind, offset, value in ops])
-                pipe.evalsha(self._apply_sha, 4, *partition_keys(subscription, partition), epoch, packed)
-            try:
-                return [ApplyResult(int(r)) for r in pipe.execute()]
-            except redis.exceptions.NoScriptError:
-                self.client.script_load(self._apply_source)  # type: ignore[no-untyped-call]
+                pipe.execute_command("EVALSHA", self._apply_sha, 4, *partition_keys(subscription, partition),
+                                     epoch, packed)
+            for index, answer in zip(pending, pipe.execute(raise_on_error=False), strict=True):
+                results[index] = answer
+            failed = [r for r in results
+                      if isinstance(r, Exception) and not isinstance(r, redis.exceptions.NoScriptError)]
+            if failed:
+                raise failed[0]
+            pending = [i for i in pending if isinstance(results[i], redis.exceptions.NoScriptError)]
+            if not pending:
+                return [ApplyResult(int(r)) for r in results]
         raise redis.exceptions.NoScriptError("apply.lua could not be loaded")
 
+    @_redis_call
     def parked_keys(self, subscription: str) -> set[bytes]:
         """Ordering keys (record key bytes) parked by a ``park_key`` dead-letter policy (DLQ-2)."""
         return set(self.client.smembers(f"{settings_key(subscription)}:parked"))
 
+    @_redis_call
     def park_key(self, subscription: str, ordering_key: bytes) -> None:
         """Park a key: its later messages follow its dead letter until ``release_key``."""
         self.client.sadd(f"{settings_key(subscription)}:parked", ordering_key)
 
+    @_redis_call
     def release_key(self, subscription: str, ordering_key: str | bytes) -> bool:
         """Release a parked key (text is taken as UTF-8); True when it was parked."""
         return bool(self.client.srem(f"{settings_key(subscription)}:parked", ordering_key))
 
+    @_redis_call
     def outstanding(self, subscription: str, partition: int) -> int:
         """Leases currently held in the partition (delivered, not yet settled)."""
         return int(self.client.hlen(partition_keys(subscription, partition)[3]))

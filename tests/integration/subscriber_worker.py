@@ -15,12 +15,14 @@ import time
 from typing import IO
 
 from ordering_layer import AckResponse, Message, Subscriber
+from ordering_layer.stack import Endpoints
 
 
 def main() -> None:
     """Subscribe until killed (or until ``--seconds`` pass)."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--bootstrap", required=True)
+    parser.add_argument("--kafka-config", default="", help="properties file of further Kafka client settings")
     parser.add_argument("--redis-url", required=True)
     parser.add_argument("--subscription", required=True)
     parser.add_argument("--name", required=True, help="subscriber name written into the log")
@@ -52,8 +54,8 @@ def main() -> None:
         if message.ack_with_response().result(30) == AckResponse.SUCCESS:
             log(message, "ack")
 
-    kafka = {"bootstrap.servers": args.bootstrap, "session.timeout.ms": args.session_ms,
-             "heartbeat.interval.ms": max(250, args.session_ms // 6)}
+    kafka = {**Endpoints(args.bootstrap, args.redis_url, args.kafka_config).kafka_config(),
+             "session.timeout.ms": args.session_ms, "heartbeat.interval.ms": max(250, args.session_ms // 6)}
     subscriber = Subscriber(kafka, redis_url=args.redis_url)
     handle = subscriber.subscribe(args.subscription, callback, max_workers=8)
     print("subscribed", flush=True)

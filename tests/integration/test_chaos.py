@@ -33,8 +33,8 @@ class WorkerProcess:
         self.log = log
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.integration.subscriber_worker", "--bootstrap", endpoints.bootstrap,
-             "--redis-url", endpoints.redis_url, "--subscription", subscription, "--name", name,
-             "--log", str(log), *extra],
+             "--kafka-config", endpoints.kafka_config_file, "--redis-url", endpoints.redis_url,
+             "--subscription", subscription, "--name", name, "--log", str(log), *extra],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT)})
 
     def kill(self) -> float:

@@ -122,7 +122,7 @@ def test_nacked_every_time_goes_to_dead_letters_after_max_attempts(
         wait_until(lambda: checker.acked_count() == checker.total() - 1, 60, "all but the poison acked")
     attempts = [e.attempt for e in checker.deliveries() if e.message_id == poison]
     assert attempts == [1, 2, 3, 4, 5]
-    records = read_topic(kafka_config["bootstrap.servers"], dlq, 1)
+    records = read_topic(kafka_config, dlq, 1)
     assert len(records) == 1
     headers = headers_of(records[0])
     assert headers["ol-dlq-source-topic"] == topic.encode()
@@ -185,7 +185,8 @@ def test_poison_message_crashing_the_process_is_dead_lettered(
     for n in range(6):
         worker = f"w{n}"
         exits[worker] = _run_worker(
-            ["--bootstrap", endpoints.bootstrap, "--redis-url", endpoints.redis_url, "--subscription", name,
+            ["--bootstrap", endpoints.bootstrap, "--kafka-config", endpoints.kafka_config_file,
+             "--redis-url", endpoints.redis_url, "--subscription", name,
              "--name", worker, "--log", str(log), "--crash-on", "key-0:1", "--session-ms", "2000",
              "--seconds", "120"], log, tmp_path / f"{worker}.stderr", after, 120)
         if exits[worker] != 3:

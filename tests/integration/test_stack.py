@@ -8,14 +8,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import redis
 from click.testing import CliRunner
 from confluent_kafka import KafkaException
+from redis.cluster import RedisCluster
 
 from ordering_layer import Admin, OrderedProducer
 from ordering_layer.cli import main
 from ordering_layer.errors import StackError
 from ordering_layer.stack import StackBackend, containers
+from ordering_layer.state.client import redis_client
 from tests.checker import wait_until
 from tests.kafka_helpers import end_offsets
 
@@ -39,13 +40,15 @@ def test_up_twice_is_harmless_and_status_env_find_it(restartable: StackBackend) 
 
 
 def test_redis_restart_keeps_append_only_data(restartable: StackBackend) -> None:
-    """The launcher restarts Redis alone with AOF on, so its data survives a kill -9."""
-    client = redis.Redis.from_url(restartable.endpoints().redis_url)
+    """The launcher restarts Redis alone with AOF on, so its data survives a kill -9 (every master of a
+    Redis Cluster alike)."""
+    client = redis_client(restartable.endpoints().redis_url)
     client.set("ol:test:aof", "kept")
-    client.execute_command("BGREWRITEAOF")
+    every_master = {"target_nodes": client.get_primaries()} if isinstance(client, RedisCluster) else {}
+    client.execute_command("BGREWRITEAOF", **every_master)
     restartable.stop_redis()
     restartable.start_redis()
-    client = redis.Redis.from_url(restartable.endpoints().redis_url)
+    client = redis_client(restartable.endpoints().redis_url)
     assert client.get("ol:test:aof") == b"kept"
 
 

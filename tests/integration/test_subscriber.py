@@ -9,7 +9,6 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-import redis
 
 from ordering_layer import (
     AckResponse,
@@ -22,6 +21,7 @@ from ordering_layer import (
 )
 from ordering_layer.errors import ConfigError, SubscriptionExistsError, SubscriptionNotFoundError
 from ordering_layer.state import ApplyResult, StateStore
+from ordering_layer.state.client import redis_client
 from ordering_layer.state.store import Op, OpKind, OpLetter, partition_keys
 from tests.checker import DeliveryChecker, wait_until
 from tests.integration.conftest import publish_keys, pull_until, recording_callback
@@ -241,7 +241,7 @@ def test_redis_flushed_mid_stream_loses_nothing(restartable: Any, kafka_config: 
     def handler(message: Message) -> str:
         if checker.acked_count() > checker.total() // 3 and not flushed.is_set():
             flushed.set()
-            redis.Redis.from_url(endpoints.redis_url).flushall()
+            redis_client(endpoints.redis_url).flushall()
         return "ack"
 
     subscriber = Subscriber(kafka_config, redis_url=endpoints.redis_url)

@@ -59,6 +59,10 @@ def test_kafka_uuids_have_kafkas_form() -> None:
 def test_refusals_come_before_anything_starts(tmp_path: Path) -> None:
     with pytest.raises(StackError, match="1 broker or a 3-broker cluster, not 2"):
         new_state(2)
+    with pytest.raises(StackError, match="a secured stack runs one broker"):
+        new_state(3, secure=True)
+    with pytest.raises(StackError, match="a secured stack runs one broker"):
+        LocalStack(tmp_path / "secure", secure=True).up(brokers=3)
     stack = LocalStack(tmp_path)
     stack._save(new_state(1))
     with pytest.raises(StackError, match="holds a stack of 1 broker"):
