@@ -35,19 +35,20 @@ from ordering_layer import Admin, FlowControl, Message, RetryPolicy, Subscriber
 from ordering_layer.record import read_metadata
 from ordering_layer.stack import Endpoints
 from ordering_layer.subscriber import engine as engine_module
+from ordering_layer.subscriber import fetcher, partitions
 from ordering_layer.subscriber.partition import Delivery
 
 _SAMPLE = 50_000
 
 # (row, owner, method): engine steps that run once per batch, timed on the thread that runs them.
 PROBES: list[tuple[str, Any, str]] = [
-    ("queueing (fetched batch -> partition key queues)", engine_module.Engine, "_take_fetched"),
+    ("queueing (fetched batch -> partition key queues)", partitions.Partitions, "take"),
     ("release (ready keys -> deliveries)", engine_module.Engine, "_release"),
     ("admit (outstanding, attempt + lease ops, lease watch)", engine_module.Engine, "_admit"),
     ("leases (expiry, extension)", engine_module.Engine, "_expire"),
     ("Redis op encoding + flush (client side)", engine_module.Engine, "_flush"),
     ("hand-off (Message objects, callback pool)", engine_module.Engine, "_dispatch"),
-    ("commit", engine_module.Engine, "_commit"),
+    ("commit", engine_module.Engine, "_offsets"),
 ]
 NESTED = {"admit (outstanding, attempt + lease ops, lease watch)": "release (ready keys -> deliveries)"}
 
@@ -62,11 +63,11 @@ def thread_role(name: str) -> str:
 
 def micro_costs(sample: list[KafkaMessage]) -> dict[str, float]:
     """CPU seconds per message of the per-message steps, over fetched messages."""
-    records = [engine_module.to_record(m) for m in sample]
+    records = [fetcher.to_record(m) for m in sample]
     posted: deque[Any] = deque(maxlen=1000)  # an inbox the engine keeps draining
     messages = [Message(Delivery(r, r.key or r.offset, 1, 1), "t", 1, posted.append) for r in records]
     return {
-        "to_record": per_message(engine_module.to_record, sample),
+        "to_record": per_message(fetcher.to_record, sample),
         "metadata": per_message(lambda m: read_metadata(m.headers()), sample),
         "ack": per_message(Message.ack, messages),
     }

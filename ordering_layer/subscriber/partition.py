@@ -13,6 +13,7 @@ Pure logic, no I/O, one instance per owned partition, used under the engine's lo
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from collections import deque
 from collections.abc import Callable
@@ -122,6 +123,8 @@ class PartitionState:
         self.keys: dict[QueueKey, KeyQueue] = {}
         self.ready: dict[QueueKey, None] = {}
         self.backing_off: dict[QueueKey, None] = {}
+        self._wakes: list[tuple[float, int, QueueKey]] = []  # due-time heap of the backing-off keys
+        self._wake_seq = itertools.count()
         self.buffered = 0
         self.revoking = False
         self._settled_before = set(settled_before)
@@ -273,21 +276,30 @@ class PartitionState:
         if delay > 0:
             self.backing_off[qkey] = None
             self.ready.pop(qkey, None)
-        elif not queue.outstanding:
+            heapq.heappush(self._wakes, (queue.not_before, next(self._wake_seq), qkey))
+            return
+        self.backing_off.pop(qkey, None)
+        if not queue.outstanding:
             self.ready[qkey] = None
 
     def wake(self, now: float) -> None:
-        """Move keys whose backoff has ended back to the ready set."""
-        for qkey in list(self.backing_off):
-            queue = self.keys.get(qkey)
+        """Move keys whose backoff has ended back to the ready set (due-time order, no scan)."""
+        wakes, keys, backing_off = self._wakes, self.keys, self.backing_off
+        while wakes and wakes[0][0] <= now:
+            due, _, qkey = heapq.heappop(wakes)
+            queue = keys.get(qkey)
             if queue is None:
-                del self.backing_off[qkey]
-            elif now >= queue.not_before:
-                del self.backing_off[qkey]
+                backing_off.pop(qkey, None)
+            elif qkey in backing_off and queue.not_before == due:  # else: held again since, a later entry
+                del backing_off[qkey]
                 if not queue.outstanding:
                     self.ready[qkey] = None
 
     def next_wake(self) -> float | None:
         """The earliest end of a backoff, if any key is backing off."""
-        times = [self.keys[k].not_before for k in self.backing_off if k in self.keys]
-        return min(times) if times else None
+        return self._wakes[0][0] if self._wakes else None
+
+    def held_keys(self) -> int:
+        """Keys with something outstanding or backing off (a scan: for metrics, not the hot path)."""
+        backing_off = self.backing_off
+        return sum(1 for qkey, queue in self.keys.items() if queue.outstanding or qkey in backing_off)
