@@ -80,8 +80,8 @@ def table(figures: dict[str, float], probed: dict[str, float], micro: dict[str, 
     fetch = figures.get("thread:fetch", 0.0)
     rows.append(("fetch thread", fetch))
     rows.append(("  consume() and the rest of the fetch loop", fetch - micro["to_record"] * count))
-    rows.append(("  to_record (without metadata read)", (micro["to_record"] - micro["metadata"]) * count))
-    rows.append(("  metadata read (ol- headers)", micro["metadata"] * count))
+    rows.append(("  to_record (Record and metadata read, as the fetch does them)", micro["to_record"] * count))
+    rows.append(("  (read_metadata alone, uncached: for reference)", micro["metadata"] * count))
     engine = figures.get("thread:engine", 0.0)
     rows.append(("engine thread", engine))
     accounted = 0.0

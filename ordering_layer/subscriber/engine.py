@@ -32,6 +32,7 @@ from ordering_layer.subscriber.handoff import PullWaiters
 from ordering_layer.subscriber.inbox import Inbox
 from ordering_layer.subscriber.leases import Leases, wall_ms
 from ordering_layer.subscriber.message import AckResponse, Message
+from ordering_layer.subscriber.metrics import snapshot
 from ordering_layer.subscriber.partition import Delivery, PartitionState
 from ordering_layer.subscriber.partitions import Partitions
 from ordering_layer.subscriber.requests import Committed, DeadLettered, Fetched, Pull, Settle, SettleKind
@@ -92,9 +93,7 @@ class Engine:
                                 rebalance or RebalanceHooks())
         self._owned = Partitions(store, subscription, settings)
         self._partitions = self._owned.owned
-        self._committed: dict[int, int] = {}
         self._last_commit = 0.0
-        self._rotation = 0
         self._closing = False
         self._counts = {"delivered": 0, "acked": 0, "nacked": 0, "redelivered": 0}
         self._worker = Worker(f"ordering-layer-engine-{subscription}", self._step)
@@ -159,33 +158,11 @@ class Engine:
                     "fetch_paused": int(self._fetcher.paused)}
 
     def metrics_snapshot(self) -> dict[str, Any]:
-        """Counters (monotonic), gauges, per-partition gauges and the observations since the last call.
-
-        Keys: ``delivered``, ``acked``, ``nacked``, ``redelivered`` (attempt > 1), ``dead_lettered``,
-        ``lease_extensions``, ``lease_lapses``, ``malformed_records``; ``outstanding``, ``held_keys``
-        (keys with something outstanding or backing off); ``partitions``: {partition: {"outstanding",
-        "buffered", "held_keys", "oldest_unacked_seconds"}}; ``ack_latency_seconds`` and
-        ``redis_flush_seconds``: lists of the observations made since the previous call.
-        """
+        """Counters, gauges and the observations since the previous call (see ``metrics.snapshot``)."""
         with self._lock:
-            now = time.monotonic()
-            leases = self._leases
-            per: dict[int, dict[str, Any]] = {
-                number: {"outstanding": 0, "buffered": state.buffered, "held_keys": state.held_keys(),
-                         "oldest_unacked_seconds": 0.0} for number, state in self._partitions.items()}
-            for (number, _), out in leases.outstanding.items():
-                entry = per.get(number)
-                if entry is not None:
-                    entry["outstanding"] += 1
-                    entry["oldest_unacked_seconds"] = max(entry["oldest_unacked_seconds"], now - out.first_delivery)
-            latencies, flushes = list(leases.latencies), list(self._writer.flush_seconds)
-            leases.latencies.clear()
-            self._writer.flush_seconds.clear()
-            return {**self._counts, "dead_lettered": self._dead_letters.written,
-                    "lease_extensions": leases.extensions, "lease_lapses": leases.lapses,
-                    "malformed_records": self._fetcher.malformed_records,
-                    "outstanding": len(leases.outstanding), "held_keys": sum(e["held_keys"] for e in per.values()),
-                    "partitions": per, "ack_latency_seconds": latencies, "redis_flush_seconds": flushes}
+            return snapshot(self._counts, self._partitions, self._leases, self._writer,
+                            dead_lettered=self._dead_letters.written, malformed=self._fetcher.malformed_records,
+                            now=time.monotonic())
 
     # -- ownership (fetch thread) ------------------------------------------------------------------
     def revoking(self, partitions: list[int]) -> list[TopicPartition]:
@@ -222,7 +199,6 @@ class Engine:
         """Let go of a partition: its outstanding deliveries can no longer be acked here."""
         self._owned.drop(partition)
         self._writer.drop(partition)
-        self._committed.pop(partition, None)
         self._leases.drop_partition(partition)
 
     # -- engine thread ---------------------------------------------------------------------------
@@ -266,8 +242,10 @@ class Engine:
         settle, fetched = self._settle, self._owned.take
         for event in events:
             kind = type(event)
-            if kind is Settle:
-                settle(event, now)
+            if kind is Message:
+                settle(SettleKind.ACK, event._delivery, event._epoch, 0.0, None, None, now)
+            elif kind is Settle:
+                settle(event.kind, event.delivery, event.epoch, event.seconds, event.error, event.future, now)
             elif kind is Fetched:
                 fetched(event)
             elif kind is Pull:
@@ -283,38 +261,39 @@ class Engine:
             elif kind is DeadLettered:
                 self._dead_lettered(event, now)
 
-    def _settle(self, request: Settle, now: float) -> None:
-        delivery = request.delivery
+    def _settle(self, kind: int, delivery: Delivery, epoch: int, seconds: float, error: str | None,
+                future: Future[AckResponse] | None, now: float) -> None:
+        """Apply an ack, nack or deadline change of one delivery (the fields of a ``Settle``)."""
         record = delivery.record
         partition, offset = record.partition, record.offset
         state = self._partitions.get(partition)
-        if state is None or state.epoch != request.epoch:
-            resolve(request.future, AckResponse.LEASE_LOST)
+        if state is None or state.epoch != epoch:
+            resolve(future, AckResponse.LEASE_LOST)
             return
         key = (partition, offset)
         leases = self._leases
         out = leases.outstanding.get(key)
         if out is None or out.delivery.token != delivery.token:
-            resolve(request.future, AckResponse.INVALID_ACK_ID)
+            resolve(future, AckResponse.INVALID_ACK_ID)
             return
-        kind, writer = request.kind, self._writer
+        writer = self._writer
         if kind == SettleKind.ACK:
             leases.acked(out, now)
             state.ack(delivery.queue_key, offset, delivery.token)
             writer.add(partition, (OpKind.SETTLED, offset, 0), now)
             self._counts["acked"] += 1
         elif kind == SettleKind.DEADLINE:
-            writer.add(partition, (OpKind.LEASE, offset, leases.set_deadline(key, out, request.seconds, now)), now)
-            writer.add_future(partition, request.future)
+            writer.add(partition, (OpKind.LEASE, offset, leases.set_deadline(key, out, seconds, now)), now)
+            writer.add_future(partition, future)
             return
         else:
             state.nack(delivery.queue_key, offset, delivery.token, now, self.settings.retry_policy.backoff)
-            if request.error:
-                record.last_error = request.error
+            if error:
+                record.last_error = error
             writer.add(partition, (OpKind.NACKED, offset, 0), now)
             self._counts["nacked"] += 1
         leases.pop(key)
-        writer.add_future(partition, request.future)
+        writer.add_future(partition, future)
 
     def _dead_lettered(self, event: DeadLettered, now: float) -> None:
         state = self._partitions.get(event.partition)
@@ -345,39 +324,23 @@ class Engine:
 
     def _release(self, now: float) -> Released:
         """Release what may go out now, within flow control: callback mode one per key, pull mode
-        whole per-key batches up to the waiting pull's size. Partitions take turns: each gets a fair
-        share of the budget first, starting one further each step, then the rest goes round."""
-        states = [state for state in self._partitions.values() if not state.revoking]
-        if self._closing or not states:
+        whole per-key batches up to the waiting pull's size."""
+        if self._closing:
             return []
         budget, byte_budget = self._gate.budget(len(self._leases.outstanding), self._leases.bytes)
         per_key = 1
         if self._on_messages is None:
             per_key = self._pulls.wanted()
             budget = min(budget, per_key)
-        if budget <= 0 or byte_budget <= 0:
-            return []
-        self._rotation = start = (self._rotation + 1) % len(states)
-        states = states[start:] + states[:start]
-        for state in states:
-            state.wake(now)
-        released: Released = []
-        share = max(per_key, -(-budget // len(states)))
-        for cap in (share, budget):
-            for state in states:
-                if budget <= 0 or byte_budget <= 0:
-                    return released
-                batch = state.release_ready(now, min(cap, budget), per_key, byte_budget)
-                if batch:
-                    byte_budget -= self._admit(state.partition, batch, now)
-                    budget -= len(batch)
-                    released.append((state, batch))
+        released = self._owned.release(now, budget, per_key, byte_budget)
+        for state, batch in released:
+            self._admit(state.partition, batch, now)
         return released
 
-    def _admit(self, partition: int, batch: list[Delivery], now: float) -> int:
+    def _admit(self, partition: int, batch: list[Delivery], now: float) -> None:
         """Released deliveries become outstanding; their attempts (and leases) are queued for Redis,
-        flushed before anyone sees them (DLQ-3). Returns their payload bytes."""
-        size = self._leases.admit(partition, batch, now)
+        flushed before anyone sees them (DLQ-3)."""
+        self._leases.admit(partition, batch, now)
         ops: list[Op] = []
         kind: OpLetter = OpKind.DELIVERED
         if self._leases.track:
@@ -385,7 +348,6 @@ class Engine:
             kind = OpKind.BATCH_DELIVERED
         ops.extend([(kind, d.record.offset, d.attempt) for d in batch])
         self._writer.extend(partition, ops, now)
-        return size
 
     def _unrelease(self, released: Released, now: float) -> Released:
         """Redis did not take the attempt counts: give the deliveries back before anyone sees them (not a
@@ -443,18 +405,5 @@ class Engine:
         return True
 
     def _offsets(self, *, sync: bool, only: list[int] | None = None) -> list[TopicPartition]:
-        """Each partition's lowest unsettled offset to commit (ACK-4)."""
         self._last_commit = time.monotonic()
-        offsets = []
-        for number, state in self._partitions.items():
-            if only is not None and number not in only:
-                continue
-            watermark = state.tracker.watermark
-            # An async commit is only queued for the fetch thread, which may stop before it runs:
-            # the sync commits of revoke and close never trust it.
-            if watermark is None or (not sync and self._committed.get(number) == watermark):
-                continue
-            offsets.append(TopicPartition(self.topic, number, watermark))
-            self._committed[number] = watermark
-        return offsets
-
+        return self._owned.commit_offsets(self.topic, sync=sync, only=only)

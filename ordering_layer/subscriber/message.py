@@ -39,7 +39,7 @@ class Message:
 
     __slots__ = ("_delivery", "_epoch", "_submit", "_topic", "data", "delivery_attempt", "settled")
 
-    def __init__(self, delivery: Delivery, topic: str, epoch: int, submit: Callable[[Settle], None]) -> None:
+    def __init__(self, delivery: Delivery, topic: str, epoch: int, submit: Callable[[Settle | Message], None]) -> None:
         self._delivery = delivery
         self._topic = topic
         self._epoch = epoch
@@ -90,7 +90,7 @@ class Message:
     def ack(self) -> None:
         """Done with the message: it is settled and never delivered again (unless a cascade)."""
         self.settled = True
-        self._submit(Settle(_ACK, self._delivery, self._epoch, 0.0, None, None))
+        self._submit(self)  # a plain ack is the message itself: no request made per ack
 
     def ack_with_response(self) -> Future[AckResponse]:
         """Ack and learn whether it took effect (SUCCESS once written to Redis by the owner)."""

@@ -14,10 +14,11 @@ from __future__ import annotations
 import logging
 
 import redis
+from confluent_kafka import TopicPartition
 
 from ordering_layer.config import SubscriptionSettings
 from ordering_layer.state import StateStore
-from ordering_layer.subscriber.partition import PartitionState, Record
+from ordering_layer.subscriber.partition import Delivery, PartitionState, Record
 from ordering_layer.subscriber.requests import Fetched
 
 _LOGGER = logging.getLogger(__name__)
@@ -38,6 +39,8 @@ class Partitions:
         self._settings = settings
         self.owned: dict[int, PartitionState] = {}
         self._unclaimed: dict[int, tuple[int, list[Record]]] = {}  # generation, records waiting
+        self._committed: dict[int, int] = {}  # the last commit point queued or made per partition
+        self._rotation = 0
 
     def claim(self, partition: int, generation: int) -> bool:
         """Claim a partition assigned under ``generation``; False when Redis failed (retried later)."""
@@ -88,6 +91,7 @@ class Partitions:
     def drop(self, partition: int) -> PartitionState | None:
         """Forget a partition (revoked, lost or fenced)."""
         self._unclaimed.pop(partition, None)
+        self._committed.pop(partition, None)
         state = self.owned.pop(partition, None)
         if state is not None:
             _LOGGER.info("%s: released partition %d", self._subscription, partition)
@@ -101,3 +105,44 @@ class Partitions:
     def buffered(self) -> int:
         """Fetched records not yet released, all partitions."""
         return sum(state.buffered for state in self.owned.values())
+
+    def release(self, now: float, budget: int, per_key: int,
+                byte_budget: int) -> list[tuple[PartitionState, list[Delivery]]]:
+        """Release up to ``budget`` records and ``byte_budget`` bytes, ``per_key`` per ready key.
+        Partitions take turns: each gets a fair share of the budget first, starting one further each
+        call, then the rest goes round (so under flow control no partition gets freed budget first)."""
+        states = [state for state in self.owned.values() if not state.revoking]
+        if not states or budget <= 0 or byte_budget <= 0:
+            return []
+        self._rotation = start = (self._rotation + 1) % len(states)
+        states = states[start:] + states[:start]
+        for state in states:
+            state.wake(now)
+        released: list[tuple[PartitionState, list[Delivery]]] = []
+        share = max(per_key, -(-budget // len(states)))
+        for cap in (share, budget):
+            for state in states:
+                if budget <= 0 or byte_budget <= 0:
+                    return released
+                batch = state.release_ready(now, min(cap, budget), per_key, byte_budget)
+                if batch:
+                    byte_budget -= sum(delivery.record.size for delivery in batch)
+                    budget -= len(batch)
+                    released.append((state, batch))
+        return released
+
+    def commit_offsets(self, topic: str, *, sync: bool, only: list[int] | None = None) -> list[TopicPartition]:
+        """Each owned partition's lowest unsettled offset (ACK-4); without ``sync`` only those that
+        moved since the last call."""
+        offsets = []
+        for number, state in self.owned.items():
+            if only is not None and number not in only:
+                continue
+            watermark = state.tracker.watermark
+            # An async commit is only queued for the fetch thread, which may stop before it runs:
+            # the sync commits of revoke and close never trust it.
+            if watermark is None or (not sync and self._committed.get(number) == watermark):
+                continue
+            offsets.append(TopicPartition(topic, number, watermark))
+            self._committed[number] = watermark
+        return offsets

@@ -1,7 +1,8 @@
 """Typed requests that travel through the engine's inbox to its coordinator thread.
 
 Every request is immutable; the coordinator routes them by type. User threads post ``Settle``
-(through ``Message``) and ``Pull``; the fetch thread posts ``Fetched`` and ``Committed``; the
+(through ``Message``; a plain ``ack()`` posts the ``Message`` itself, the one request that costs no
+object per ack) and ``Pull``; the fetch thread posts ``Fetched`` and ``Committed``; the
 dead-letter producer's delivery reports post ``DeadLettered``.
 """
 
