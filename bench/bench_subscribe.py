@@ -16,12 +16,10 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +31,6 @@ from bench.common import bench_stack, ratio_line
 from ordering_layer import Admin, FlowControl, Message, OrderedConsumer, OrderedProducer, RetryPolicy, Subscriber
 from ordering_layer.stack import Endpoints
 from ordering_layer.state.client import redis_client
-from ordering_layer.state.store import Op, OpKind
-from ordering_layer.subscriber.engine import Engine
 
 
 def publish(endpoints: Endpoints, topic: str, keys: list[str], count: int, payload: bytes = b"x" * 100) -> None:
@@ -70,7 +66,7 @@ def raw_consume(endpoints: Endpoints, topic: str, count: int, handler_seconds: f
 
 
 def layer_consume(endpoints: Endpoints, admin: Admin, topic: str, count: int, workers: int,
-                  handler: Any = None, done_when: Any = None) -> float:
+                  handler: Any = None, done_when: Any = None, track_leases: bool = True) -> float:
     """The layer: an ordered subscription, callback mode, acking after ``handler``."""
     name = f"bench-{uuid.uuid4().hex[:8]}"
     admin.create_subscription(name, topic=topic, retry_policy=RetryPolicy(0, 0))
@@ -93,7 +89,8 @@ def layer_consume(endpoints: Endpoints, admin: Admin, topic: str, count: int, wo
 
     subscriber = Subscriber({"bootstrap.servers": endpoints.bootstrap}, redis_url=endpoints.redis_url)
     handle = subscriber.subscribe(name, callback, max_workers=workers,
-                                  flow_control=FlowControl(max_messages=max(1000, workers * 4)))
+                                  flow_control=FlowControl(max_messages=max(1000, workers * 4)),
+                                  track_leases=track_leases)
     finished.wait(600)
     elapsed = time.perf_counter() - first[0]
     handle.cancel()
@@ -138,24 +135,6 @@ def layer_ordered_consumer(endpoints: Endpoints, topic: str, count: int, batch: 
 _INSIDE_SCRIPTS = {"cmdstat_hset", "cmdstat_hdel", "cmdstat_zadd", "cmdstat_zremrangebyscore", "cmdstat_info"}
 
 
-@contextlib.contextmanager
-def leases_off() -> Iterator[None]:
-    """For comparison only: no lease deadlines watched or written (what issue 4 added)."""
-    watch, queue_ops = Engine._watch_leases, Engine._queue_ops
-
-    def skip_lease_ops(self: Engine, partition: int, ops: list[Any], now: float) -> None:
-        kept: list[Op] = [(OpKind.DELIVERED, op[1], op[2]) if op[0] == OpKind.BATCH_DELIVERED else op
-                          for op in ops if op[0] not in (OpKind.LEASE, OpKind.BATCH_LEASE)]
-        queue_ops(self, partition, kept, now)
-
-    Engine._watch_leases = lambda self, deadline, keys: None  # type: ignore[method-assign]
-    Engine._queue_ops = skip_lease_ops  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        Engine._watch_leases, Engine._queue_ops = watch, queue_ops  # type: ignore[method-assign]
-
-
 def redis_round_trips(endpoints: Endpoints) -> int:
     """Commands sent by clients (those the Lua scripts run inside Redis excluded)."""
     stats = redis_client(endpoints.redis_url).info("commandstats")
@@ -189,8 +168,7 @@ def noop(endpoints: Endpoints, admin: Admin, messages: int, workers: int, round_
     before = redis_round_trips(endpoints)
     layer = layer_consume(endpoints, admin, topic, messages, workers)
     per_message = (redis_round_trips(endpoints) - before) / messages
-    with leases_off():
-        unleased = layer_consume(endpoints, admin, topic, messages, workers)
+    unleased = layer_consume(endpoints, admin, topic, messages, workers, track_leases=False)
     pulled = layer_pull(endpoints, admin, topic, messages)
     consumed = layer_ordered_consumer(endpoints, topic, messages)
     print(ratio_line(f"(a) no-op, {messages} x 100 B, 10,000 keys, callback", layer, raw))

@@ -6,12 +6,14 @@ import enum
 from collections.abc import Callable
 from concurrent.futures import Future
 from datetime import UTC, datetime
-from typing import NamedTuple
 
 from confluent_kafka import TIMESTAMP_LOG_APPEND_TIME, KafkaError
 
 from ordering_layer.record import HeaderPairs, attributes_of, display_key
-from ordering_layer.subscriber.partition import Delivery, QueueKey
+from ordering_layer.subscriber.partition import Delivery
+from ordering_layer.subscriber.requests import Settle, SettleKind
+
+_ACK, _NACK, _DEADLINE = SettleKind.ACK, SettleKind.NACK, SettleKind.DEADLINE
 
 
 class AckResponse(enum.Enum):
@@ -21,20 +23,6 @@ class AckResponse(enum.Enum):
     INVALID_ACK_ID = "INVALID_ACK_ID"
     LEASE_LOST = "LEASE_LOST"
     OTHER = "OTHER"
-
-
-class Settle(NamedTuple):
-    """A request from user code about one delivery: ack, nack or a new deadline."""
-
-    kind: str  # "ack", "nack" or "deadline"
-    partition: int
-    epoch: int
-    queue_key: QueueKey
-    offset: int
-    token: int
-    seconds: float
-    error: str | None
-    future: Future[AckResponse] | None
 
 
 class Message:
@@ -51,7 +39,7 @@ class Message:
 
     __slots__ = ("_delivery", "_epoch", "_submit", "_topic", "data", "delivery_attempt", "settled")
 
-    def __init__(self, delivery: Delivery, topic: str, epoch: int, submit: Callable[[Settle], None]) -> None:
+    def __init__(self, delivery: Delivery, topic: str, epoch: int, submit: Callable[[Settle | Message], None]) -> None:
         self._delivery = delivery
         self._topic = topic
         self._epoch = epoch
@@ -93,40 +81,39 @@ class Message:
         """Payload size in bytes (what flow control counts)."""
         return len(self.data)
 
-    def _send(self, kind: str, seconds: float = 0.0, error: str | None = None,
+    def _send(self, kind: int, seconds: float = 0.0, error: str | None = None,
               future: Future[AckResponse] | None = None) -> None:
-        d = self._delivery
-        if kind != "deadline":
+        if kind != _DEADLINE:
             self.settled = True
-        self._submit(Settle(kind, d.record.partition, self._epoch, d.queue_key, d.record.offset, d.token,
-                            seconds, error, future))
+        self._submit(Settle(kind, self._delivery, self._epoch, seconds, error, future))
 
     def ack(self) -> None:
         """Done with the message: it is settled and never delivered again (unless a cascade)."""
-        self._send("ack")
+        self.settled = True
+        self._submit(self)  # a plain ack is the message itself: no request made per ack
 
     def ack_with_response(self) -> Future[AckResponse]:
         """Ack and learn whether it took effect (SUCCESS once written to Redis by the owner)."""
         future: Future[AckResponse] = Future()
-        self._send("ack", future=future)
+        self._send(_ACK, future=future)
         return future
 
     def nack(self, error: str | None = None) -> None:
         """Give the message back now; it and its key's later delivered messages come again (SUB-4)."""
-        self._send("nack", error=error)
+        self._send(_NACK, error=error)
 
     def nack_with_response(self, error: str | None = None) -> Future[AckResponse]:
         """Nack and learn whether it took effect."""
         future: Future[AckResponse] = Future()
-        self._send("nack", error=error, future=future)
+        self._send(_NACK, error=error, future=future)
         return future
 
     def modify_ack_deadline(self, seconds: float) -> None:
         """Set this delivery's deadline to ``seconds`` from now (0 nacks; ACK-3)."""
         if seconds <= 0:
-            self._send("nack")
+            self._send(_NACK)
         else:
-            self._send("deadline", seconds=min(float(seconds), 600.0))
+            self._send(_DEADLINE, seconds=min(float(seconds), 600.0))
 
     # -- confluent-kafka Message shape --------------------------------------------------------------
     def key(self) -> bytes | None:
@@ -164,3 +151,4 @@ class Message:
     def __repr__(self) -> str:
         return (f"Message(ordering_key={self.ordering_key!r}, message_id={self.message_id!r}, "
                 f"sequence_number={self.sequence_number}, delivery_attempt={self.delivery_attempt})")
+

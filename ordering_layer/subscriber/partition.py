@@ -13,10 +13,11 @@ Pure logic, no I/O, one instance per owned partition, used under the engine's lo
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from ordering_layer.record import HeaderPairs, RecordMetadata
@@ -70,16 +71,22 @@ class OffsetTracker:
         return self._order[0] if self._order else self.next_offset
 
 
-@dataclass(slots=True, eq=False)
 class KeyQueue:
-    """Fetched records of one ordering key (or one unordered record) in offset order."""
+    """Fetched records of one ordering key (or one unordered record) in offset order.
 
-    records: deque[Record] = field(default_factory=deque)
-    cursor: int = 0
-    outstanding: dict[int, int] = field(default_factory=dict)
-    acked: set[int] = field(default_factory=set)
-    failures: int = 0
-    not_before: float = 0.0
+    Made for nearly every message of a busy subscription (a key's queue goes when it empties), so
+    it is a plain slotted class: a dataclass with default factories costs twice as much to make.
+    """
+
+    __slots__ = ("acked", "cursor", "failures", "not_before", "outstanding", "records")
+
+    def __init__(self) -> None:
+        self.records: deque[Record] = deque()
+        self.cursor = 0
+        self.outstanding: dict[int, int] = {}
+        self.acked: set[int] = set()
+        self.failures = 0
+        self.not_before = 0.0
 
     def releasable(self, now: float) -> bool:
         """Nothing outstanding, not backing off, and something not yet delivered."""
@@ -122,6 +129,8 @@ class PartitionState:
         self.keys: dict[QueueKey, KeyQueue] = {}
         self.ready: dict[QueueKey, None] = {}
         self.backing_off: dict[QueueKey, None] = {}
+        self._wakes: list[tuple[float, int, QueueKey]] = []  # due-time heap of the backing-off keys
+        self._wake_seq = itertools.count()
         self.buffered = 0
         self.revoking = False
         self._settled_before = set(settled_before)
@@ -187,6 +196,8 @@ class PartitionState:
         """Release from the ready keys, oldest first: up to ``per_key`` records of each, ``budget``
         records in all, and no further key once ``byte_budget`` payload bytes are used up. The keys
         looked at leave the ready set (an ack, a nack or the end of a backoff brings them back)."""
+        if per_key == 1:
+            return self._release_one_each(now, budget, byte_budget)
         released: list[Delivery] = []
         ready = self.ready
         for qkey in list(itertools.islice(ready, budget)):
@@ -198,6 +209,27 @@ class PartitionState:
                 byte_budget -= delivery.record.size
             released.extend(batch)
             budget -= len(batch)
+        return released
+
+    def _release_one_each(self, now: float, budget: int, byte_budget: int) -> list[Delivery]:
+        """``release_ready`` of callback mode (one record per key), inlined: it runs per message."""
+        released: list[Delivery] = []
+        ready, keys = self.ready, self.keys
+        for qkey in list(itertools.islice(ready, budget)):
+            if byte_budget <= 0:
+                break
+            del ready[qkey]
+            queue = keys.get(qkey)
+            if queue is None or queue.outstanding or now < queue.not_before or queue.cursor >= len(queue.records):
+                continue
+            record = queue.records[queue.cursor]
+            token = next(_tokens)
+            queue.outstanding[record.offset] = token
+            queue.cursor += 1
+            record.attempts += 1
+            released.append(Delivery(record, qkey, token, record.attempts))
+            byte_budget -= record.size
+        self.buffered -= len(released)
         return released
 
     # -- settlement ------------------------------------------------------------------------------
@@ -273,21 +305,30 @@ class PartitionState:
         if delay > 0:
             self.backing_off[qkey] = None
             self.ready.pop(qkey, None)
-        elif not queue.outstanding:
+            heapq.heappush(self._wakes, (queue.not_before, next(self._wake_seq), qkey))
+            return
+        self.backing_off.pop(qkey, None)
+        if not queue.outstanding:
             self.ready[qkey] = None
 
     def wake(self, now: float) -> None:
-        """Move keys whose backoff has ended back to the ready set."""
-        for qkey in list(self.backing_off):
-            queue = self.keys.get(qkey)
+        """Move keys whose backoff has ended back to the ready set (due-time order, no scan)."""
+        wakes, keys, backing_off = self._wakes, self.keys, self.backing_off
+        while wakes and wakes[0][0] <= now:
+            due, _, qkey = heapq.heappop(wakes)
+            queue = keys.get(qkey)
             if queue is None:
-                del self.backing_off[qkey]
-            elif now >= queue.not_before:
-                del self.backing_off[qkey]
+                backing_off.pop(qkey, None)
+            elif qkey in backing_off and queue.not_before == due:  # else: held again since, a later entry
+                del backing_off[qkey]
                 if not queue.outstanding:
                     self.ready[qkey] = None
 
     def next_wake(self) -> float | None:
         """The earliest end of a backoff, if any key is backing off."""
-        times = [self.keys[k].not_before for k in self.backing_off if k in self.keys]
-        return min(times) if times else None
+        return self._wakes[0][0] if self._wakes else None
+
+    def held_keys(self) -> int:
+        """Keys with something outstanding or backing off (a scan: for metrics, not the hot path)."""
+        backing_off = self.backing_off
+        return sum(1 for qkey, queue in self.keys.items() if queue.outstanding or qkey in backing_off)

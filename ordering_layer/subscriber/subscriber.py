@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from ordering_layer.config import FlowControl, require_bootstrap
@@ -14,61 +13,10 @@ from ordering_layer.scheduler.participant import Activation, join_activation
 from ordering_layer.state import StateStore
 from ordering_layer.subscriber.consumer import redis_url_from
 from ordering_layer.subscriber.engine import Engine
+from ordering_layer.subscriber.handoff import CallbackPool
 from ordering_layer.subscriber.message import Message
 
 _LOGGER = logging.getLogger(__name__)
-
-
-class CallbackPool:
-    """``workers`` named daemon threads running callbacks from one queue.
-
-    Unlike ``ThreadPoolExecutor`` it makes no Future per task, and a released batch is handed over
-    in one go: the messages join a deque and only as many idle workers are woken as there are new
-    messages; a worker that is awake takes the next message without waiting on a lock.
-    """
-
-    def __init__(self, name: str, workers: int, run: Callable[[Message], None]) -> None:
-        self._queue: deque[Message | None] = deque()
-        self._run = run
-        self._ready = threading.Condition(threading.Lock())
-        self._idle = 0
-        self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
-                         for i in range(workers)]
-        for thread in self._threads:
-            thread.start()
-
-    def submit(self, messages: list[Message]) -> None:
-        """Queue messages for callbacks."""
-        self._put(messages)
-
-    def _put(self, items: Sequence[Message | None]) -> None:
-        self._queue.extend(items)
-        with self._ready:
-            if self._idle:
-                self._ready.notify(min(len(items), self._idle))
-
-    def _work(self) -> None:
-        pending, ready = self._queue, self._ready
-        while True:
-            try:
-                message = pending.popleft()
-            except IndexError:
-                # Look again under the lock: _put extends before it takes the lock to notify.
-                with ready:
-                    self._idle += 1
-                    while not pending:
-                        ready.wait()
-                    self._idle -= 1
-                continue
-            if message is None:
-                return
-            self._run(message)
-
-    def shutdown(self) -> None:
-        """Let queued callbacks finish, then end the threads."""
-        self._put([None] * len(self._threads))
-        for thread in self._threads:
-            thread.join()
 
 
 class StreamingPullFuture:
@@ -134,11 +82,13 @@ class Subscriber:
         self._lock = threading.Lock()
 
     def subscribe(self, subscription: str, callback: Callable[[Message], Any], *,
-                  flow_control: FlowControl | None = None, max_workers: int = 10) -> StreamingPullFuture:
+                  flow_control: FlowControl | None = None, max_workers: int = 10,
+                  track_leases: bool = True) -> StreamingPullFuture:
         """Deliver the subscription's messages to ``callback`` on a pool of ``max_workers`` threads.
 
         With ordering, one message per key is outstanding at a time (SUB-1); keys are independent
-        (SUB-2). A callback that raises nacks its message.
+        (SUB-2). A callback that raises nacks its message. ``track_leases=False`` turns lease
+        deadlines off (no expiry, no extension, no lease writes): for benchmarks only.
 
         Raises:
             SubscriptionNotFoundError: the subscription was never created.
@@ -155,7 +105,8 @@ class Subscriber:
         pool = CallbackPool(f"ordering-layer-cb-{subscription}", max_workers, run)
 
         engine = Engine(self._kafka, self._store, subscription, settings,
-                        flow_control=flow_control or FlowControl(), on_messages=pool.submit)
+                        flow_control=flow_control or FlowControl(), on_messages=pool.submit,
+                        track_leases=track_leases)
         engine.start()
         return StreamingPullFuture(engine, pool, join_activation(self._kafka, self._redis_url))
 

@@ -14,9 +14,10 @@ from ordering_layer.config import FlowControl, RetryPolicy, SubscriptionSettings
 from ordering_layer.record import RecordMetadata
 from ordering_layer.state import ApplyResult, StateStore
 from ordering_layer.state.store import ClaimedPartition, Op
-from ordering_layer.subscriber.engine import Engine, _DeadLettered
+from ordering_layer.subscriber.engine import Engine
 from ordering_layer.subscriber.message import Message
 from ordering_layer.subscriber.partition import Record
+from ordering_layer.subscriber.requests import DeadLettered
 
 TOPIC = "orders"
 P0 = [TopicPartition(TOPIC, 0)]
@@ -70,15 +71,15 @@ def test_records_fetched_before_a_loss_never_reach_the_next_ownership(engine: En
     dropped; the refetch from the committed offset (50) is taken whole, so the commit point stays at 50.
     Without assignment generations the stale batch (100..109) set the next offset past the refetch,
     50..99 were dropped as duplicates and the watermark jumped to 100: 50 messages lost."""
-    engine._on_assign(engine.consumer, P0)
-    stale = engine._fetched([record(o) for o in range(100, 110)])
-    engine._on_lost(engine.consumer, P0)
+    engine._fetcher._on_assign(engine.consumer, P0)
+    stale = engine._fetcher.fetched([record(o) for o in range(100, 110)])
+    engine._fetcher._on_lost(engine.consumer, P0)
     engine.consumer.incremental_unassign(P0)  # what the client does after the callback
-    engine._on_assign(engine.consumer, P0)
-    refetch = engine._fetched([record(o) for o in range(50, 110)])
+    engine._fetcher._on_assign(engine.consumer, P0)
+    refetch = engine._fetcher.fetched([record(o) for o in range(50, 110)])
     now = time.monotonic()
-    engine._handle(stale, now)
-    engine._handle(refetch, now)
+    engine._handle([stale], now)
+    engine._handle([refetch], now)
     state = engine._partitions[0]
     assert state.epoch == 2
     assert state.tracker.watermark == 50
@@ -88,15 +89,15 @@ def test_records_fetched_before_a_loss_never_reach_the_next_ownership(engine: En
 def test_records_fetched_before_a_revoke_are_dropped_when_no_one_owns_the_partition(engine: Engine) -> None:
     """SUB-3: a revoked partition takes no record fetched for its earlier ownership, and the
     ownership after the next assignment takes only its own records."""
-    engine._on_assign(engine.consumer, P0)
-    stale = engine._fetched([record(o) for o in range(0, 5)])
-    engine._on_revoke(engine.consumer, P0)
+    engine._fetcher._on_assign(engine.consumer, P0)
+    stale = engine._fetcher.fetched([record(o) for o in range(0, 5)])
+    engine._fetcher._on_revoke(engine.consumer, P0)
     engine.consumer.incremental_unassign(P0)
-    engine._handle(stale, time.monotonic())
+    engine._handle([stale], time.monotonic())
     assert 0 not in engine._partitions
-    engine._on_assign(engine.consumer, P0)
-    engine._handle(stale, time.monotonic())
-    engine._handle(engine._fetched([record(o) for o in range(3, 8)]), time.monotonic())
+    engine._fetcher._on_assign(engine.consumer, P0)
+    engine._handle([stale], time.monotonic())
+    engine._handle([engine._fetcher.fetched([record(o) for o in range(3, 8)])], time.monotonic())
     assert engine._partitions[0].tracker.watermark == 3
     assert engine._partitions[0].buffered == 5
 
@@ -107,12 +108,12 @@ def test_a_failed_redis_write_gives_deliveries_back_without_counting_failures(st
     handed: list[Message] = []
     engine = make_engine(store, handed.extend)
     try:
-        engine._on_assign(engine.consumer, P0)
-        engine._handle(engine._fetched([record(o) for o in range(3)]), time.monotonic())
+        engine._fetcher._on_assign(engine.consumer, P0)
+        engine._handle([engine._fetcher.fetched([record(o) for o in range(3)])], time.monotonic())
         store.failing = True
-        engine._engine_step()
+        engine._step()
         state = engine._partitions[0]
-        assert handed == [] and engine._out == {}
+        assert handed == [] and engine._leases.outstanding == {}
         assert [q.failures for q in state.keys.values()] == [0, 0, 0]
         assert [r.attempts for q in state.keys.values() for r in q.records] == [0, 0, 0]
         assert state.buffered == 3
@@ -126,15 +127,45 @@ def test_a_failed_dead_letter_write_requeues_without_counting_a_failure(store: F
     handed: list[Message] = []
     engine = make_engine(store, handed.extend)
     try:
-        engine._on_assign(engine.consumer, P0)
-        engine._handle(engine._fetched([record(0)]), time.monotonic())
-        engine._engine_step()
+        engine._fetcher._on_assign(engine.consumer, P0)
+        engine._handle([engine._fetcher.fetched([record(0)])], time.monotonic())
+        engine._step()
         assert [m.delivery_attempt for m in handed] == [1]
         state = engine._partitions[0]
-        delivery = engine._out[(0, 0)]
-        engine._handle(_DeadLettered(0, state.epoch, delivery.queue_key, 0, "broker down"), time.monotonic())
-        assert engine._out == {}
-        assert state.keys[delivery.queue_key].failures == 0
+        delivery = engine._leases.outstanding[(0, 0)]
+        engine._handle([DeadLettered(0, state.epoch, delivery.delivery.queue_key, 0, "broker down")], time.monotonic())
+        assert engine._leases.outstanding == {}
+        assert state.keys[delivery.delivery.queue_key].failures == 0
         assert state.buffered == 1
+    finally:
+        engine.consumer.close()
+
+
+def test_metrics_snapshot_counts_deliveries_settlements_and_drains_observations(store: FakeStore) -> None:
+    """ACK-1, SUB-7: the metrics hook: counters, gauges, per-partition gauges, drained observation lists."""
+    handed: list[Message] = []
+    engine = make_engine(store, handed.extend)
+    try:
+        engine._fetcher._on_assign(engine.consumer, P0)
+        engine._handle([engine._fetcher.fetched([record(o) for o in range(3)])], time.monotonic())
+        engine._step()
+        assert len(handed) == 3
+        handed[0].ack()
+        handed[1].nack()
+        engine._step()
+        snapshot = engine.metrics_snapshot()
+        assert {k: snapshot[k] for k in ("delivered", "acked", "nacked", "redelivered", "dead_lettered",
+                                          "lease_extensions", "lease_lapses", "malformed_records",
+                                          "outstanding", "held_keys")} == {
+            "delivered": 3, "acked": 1, "nacked": 1, "redelivered": 0, "dead_lettered": 0,
+            "lease_extensions": 0, "lease_lapses": 0, "malformed_records": 0, "outstanding": 1, "held_keys": 2}
+        partition = snapshot["partitions"][0]
+        assert (partition["outstanding"], partition["buffered"], partition["held_keys"]) == (1, 1, 2)
+        assert 0.0 <= partition["oldest_unacked_seconds"] < 60
+        assert len(snapshot["ack_latency_seconds"]) == 1
+        assert len(snapshot["redis_flush_seconds"]) >= 1
+        again = engine.metrics_snapshot()
+        assert again["ack_latency_seconds"] == [] and again["redis_flush_seconds"] == []
+        assert again["acked"] == 1
     finally:
         engine.consumer.close()

@@ -154,3 +154,21 @@ def test_requeue_rewinds_without_counting_a_failure() -> None:
     assert [(d.record.offset, d.attempt) for d in deliveries] == [(0, 2)]
     assert state.nack(b"k", 0, deliveries[0].token, 200.0, RetryPolicy(10, 600).backoff)
     assert state.next_wake() == 210.0
+
+
+def test_backoff_wakes_keys_in_due_time_order() -> None:
+    """DLQ-1: a nacked key waits out its backoff (due-time heap), other keys do not (SUB-2); a key held
+    again with no delay is ready at once."""
+    state = PartitionState(0, 1, ordered=True)
+    fill(state, [b"a", b"b", b"c"])
+    (qa, oa, ta), (qb, ob, tb), _ = release_all(state)
+    assert state.nack(qa, oa, ta, 0.0, lambda failures: 5.0)
+    assert state.nack(qb, ob, tb, 0.0, lambda failures: 2.0)
+    assert state.next_wake() == 2.0
+    state.wake(1.0)
+    assert release_all(state) == []
+    state.wake(2.0)
+    assert [d.queue_key for d in state.release_ready(2.0, 10, 1, 10**9)] == [b"b"]
+    assert state.held_keys() == 3  # a backing off, b and c outstanding
+    state.wake(5.0)
+    assert [d.queue_key for d in state.release_ready(5.0, 10, 1, 10**9)] == [b"a"]

@@ -1,0 +1,238 @@
+"""Per-message CPU cost of the subscriber's hot path, callback mode, bench (a) workload (issue 11).
+
+CPU time, not wall time: it holds on a machine shared with other work. Three sources:
+
+* per-thread CPU clocks (``pthread_getcpuclockid``) of the fetch thread, the engine thread and the
+  callback threads, read while they run; librdkafka's own threads are the rest of the process;
+* probes: named engine methods that run once per batch are wrapped with ``thread_time`` counters
+  (two clock reads per batch, never per message); ``PROBES`` names them;
+* micro-measurements on the run's own records for the per-message steps that are not batched
+  (``to_record``, metadata read, a user's ``ack``), timed over a copy of the fetched messages.
+
+    .venv/bin/python bench/profile_subscribe.py [--messages 200000] [--workers 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+import time
+import uuid
+from collections import defaultdict, deque
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from confluent_kafka import Consumer
+from confluent_kafka import Message as KafkaMessage
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.bench_subscribe import publish
+from bench.common import bench_stack
+from ordering_layer import Admin, FlowControl, Message, RetryPolicy, Subscriber
+from ordering_layer.record import read_metadata
+from ordering_layer.stack import Endpoints
+from ordering_layer.subscriber import engine as engine_module
+from ordering_layer.subscriber import fetcher, partitions
+from ordering_layer.subscriber.partition import Delivery
+
+_SAMPLE = 50_000
+
+# (row, owner, method): engine steps that run once per batch, timed on the thread that runs them.
+PROBES: list[tuple[str, Any, str]] = [
+    ("queueing (fetched batch -> partition key queues)", partitions.Partitions, "take"),
+    ("release (ready keys -> deliveries)", engine_module.Engine, "_release"),
+    ("admit (outstanding, attempt + lease ops, lease watch)", engine_module.Engine, "_admit"),
+    ("leases (expiry, extension)", engine_module.Engine, "_expire"),
+    ("Redis op encoding + flush (client side)", engine_module.Engine, "_flush"),
+    ("hand-off (Message objects, callback pool)", engine_module.Engine, "_dispatch"),
+    ("commit", engine_module.Engine, "_offsets"),
+]
+NESTED = {"admit (outstanding, attempt + lease ops, lease watch)": "release (ready keys -> deliveries)"}
+
+
+def thread_role(name: str) -> str:
+    """Which part of the subscriber a thread is, by its name."""
+    for role in ("fetch", "engine", "cb"):
+        if name.startswith(f"ordering-layer-{role}-"):
+            return role
+    return "other"
+
+
+def micro_costs(sample: list[KafkaMessage]) -> dict[str, float]:
+    """CPU seconds per message of the per-message steps, over fetched messages."""
+    records = [fetcher.to_record(m) for m in sample]
+    posted: deque[Any] = deque(maxlen=1000)  # an inbox the engine keeps draining
+    messages = [Message(Delivery(r, r.key or r.offset, 1, 1), "t", 1, posted.append) for r in records]
+    return {
+        "to_record": per_message(fetcher.to_record, sample),
+        "metadata": per_message(lambda m: read_metadata(m.headers()), sample),
+        "ack": per_message(Message.ack, messages),
+    }
+
+
+def table(figures: dict[str, float], probed: dict[str, float], micro: dict[str, float],
+          count: int) -> list[tuple[str, float]]:
+    """(row, CPU seconds in all) for the run."""
+    rows: list[tuple[str, float]] = []
+    fetch = figures.get("thread:fetch", 0.0)
+    rows.append(("fetch thread", fetch))
+    rows.append(("  consume() and the rest of the fetch loop", fetch - micro["to_record"] * count))
+    rows.append(("  to_record (Record and metadata read, as the fetch does them)", micro["to_record"] * count))
+    rows.append(("  (read_metadata alone, uncached: for reference)", micro["metadata"] * count))
+    engine = figures.get("thread:engine", 0.0)
+    rows.append(("engine thread", engine))
+    accounted = 0.0
+    for label, _owner, _name in PROBES:
+        seconds = probed.get(label, 0.0)
+        if label in NESTED:
+            rows.append((f"    of which {label}", seconds))
+            continue
+        parent_nested = sum(probed.get(n, 0.0) for n, p in NESTED.items() if p == label)
+        rows.append((f"  {label}", seconds - parent_nested if label in NESTED.values() else seconds))
+        if label in NESTED.values():
+            rows.append((f"  {label} total", seconds))
+        accounted += seconds
+    rows.append(("  user ack -> settle, inbox, loop (the rest)", engine - accounted))
+    callbacks = figures.get("thread:cb", 0.0)
+    rows.append(("callback threads", callbacks))
+    rows.append(("  Message.ack (request + inbox post)", micro["ack"] * count))
+    rows.append(("  pool take + user callback (the rest)", callbacks - micro["ack"] * count))
+    python = fetch + engine + callbacks + figures.get("thread:other", 0.0)
+    rows.append(("other Python threads", figures.get("thread:other", 0.0)))
+    rows.append(("librdkafka threads and main thread (process - Python threads)", figures["process"] - python))
+    rows.append(("process total", figures["process"]))
+    return rows
+
+
+class Probe:
+    """Wraps methods with thread-CPU counters (per call; only methods that run once per batch)."""
+
+    def __init__(self) -> None:
+        self.cpu: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+        self._undo: list[tuple[Any, str, Any]] = []
+
+    def wrap(self, label: str, owner: Any, name: str) -> None:
+        original = getattr(owner, name)
+        cpu, calls, clock = self.cpu, self.calls, time.thread_time
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = clock()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                cpu[label] += clock() - start
+                calls[label] += 1
+
+        setattr(owner, name, timed)
+        self._undo.append((owner, name, original))
+
+    def undo(self) -> None:
+        for owner, name, original in reversed(self._undo):
+            setattr(owner, name, original)
+
+
+def thread_cpu(threads: list[threading.Thread]) -> float:
+    total = 0.0
+    for thread in threads:
+        if thread.ident is not None and thread.is_alive():
+            total += time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+    return total
+
+
+def fetched_sample(endpoints: Endpoints, topic: str, count: int) -> tuple[list[KafkaMessage], float]:
+    """Messages as ``consume`` returns them, and the raw loop's process CPU per message."""
+    consumer = Consumer({"bootstrap.servers": endpoints.bootstrap, "group.id": f"raw-{uuid.uuid4().hex}",
+                         "enable.auto.commit": False, "auto.offset.reset": "earliest"})
+    consumer.subscribe([topic])
+    kept: list[KafkaMessage] = []
+    seen, start = 0, 0.0
+    while seen < count:
+        batch = consumer.consume(500, 1.0)
+        if batch and not start:
+            start = time.process_time()
+        for msg in batch:
+            if msg.error() is None:
+                seen += 1
+                if len(kept) < _SAMPLE:
+                    kept.append(msg)
+        if batch:
+            consumer.commit(asynchronous=True)
+    cpu = time.process_time() - start
+    consumer.close()
+    return kept, cpu / count
+
+
+def per_message(step: Callable[[Any], Any], items: list[Any]) -> float:
+    start = time.process_time()
+    for item in items:
+        step(item)
+    return (time.process_time() - start) / len(items)
+
+
+def callback_run(endpoints: Endpoints, admin: Admin, topic: str, count: int, workers: int,
+                 ) -> dict[str, float]:
+    name = f"profile-{uuid.uuid4().hex[:8]}"
+    admin.create_subscription(name, topic=topic, retry_policy=RetryPolicy(0, 0))
+    acked = 0
+    lock = threading.Lock()
+    finished = threading.Event()
+
+    def callback(message: Message) -> None:
+        nonlocal acked
+        message.ack()
+        with lock:
+            acked += 1
+            if acked >= count:
+                finished.set()
+
+    subscriber = Subscriber({"bootstrap.servers": endpoints.bootstrap}, redis_url=endpoints.redis_url)
+    before_threads = set(threading.enumerate())
+    process_start = time.process_time()
+    handle = subscriber.subscribe(name, callback, max_workers=workers,
+                                  flow_control=FlowControl(max_messages=max(1000, workers * 4)))
+    finished.wait(900)
+    threads = [t for t in threading.enumerate() if t not in before_threads]
+    roles: dict[str, list[threading.Thread]] = defaultdict(list)
+    for thread in threads:
+        roles[thread_role(thread.name)].append(thread)
+    figures = {f"thread:{role}": thread_cpu(group) for role, group in roles.items()}
+    figures["process"] = time.process_time() - process_start
+    handle.cancel()
+    return figures
+
+
+def main() -> None:
+    """Publish, take the per-message samples, run callback mode under probes, print the table."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--messages", type=int, default=200_000)
+    parser.add_argument("--workers", type=int, default=16)
+    args = parser.parse_args()
+    count = args.messages
+    with bench_stack() as endpoints:
+        admin = Admin({"bootstrap.servers": endpoints.bootstrap}, redis_url=endpoints.redis_url)
+        topic = f"profile-{uuid.uuid4().hex[:8]}"
+        admin.create_topic(topic, partitions=6)
+        publish(endpoints, topic, [f"key-{i}" for i in range(10_000)], count)
+        sample, raw_cpu = fetched_sample(endpoints, topic, count)
+        micro = micro_costs(sample)
+        probe = Probe()
+        for label, owner, name in PROBES:
+            probe.wrap(label, owner, name)
+        try:
+            figures = callback_run(endpoints, admin, topic, count, args.workers)
+        finally:
+            probe.undo()
+    us = 1e6 / count
+    print(f"messages {count}; raw consume loop (reference): {raw_cpu * 1e6:.2f} us CPU per message")
+    print("| step | CPU us per message |\n|---|---:|")
+    for label, seconds in table(figures, dict(probe.cpu), micro, count):
+        print(f"| {label} | {seconds * us:.2f} |")
+    print("probe calls:", dict(probe.calls))
+
+
+if __name__ == "__main__":
+    main()

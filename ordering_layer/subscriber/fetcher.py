@@ -1,0 +1,228 @@
+"""The fetch side of the engine: owns the Kafka consumer and the one thread that calls it.
+
+librdkafka's consumer is not safe for concurrent calls from Python threads, so only the fetch thread
+calls it while it runs: ``consume`` (which also serves the rebalance callbacks and commit reports),
+pause and resume as the flow-control gate says (SUB-7), and commits, which reach it only as queued
+requests. Each fetched batch carries every partition's assignment generation, bumped on each
+assignment, revocation and loss, so that records fetched for an ownership that has ended are never
+taken by a later one (SUB-3). Records are read once here: metadata, size, timestamp (PUB-7, DLQ-4).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple, Protocol, cast
+
+from confluent_kafka import Consumer, KafkaException, TopicPartition
+from confluent_kafka import Message as KafkaMessage
+
+from ordering_layer.record import HEADER_PARTITION_COUNT, HeaderPairs, RecordMetadata, read_metadata
+from ordering_layer.subscriber.flow import FlowGate, Gate
+from ordering_layer.subscriber.partition import Record
+from ordering_layer.subscriber.requests import Committed, Fetched
+from ordering_layer.worker import Worker
+
+_LOGGER = logging.getLogger(__name__)
+
+_FETCH_BATCH = 500
+_PAUSED_POLL = 0.005
+_MALFORMED_LOGGED = 10  # malformed-metadata warnings logged one by one; then every 1000th
+
+RebalanceCallback = Callable[[list[TopicPartition]], None]
+
+
+class RebalanceHooks(NamedTuple):
+    """User code told of partitions assigned, revoked (before they are let go) and lost."""
+
+    on_assign: RebalanceCallback | None = None
+    on_revoke: RebalanceCallback | None = None
+    on_lost: RebalanceCallback | None = None
+
+
+class Ownership(Protocol):
+    """What the fetcher tells the coordinator about partition ownership (on the fetch thread)."""
+
+    def assigned(self, partitions: list[int], generations: Mapping[int, int]) -> None:
+        """Claim newly assigned partitions (before their first fetch)."""
+
+    def revoking(self, partitions: list[int]) -> list[TopicPartition]:
+        """Let revoked partitions go; returns the offsets to commit before they move."""
+
+    def lost(self, partitions: list[int]) -> None:
+        """Drop lost partitions (another owner has them already)."""
+
+
+def _tell(callback: RebalanceCallback | None, partitions: list[TopicPartition], what: str) -> None:
+    if callback is None:
+        return
+    try:
+        callback(partitions)
+    except Exception:
+        _LOGGER.exception("%s callback failed", what)
+
+
+_PLAIN_COUNTS: dict[bytes | str | None, RecordMetadata] = {}  # the one-header case of the layer's records
+
+
+def to_record(msg: KafkaMessage) -> Record:
+    """A fetched Kafka record with its layer metadata read once; any record is a message (PUB-7)."""
+    key, value = msg.key(), msg.value()
+    headers = cast(HeaderPairs | None, msg.headers())  # a list of pairs for fetched records
+    metadata = None
+    if headers is not None and len(headers) == 1 and headers[0][0] == HEADER_PARTITION_COUNT:
+        metadata = _PLAIN_COUNTS.get(headers[0][1])
+    if metadata is None:
+        metadata = read_metadata(headers)
+        if metadata.message_id is None and metadata.malformed is None and len(_PLAIN_COUNTS) < 64 \
+                and headers is not None and len(headers) == 1:
+            _PLAIN_COUNTS[headers[0][1]] = metadata
+    partition, offset = msg.partition(), msg.offset()
+    assert partition is not None and offset is not None
+    return Record(partition, offset, key or None, value, headers, metadata,
+                  len(value) if value else 0, msg.timestamp()[1])
+
+
+class Fetcher:
+    """The Kafka consumer of one engine and its fetch thread.
+
+    Args:
+        config: the consumer's full confluent-kafka settings.
+        subscription: subscription name (for logs and the thread name).
+        topic: the subscribed topic.
+        gate: the flow-control gate, read before each fetch.
+        ownership: the coordinator's side of rebalances.
+        post: receives ``Fetched`` batches and ``Committed`` reports.
+        rebalance: user callbacks, told after a claim and before a revoke lets go.
+    """
+
+    def __init__(self, config: Mapping[str, Any], subscription: str, topic: str, gate: FlowGate,
+                 ownership: Ownership, post: Callable[[Any], None], rebalance: RebalanceHooks) -> None:
+        self.subscription = subscription
+        self.topic = topic
+        self._gate = gate
+        self._ownership = ownership
+        self._post = post
+        self._rebalance = rebalance
+        self.consumer = Consumer({**config, "on_commit": self._on_commit})
+        self._requests: queue.SimpleQueue[list[TopicPartition]] = queue.SimpleQueue()
+        self.generations: dict[int, int] = {}  # fetch thread: bumped on each assign, revoke, loss
+        self.paused = False  # the assignment is paused in the consumer
+        self.malformed_records = 0  # records whose ol- metadata was ignored (DLQ-4)
+        self._worker = Worker(f"ordering-layer-fetch-{subscription}", self.step)
+
+    def start(self) -> None:
+        """Join the group and start fetching."""
+        self.consumer.subscribe([self.topic], on_assign=self._on_assign, on_revoke=self._on_revoke,
+                                on_lost=self._on_lost)
+        self._worker.start()
+
+    def stop(self) -> None:
+        """Stop the fetch thread (the consumer stays open for a last synchronous commit)."""
+        self._worker.stop()
+
+    def close(self) -> None:
+        """Leave the group and close the consumer (after ``stop``)."""
+        try:
+            self.consumer.close()
+        except (KafkaException, RuntimeError) as exc:
+            _LOGGER.warning("closing consumer of %s: %s", self.subscription, exc)
+
+    def commit(self, offsets: list[TopicPartition]) -> None:
+        """Queue an asynchronous commit for the fetch thread (any thread)."""
+        self._requests.put(offsets)
+
+    def commit_sync(self, offsets: list[TopicPartition]) -> bool:
+        """Commit now: on the fetch thread, or after ``stop``. False when the commit failed."""
+        if not offsets:
+            return True
+        try:
+            self.consumer.commit(offsets=offsets, asynchronous=False)
+        except KafkaException as exc:
+            _LOGGER.warning("%s: commit failed: %s", self.subscription, exc)
+            return False
+        return True
+
+    def step(self) -> float:
+        """One turn of the fetch thread: queued commits, the gate, one ``consume``."""
+        requests = self._requests
+        while not requests.empty():
+            try:
+                self.consumer.commit(offsets=requests.get_nowait(), asynchronous=True)
+            except KafkaException as exc:
+                _LOGGER.warning("%s: commit failed: %s", self.subscription, exc)
+        state = self._gate.fetch_state(time.monotonic())
+        if state is Gate.HELD:
+            return _PAUSED_POLL  # SUB-7: no records taken while over the limit
+        if (state is Gate.PAUSED) != self.paused:
+            self.paused = state is Gate.PAUSED
+            self._pause(self.consumer.assignment(), self.paused)
+        messages = self.consumer.consume(_FETCH_BATCH, _PAUSED_POLL if self.paused else 0.1)
+        records = []
+        for msg in messages:
+            if msg.error() is not None:
+                _LOGGER.warning("fetch error on %s: %s", self.subscription, msg.error())
+                continue
+            record = to_record(msg)
+            if record.metadata.malformed is not None:
+                self._malformed_metadata(record)
+            records.append(record)
+        if records:
+            self._post(self.fetched(records))
+        return 0.0
+
+    def fetched(self, records: list[Record]) -> Fetched:
+        """Fetch thread: tag records just returned by ``consume`` with the assignment generations."""
+        return Fetched(records, dict(self.generations))
+
+    def _malformed_metadata(self, record: Record) -> None:
+        """DLQ-4: malformed ``ol-`` headers are ignored; the record is delivered as a plain record."""
+        self.malformed_records += 1
+        count = self.malformed_records
+        if count <= _MALFORMED_LOGGED or count % 1000 == 0:
+            _LOGGER.warning("%s: record %d:%d has malformed layer metadata (%s), ignored; delivered as a plain "
+                            "record (%d such records so far)", self.subscription, record.partition,
+                            record.offset, record.metadata.malformed, count)
+
+    def _next_generation(self, partitions: list[TopicPartition]) -> None:
+        generations = self.generations
+        for tp in partitions:
+            generations[tp.partition] = generations.get(tp.partition, 0) + 1
+
+    def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self._next_generation(partitions)
+        self._ownership.assigned([tp.partition for tp in partitions], self.generations)
+        # Assigned here rather than by the client after this callback, so that the new partitions
+        # join the gate's state before their first fetch: paused while the assignment is paused
+        # (SUB-7), and resumed otherwise, as librdkafka may keep a pause from an earlier ownership
+        # of the partition, which no later resume of the then assignment reached.
+        consumer.incremental_assign(partitions)
+        self._pause(partitions, self.paused)
+        _tell(self._rebalance.on_assign, partitions, "on_assign")
+
+    def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self._next_generation(partitions)
+        _tell(self._rebalance.on_revoke, partitions, "on_revoke")
+        self.commit_sync(self._ownership.revoking([tp.partition for tp in partitions]))
+
+    def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self._next_generation(partitions)
+        self._ownership.lost([tp.partition for tp in partitions])
+        _tell(self._rebalance.on_lost, partitions, "on_lost")
+
+    def _on_commit(self, err: Any, partitions: list[TopicPartition]) -> None:
+        """A commit reached the group coordinator: only now may Redis forget what lies below it."""
+        if err is None:
+            done = [(tp.partition, tp.offset) for tp in partitions
+                    if tp.error is None and tp.topic == self.topic and tp.offset >= 0]
+            if done:
+                self._post(Committed(done))
+
+    def _pause(self, partitions: list[TopicPartition], pause: bool) -> None:
+        if partitions:
+            try:
+                (self.consumer.pause if pause else self.consumer.resume)(partitions)
+            except KafkaException as exc:
+                _LOGGER.warning("%s: %s failed: %s", self.subscription, "pause" if pause else "resume", exc)

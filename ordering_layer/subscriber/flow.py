@@ -1,0 +1,73 @@
+"""Flow control (SUB-7): the release budget and the one gate state of the fetch.
+
+``FlowControl`` bounds what is outstanding at a subscriber. The gate is OPEN (the fetch takes
+records), HELD (over a limit: the fetch takes no records, librdkafka keeps its prefetch) or PAUSED
+(held longer than ``hold_before_pause``: the assignment is paused in the consumer, so that the
+group protocol and rebalance callbacks keep running while nothing is fetched). Over any limit the
+gate closes; it opens again under ``resume_fraction`` of every limit. The coordinator moves it
+between OPEN and HELD after each step; the fetch thread moves it from HELD to PAUSED.
+
+Why HELD before PAUSED: ``pause()`` throws librdkafka's prefetch away and the resume costs a refetch
+of ~0.2-0.5 s, which a short hold at every release step would pay again and again.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+
+from ordering_layer.config import FlowControl
+
+
+class Gate(enum.Enum):
+    """The fetch's state under flow control."""
+
+    OPEN = "open"
+    HELD = "held"
+    PAUSED = "paused"
+
+
+class FlowGate:
+    """Limits of one engine and its fetch gate.
+
+    Args:
+        limits: ``max_messages`` and ``max_bytes`` outstanding.
+        max_buffered: fetched records not yet released that close the gate too (memory bound).
+        resume_fraction: the gate opens under this fraction of every limit.
+        hold_before_pause: seconds HELD before the fetch pauses the assignment.
+    """
+
+    def __init__(self, limits: FlowControl, *, max_buffered: int = 20_000, resume_fraction: float = 0.8,
+                 hold_before_pause: float = 1.0) -> None:
+        self.limits = limits
+        self.max_buffered = max_buffered
+        self.resume_fraction = resume_fraction
+        self.hold_before_pause = hold_before_pause
+        self.state = Gate.OPEN
+        self._since = 0.0
+        self._lock = threading.Lock()
+
+    def budget(self, outstanding: int, outstanding_bytes: int) -> tuple[int, int]:
+        """How many more messages and payload bytes may be released now."""
+        limits = self.limits
+        return limits.max_messages - outstanding, limits.max_bytes - outstanding_bytes
+
+    def update(self, outstanding: int, outstanding_bytes: int, buffered: int, now: float) -> None:
+        """Coordinator: close the gate over a limit, open it under ``resume_fraction`` of all."""
+        limits, fraction = self.limits, self.resume_fraction
+        over = (outstanding >= limits.max_messages or outstanding_bytes >= limits.max_bytes
+                or buffered >= self.max_buffered)
+        under = (outstanding < limits.max_messages * fraction and outstanding_bytes < limits.max_bytes * fraction
+                 and buffered < self.max_buffered * fraction)
+        with self._lock:
+            if over and self.state is Gate.OPEN:
+                self.state, self._since = Gate.HELD, now
+            elif under and self.state is not Gate.OPEN:
+                self.state = Gate.OPEN
+
+    def fetch_state(self, now: float) -> Gate:
+        """Fetch thread: the state to act on; HELD turns PAUSED once held ``hold_before_pause`` s."""
+        with self._lock:
+            if self.state is Gate.HELD and now - self._since >= self.hold_before_pause:
+                self.state = Gate.PAUSED
+            return self.state

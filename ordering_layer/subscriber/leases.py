@@ -1,0 +1,174 @@
+"""Leases of outstanding deliveries: deadlines, p99 extension, lapses (ACK-1, ACK-2, ACK-3).
+
+``Leases`` knows every delivery handed out and not yet settled, with its deadline. A due-time heap
+holds one watch per released batch (the deliveries of one release share their deadline); shortly
+before a deadline the lease is extended by the p99 ack latency (``Histogram``), clamped, unless it
+has been held for ``max_lease_duration``; at the deadline it lapses and the coordinator gives the
+delivery back (SUB-4). Pure bookkeeping: the coordinator writes what it returns to Redis.
+
+With ``track=False`` (a comparison setting, not for production) no deadline is watched: leases
+neither lapse nor get extended, and ``admit`` asks for no lease write.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from ordering_layer.config import SubscriptionSettings
+from ordering_layer.subscriber.histogram import Histogram, extension_seconds
+from ordering_layer.subscriber.partition import Delivery
+
+OutKey = tuple[int, int]  # (partition, offset)
+_OBSERVATIONS_KEPT = 100_000  # ack latencies kept for a metrics reader that does not come
+
+
+@dataclass(slots=True)
+class Outstanding:
+    """One delivery handed out and not yet settled."""
+
+    delivery: Delivery
+    deadline: float
+    first_delivery: float
+    check: float = 0.0  # when the lease is looked at next; only the watch of this time acts
+
+
+class Extension:
+    """A lease extended to ``wall_ms`` (epoch ms) for Redis."""
+
+    __slots__ = ("offset", "partition", "wall_ms")
+
+    def __init__(self, partition: int, offset: int, wall_ms: int) -> None:
+        self.partition, self.offset, self.wall_ms = partition, offset, wall_ms
+
+
+def lease_margin(ack_deadline: float) -> float:
+    """How long before a deadline the lease is extended."""
+    return min(2.0, ack_deadline / 5)
+
+
+def wall_ms(seconds: float) -> int:
+    """Epoch milliseconds ``seconds`` from now (what Redis stores as a deadline)."""
+    return int((time.time() + seconds) * 1000)
+
+
+class Leases:
+    """Outstanding deliveries and their deadlines, for one engine (coordinator thread only).
+
+    Args:
+        settings: the subscription's ack deadline, lease bounds and maximum lease duration.
+        track: watch deadlines (the default); False turns leases off for comparisons.
+    """
+
+    def __init__(self, settings: SubscriptionSettings, *, track: bool = True) -> None:
+        self.settings = settings
+        self.track = track
+        self.outstanding: dict[OutKey, Outstanding] = {}
+        self.bytes = 0
+        self.histogram = Histogram()
+        self.extensions = 0
+        self.lapses = 0
+        self.latencies: deque[float] = deque(maxlen=_OBSERVATIONS_KEPT)  # drained by metrics
+        self._pending_latencies: list[float] = []
+        self._heap: list[tuple[float, int, list[OutKey]]] = []
+        self._seq = itertools.count()
+
+    def admit(self, partition: int, batch: list[Delivery], now: float) -> int:
+        """Take released deliveries as outstanding, watched together. Returns their payload bytes."""
+        deadline = now + self.settings.ack_deadline
+        outstanding = self.outstanding
+        check = self._check_time(deadline) if self.track else 0.0
+        keys = []
+        size = 0
+        for delivery in batch:
+            record = delivery.record
+            key = (partition, record.offset)
+            outstanding[key] = Outstanding(delivery, deadline, now, check)
+            keys.append(key)
+            size += record.size
+        self.bytes += size
+        if self.track:
+            heapq.heappush(self._heap, (check, next(self._seq), keys))
+        return size
+
+    def pop(self, key: OutKey) -> Outstanding | None:
+        """Forget a delivery (settled, given back or fenced)."""
+        out = self.outstanding.pop(key, None)
+        if out is not None:
+            self.bytes -= out.delivery.record.size
+        return out
+
+    def acked(self, out: Outstanding, now: float) -> None:
+        """An ack arrived: its latency feeds the p99 extension (ACK-2)."""
+        self._pending_latencies.append(now - out.first_delivery)
+
+    def take_latencies(self) -> None:
+        """Move the step's ack latencies into the histogram and the metrics list (one lock each)."""
+        pending = self._pending_latencies
+        if pending:
+            self.histogram.add_many(pending)
+            self.latencies.extend(pending)
+            self._pending_latencies = []
+
+    def set_deadline(self, key: OutKey, out: Outstanding, seconds: float, now: float) -> int:
+        """``modify_ack_deadline`` (ACK-3): the new deadline, watched; returns it in epoch ms."""
+        out.deadline = now + seconds
+        self._watch(key, out)
+        return wall_ms(seconds)
+
+    def drop_partition(self, partition: int) -> None:
+        """A partition let go: its deliveries can no longer be acked here."""
+        for key in [k for k in self.outstanding if k[0] == partition]:
+            self.pop(key)
+
+    def next_check(self) -> float | None:
+        """When ``expire`` has something to look at next."""
+        return self._heap[0][0] if self._heap else None
+
+    def expire(self, now: float) -> tuple[list[Extension], list[Outstanding]]:
+        """Extend the leases about to end (ACK-2) and take out those that lapsed (ACK-1).
+
+        Returns the extensions (for Redis) and the lapsed deliveries (already forgotten here; the
+        coordinator rewinds their keys).
+        """
+        settings = self.settings
+        margin = lease_margin(settings.ack_deadline)
+        heap, outstanding = self._heap, self.outstanding
+        extended: list[Extension] = []
+        lapsed: list[Outstanding] = []
+        while heap and heap[0][0] <= now:
+            check, _, keys = heapq.heappop(heap)
+            for key in keys:
+                out = outstanding.get(key)
+                if out is None or out.check != check:
+                    continue  # settled, or watched again since (a new deadline, a redelivery)
+                if out.deadline - margin <= now < out.deadline \
+                        and now - out.first_delivery < settings.max_lease_duration:
+                    seconds = extension_seconds(self.histogram,
+                                                min_extension=settings.min_duration_per_lease_extension,
+                                                max_extension=settings.max_duration_per_lease_extension)
+                    out.deadline = now + seconds
+                    extended.append(Extension(key[0], key[1], wall_ms(seconds)))
+                    self._watch(key, out)
+                elif now >= out.deadline:
+                    self.pop(key)
+                    lapsed.append(out)
+                else:
+                    self._watch(key, out, check=out.deadline)
+        self.extensions += len(extended)
+        self.lapses += len(lapsed)
+        return extended, lapsed
+
+    def _watch(self, key: OutKey, out: Outstanding, check: float | None = None) -> None:
+        if not self.track:
+            return
+        out.check = self._check_time(out.deadline) if check is None else check
+        heapq.heappush(self._heap, (out.check, next(self._seq), [key]))
+
+    def _check_time(self, deadline: float) -> float:
+        # Jittered, so that the extensions of many leases do not all land on one step.
+        return deadline - lease_margin(self.settings.ack_deadline) * (1.0 - 0.2 * random.random())

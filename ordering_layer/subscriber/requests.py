@@ -1,0 +1,68 @@
+"""Typed requests that travel through the engine's inbox to its coordinator thread.
+
+Every request is immutable; the coordinator routes them by type. User threads post ``Settle``
+(through ``Message``; a plain ``ack()`` posts the ``Message`` itself, the one request that costs no
+object per ack) and ``Pull``; the fetch thread posts ``Fetched`` and ``Committed``; the
+dead-letter producer's delivery reports post ``DeadLettered``.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Final, NamedTuple
+
+from ordering_layer.subscriber.partition import Delivery, QueueKey, Record
+
+if TYPE_CHECKING:
+    from ordering_layer.subscriber.message import AckResponse, Message
+
+
+class SettleKind:
+    """What a ``Settle`` asks (plain ints: compared per message on the hot path)."""
+
+    ACK: Final = 0
+    NACK: Final = 1
+    DEADLINE: Final = 2
+
+
+class Settle(NamedTuple):
+    """A request from user code about one delivery: ack, nack or a new deadline (ACK-3)."""
+
+    kind: int  # SettleKind
+    delivery: Delivery
+    epoch: int  # the owner epoch the delivery was made under (ACK-5)
+    seconds: float
+    error: str | None
+    future: Future[AckResponse] | None
+
+
+class Fetched(NamedTuple):
+    """Records as ``consume`` returned them, with each partition's assignment generation then:
+    records of an earlier generation were fetched for an ownership that has ended since."""
+
+    records: list[Record]
+    generations: dict[int, int]
+
+
+class Pull(NamedTuple):
+    """A pull waiting for messages until ``deadline`` (monotonic seconds)."""
+
+    max_messages: int
+    deadline: float
+    future: Future[list[Message]]
+
+
+class Committed(NamedTuple):
+    """Offsets the group coordinator has taken: Redis may forget what is settled below them."""
+
+    offsets: list[tuple[int, int]]
+
+
+class DeadLettered(NamedTuple):
+    """The dead-letter topic took (``error`` None) or refused a record delivered under ``epoch``."""
+
+    partition: int
+    epoch: int
+    queue_key: QueueKey
+    offset: int
+    error: str | None

@@ -1,0 +1,31 @@
+"""The flow-control gate alone (SUB-7)."""
+
+from __future__ import annotations
+
+from ordering_layer.config import FlowControl
+from ordering_layer.subscriber.flow import FlowGate, Gate
+
+
+def test_gate_holds_over_a_limit_pauses_after_the_hold_and_opens_under_the_resume_fraction() -> None:
+    """SUB-7: over max_messages the fetch is held, then paused; it resumes only under 80 % of the limits."""
+    gate = FlowGate(FlowControl(max_messages=10, max_bytes=1000), hold_before_pause=1.0)
+    gate.update(5, 50, 0, now=0.0)
+    assert gate.fetch_state(0.0) is Gate.OPEN
+    gate.update(10, 100, 0, now=1.0)
+    assert gate.fetch_state(1.5) is Gate.HELD
+    assert gate.fetch_state(2.0) is Gate.PAUSED
+    gate.update(9, 90, 0, now=2.1)
+    assert gate.state is Gate.PAUSED  # between the limits: no change
+    gate.update(7, 70, 0, now=2.2)
+    assert gate.fetch_state(2.2) is Gate.OPEN
+
+
+def test_bytes_and_buffered_records_close_the_gate_too() -> None:
+    """SUB-7: max_bytes bounds what is outstanding; buffered records bound memory."""
+    gate = FlowGate(FlowControl(max_messages=10, max_bytes=1000), max_buffered=100)
+    states = []
+    for outstanding_bytes, buffered in ((1000, 0), (10, 0), (10, 100)):
+        gate.update(1, outstanding_bytes, buffered, now=0.0)
+        states.append(gate.state)
+    assert states == [Gate.HELD, Gate.OPEN, Gate.HELD]
+    assert gate.budget(4, 300) == (6, 700)

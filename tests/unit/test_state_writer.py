@@ -1,0 +1,68 @@
+"""Batched state ops alone: due times, one round trip per flush, answers to ack futures (ACK-4, ACK-5)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import cast
+
+import redis
+
+from ordering_layer.state import ApplyResult, StateStore
+from ordering_layer.state.store import Op, OpKind
+from ordering_layer.subscriber.message import AckResponse
+from ordering_layer.subscriber.state_writer import StateWriter
+
+
+class FakeStore:
+    def __init__(self, results: dict[int, ApplyResult]) -> None:
+        self.results = results
+        self.calls: list[list[tuple[int, int, list[Op]]]] = []
+        self.failing = False
+
+    def apply_many(self, batches: Sequence[tuple[str, int, int, Sequence[Op]]]) -> list[ApplyResult]:
+        if self.failing:
+            raise redis.ConnectionError("down")
+        self.calls.append([(p, e, list(ops)) for _, p, e, ops in batches])
+        return [self.results.get(p, ApplyResult.APPLIED) for _, p, _, _ in batches]
+
+
+def test_a_flush_is_due_by_size_or_age_and_writes_all_partitions_in_one_call() -> None:
+    """ACK-4: ops are batched, flushed at a size cap or an age cap, all partitions in one round trip."""
+    store = FakeStore({})
+    writer = StateWriter(cast(StateStore, store), "sub", max_ops=3, max_age=0.005)
+    writer.add(0, (OpKind.SETTLED, 1, 0), now=10.0)
+    assert not writer.due(10.001) and writer.due(10.006)
+    assert writer.next_due() == 10.005
+    writer.extend(1, [(OpKind.SETTLED, 2, 0), (OpKind.NACKED, 3, 0)], now=10.001)
+    assert writer.due(10.001)
+    assert writer.flush({0: 7, 1: 8}) == {0: ApplyResult.APPLIED, 1: ApplyResult.APPLIED}
+    assert store.calls == [[(0, 7, [("a", 1, 0)]), (1, 8, [("a", 2, 0), ("n", 3, 0)])]]
+    assert writer.count == 0 and writer.next_due() is None
+    assert len(writer.flush_seconds) == 1
+
+
+def test_futures_learn_success_fencing_or_lost_ownership() -> None:
+    """ACK-5: ack_with_response is SUCCESS once written, LEASE_LOST when fenced or no longer owned."""
+    store = FakeStore({1: ApplyResult.FENCED})
+    writer = StateWriter(cast(StateStore, store), "sub")
+    futures: list[Future[AckResponse]] = [Future(), Future(), Future()]
+    for partition, future in enumerate(futures):
+        writer.add(partition, (OpKind.SETTLED, 5, 0), now=0.0)
+        writer.add_future(partition, future)
+    results = writer.flush({0: 1, 1: 1})  # partition 2 is not owned any more
+    assert results == {0: ApplyResult.APPLIED, 1: ApplyResult.FENCED}
+    assert [f.result() for f in futures] == [AckResponse.SUCCESS, AckResponse.LEASE_LOST, AckResponse.LEASE_LOST]
+
+
+def test_a_failed_write_keeps_the_ops_for_the_next_flush() -> None:
+    """SUB-3: a Redis failure loses no state change: the ops wait for the next flush."""
+    store = FakeStore({})
+    writer = StateWriter(cast(StateStore, store), "sub")
+    writer.add(0, (OpKind.SETTLED, 5, 0), now=0.0)
+    store.failing = True
+    assert writer.flush({0: 1}) is None
+    assert writer.count == 1
+    store.failing = False
+    assert writer.flush({0: 1}) == {0: ApplyResult.APPLIED}
+    assert store.calls == [[(0, 1, [("a", 5, 0)])]]
