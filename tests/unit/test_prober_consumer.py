@@ -3,13 +3,13 @@ confirmed in the event stream (DLQ-2, DLQ-3, ACK-5)."""
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import Future
 from typing import Any, cast
 
 import pytest
 
 from ordering_layer.errors import ConfigError
-from ordering_layer.prober import consumer as consumer_module
 from ordering_layer.prober.consumer import EXIT_STATUS_POISON, HandlerPlan, ProbeConsumer
 from ordering_layer.prober.events import (
     ACK,
@@ -87,7 +87,7 @@ def test_poison_exit_ends_the_process_after_recording_the_delivery(monkeypatch: 
     def fake_exit(status: int) -> Any:
         raise SystemExit(status)
 
-    monkeypatch.setattr(consumer_module.os, "_exit", fake_exit)
+    monkeypatch.setattr(os, "_exit", fake_exit)
     with pytest.raises(SystemExit) as exited:
         handle({ATTR_POISON: "exit"})
     assert exited.value.code == EXIT_STATUS_POISON
