@@ -268,3 +268,31 @@ def parse_json_file(path: Path) -> dict[str, Any]:
         return result
     except (OSError, ValueError):
         return {}
+
+
+class AckTally:
+    """Messages whose ack took effect (``ack_ok``) per prober run, read from the subscribers' event
+    files as they grow: what the harness waits on (committed offsets may lag, see the report)."""
+
+    def __init__(self, events: Path) -> None:
+        self._events = events
+        self._offsets: dict[Path, int] = {}
+        self._acked: dict[str, set[tuple[str, int]]] = {}
+
+    def acked(self, run: str) -> int:
+        """Distinct messages of ``run`` acked so far (reads what is new first)."""
+        self._read()
+        return len(self._acked.get(run, ()))
+
+    def _read(self) -> None:
+        for path in self._events.glob("sub*.jsonl"):
+            with open(path, "rb") as file:
+                file.seek(self._offsets.get(path, 0))
+                chunk = file.read()
+            complete = chunk.rfind(b"\n") + 1
+            self._offsets[path] = self._offsets.get(path, 0) + complete
+            for line in chunk[:complete].splitlines():
+                if b'"ack_ok"' in line:
+                    event = json.loads(line)
+                    if event["run"] is not None:
+                        self._acked.setdefault(event["run"], set()).add((event["key"], event["seq"]))
