@@ -5,8 +5,8 @@ PY := $(VENV)/bin/python
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup system-deps python-deps jars demo test test-unit lint bench clean docker-engine images test-docker compose-check \
-	test-redis-cluster test-secure
+.PHONY: setup system-deps python-deps jars demo test test-unit lint bench soak soak-short clean docker-engine images \
+	test-docker compose-check test-redis-cluster test-secure
 
 setup: system-deps python-deps jars
 
@@ -92,6 +92,13 @@ bench: setup
 	$(PY) bench/bench_publish.py
 	$(PY) bench/bench_subscribe.py
 	$(PY) bench/bench_spark.py
+
+# The chaos soak (issue 12) on its own three-broker stack: figures on stderr, JSON in bench/soak-<plan>.json.
+soak: setup
+	$(PY) -m bench.soak --out bench/soak-full.json
+
+soak-short: setup
+	$(PY) -m bench.soak --short --out bench/soak-short.json
 
 clean:
 	-$(VENV)/bin/ordering-layer stack down

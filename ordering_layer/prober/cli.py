@@ -22,6 +22,7 @@ from redis.exceptions import RedisError
 
 from ordering_layer.errors import OrderingLayerError
 from ordering_layer.prober.consumer import FRONT_ENDS, HandlerPlan
+from ordering_layer.prober.events import POISONS
 from ordering_layer.prober.options import MODES, ProbeOptions, SubscriptionPlan, load_expectations
 from ordering_layer.prober.progress import ProgressLine
 from ordering_layer.prober.runner import ProbeRun
@@ -75,6 +76,12 @@ _OPTIONS = [
                  help="Messages per second (0: as fast as possible)."),
     click.option("--payload-size", type=click.IntRange(min=0), default=100, show_default=True,
                  help="Bytes per message."),
+    click.option("--poison", type=click.Choice(POISONS), multiple=True,
+                 help="Publish one poison message of this kind first, on key <prefix>-poison-<kind> (repeatable): "
+                      "nack (nacked on every delivery), exit (its handler ends the process: publish mode only), "
+                      "hold (held --poison-hold-ms, past its lease, then acked)."),
+    click.option("--poison-hold-ms", type=click.FloatRange(min=0), default=60_000.0, show_default=True,
+                 help="How long the handler holds a 'hold' poison message."),
     click.option("--front-end", type=click.Choice(FRONT_ENDS), default="callback", show_default=True,
                  help="Subscriber.subscribe, Subscriber.pull or OrderedConsumer."),
     click.option("--nack-rate", type=click.FloatRange(0, 1), default=0.0, show_default=True,
@@ -140,7 +147,8 @@ def prober_command(server_options: Callable[[Any], Any]) -> click.Command:
 
 def _run(endpoints: Endpoints, summary_file: Path | None, progress: bool, progress_interval: float,
          expect_file: Path | None, delay_ms: str, slow_keys: str, slow_delay_ms: float, nack_rate: float,
-         seed: int | None, ack_deadline: float, min_backoff: float, max_backoff: float,
+         seed: int | None, poison: tuple[str, ...], poison_hold_ms: float, ack_deadline: float,
+         min_backoff: float, max_backoff: float,
          dead_letter_topic: str | None, max_delivery_attempts: int, subscriber_id: str | None,
          run_id: str | None, kafka_settings: tuple[str, ...], **options: Any) -> None:
     """Run the prober with the parsed options; exit as the command's help says."""
@@ -151,9 +159,10 @@ def _run(endpoints: Endpoints, summary_file: Path | None, progress: bool, progre
             options["run_id"] = run_id
         opts = ProbeOptions(
             **options,
+            poison=tuple(dict.fromkeys(poison)),
             handler=HandlerPlan(nack_rate=nack_rate, delay=_delay_range(delay_ms),
                                 slow_keys=frozenset(k for k in slow_keys.split(",") if k),
-                                slow_delay=slow_delay_ms / 1000, seed=seed),
+                                slow_delay=slow_delay_ms / 1000, seed=seed, poison_hold=poison_hold_ms / 1000),
             subscription_plan=SubscriptionPlan(ack_deadline, min_backoff, max_backoff, dead_letter_topic,
                                                max_delivery_attempts),
             subscriber_id=subscriber_id or f"{socket.gethostname()}-{os.getpid()}",

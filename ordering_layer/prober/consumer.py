@@ -6,15 +6,20 @@ random in a range; much longer for slow keys), then nacks at random with ``nack_
 a pulled batch, the messages of one key are handled in order by one worker; after a nack the rest
 of the key's batch is acked, which SUB-4 must still redeliver after the nacked one.
 
+A poison message (``prober-poison`` attribute) is handled as it asks, whatever the plan: ``nack``
+is nacked, ``exit`` ends this process with ``os._exit`` (a crash, DLQ-3), ``hold`` is held for
+``poison_hold`` seconds (past its lease) and then acked.
+
 Every delivery is recorded (``Delivery``) before the handler runs, every ack or nack
-(``Settlement``) before it is sent, so the records precede what they cause; an ack whose response
-is not SUCCESS is recorded as ``ack_failed`` when the response comes.
+(``Settlement``) before it is sent, so the records precede what they cause; an ack's response is
+recorded as ``ack_ok`` or ``ack_failed`` when it comes.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import os
 import random
 import threading
 import time
@@ -25,11 +30,26 @@ from typing import Any
 
 from ordering_layer.config import FlowControl
 from ordering_layer.errors import ConfigError
-from ordering_layer.prober.events import ACK, ACK_FAILED, NACK, Delivery, Event, Settlement, probe_fields
+from ordering_layer.prober.events import (
+    ACK,
+    ACK_FAILED,
+    ACK_OK,
+    ATTR_POISON,
+    NACK,
+    POISON_EXIT,
+    POISON_HOLD,
+    POISON_NACK,
+    Delivery,
+    Event,
+    Settlement,
+    probe_fields,
+)
 from ordering_layer.subscriber import AckResponse, Message, OrderedConsumer, StreamingPullFuture, Subscriber
 from ordering_layer.worker import Worker
 
 _LOGGER = logging.getLogger(__name__)
+
+EXIT_STATUS_POISON = 3  # the status a process ends with when a poison message of kind ``exit`` came
 
 FRONT_ENDS = ("callback", "pull", "consumer")
 
@@ -44,6 +64,7 @@ class HandlerPlan:
         slow_keys: ordering keys whose handling takes ``slow_delay`` seconds instead.
         slow_delay: seconds per message of a slow key.
         seed: seed of the nack and delay choices (None: random).
+        poison_hold: seconds the handler holds a ``hold`` poison message before acking it.
     """
 
     nack_rate: float = 0.0
@@ -51,12 +72,15 @@ class HandlerPlan:
     slow_keys: frozenset[str] = field(default_factory=frozenset)
     slow_delay: float = 1.0
     seed: int | None = None
+    poison_hold: float = 60.0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.nack_rate <= 1.0:
             raise ConfigError(f"nack_rate must be within 0..1, got {self.nack_rate}")
         if not 0.0 <= self.delay[0] <= self.delay[1]:
             raise ConfigError(f"delay must be a range low <= high of seconds >= 0, got {self.delay}")
+        if self.poison_hold < 0:
+            raise ConfigError(f"poison_hold must be >= 0 seconds, got {self.poison_hold}")
 
 
 class ProbeConsumer:
@@ -186,14 +210,22 @@ class ProbeConsumer:
     def _handle(self, message: Message, number: int, *, force_ack: bool) -> bool:
         """Handle one delivery; returns True when it was nacked."""
         plan = self._plan
-        if message.ordering_key in plan.slow_keys:
+        poison = message.attributes.get(ATTR_POISON)
+        if poison == POISON_EXIT:
+            _LOGGER.warning("poison message %s (attempt %d): ending the process", message.message_id,
+                            message.delivery_attempt)
+            os._exit(EXIT_STATUS_POISON)
+        if poison == POISON_HOLD:
+            delay = plan.poison_hold
+        elif message.ordering_key in plan.slow_keys:
             delay = plan.slow_delay
         else:
             low, high = plan.delay
             delay = low if low == high else self._random.uniform(low, high)
         if delay > 0:
             self._stopping.wait(delay)
-        nack = not force_ack and plan.nack_rate > 0 and self._random.random() < plan.nack_rate
+        nack = poison == POISON_NACK or \
+            (not force_ack and plan.nack_rate > 0 and self._random.random() < plan.nack_rate)
         fields = probe_fields(message.attributes)
         run, seq = (fields.run, fields.seq) if fields else (None, None)
 
@@ -208,8 +240,8 @@ class ProbeConsumer:
         self._sink(settlement(ACK))
 
         def confirmed(future: Future[AckResponse]) -> None:
-            if future.exception() is not None or future.result() != AckResponse.SUCCESS:
-                self._sink(settlement(ACK_FAILED))
+            ok = future.exception() is None and future.result() == AckResponse.SUCCESS
+            self._sink(settlement(ACK_OK if ok else ACK_FAILED))
 
         message.ack_with_response().add_done_callback(confirmed)
         return False

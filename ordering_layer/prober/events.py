@@ -9,7 +9,11 @@ so records written by any producer that sets these headers can be checked too:
 
 * ``prober-run``: the run id (sequence numbers restart at 0 in each run);
 * ``prober-seq``: the message's number within its ordering key and run (0, 1, 2, ...);
-* ``prober-published``: publish time, seconds since the epoch (for end-to-end latency).
+* ``prober-published``: publish time, seconds since the epoch (for end-to-end latency);
+* ``prober-poison``: a poison message (``nack``: nacked on every delivery; ``exit``: its handler
+  ends the subscriber process with ``os._exit`` on every delivery; ``hold``: its handler holds it
+  past its lease, then acks). Poison messages carry no run or seq: they are not judged, a harness
+  checks that they reach the dead-letter topic (DLQ-2, DLQ-3).
 
 A record without ``prober-run`` and ``prober-seq`` cannot have its per-key order judged (its
 place in its key's sequence is unknown; offsets of one key are not consecutive), so it is counted
@@ -27,11 +31,18 @@ from ordering_layer.errors import ConfigError
 ATTR_RUN = "prober-run"
 ATTR_SEQ = "prober-seq"
 ATTR_PUBLISHED = "prober-published"
+ATTR_POISON = "prober-poison"
+
+POISON_NACK = "nack"
+POISON_EXIT = "exit"
+POISON_HOLD = "hold"
+POISONS = (POISON_NACK, POISON_EXIT, POISON_HOLD)
 
 ACK = "ack"
 NACK = "nack"
 ACK_FAILED = "ack_failed"  # an ack was refused (lease lost or expired): the message must come again
-OUTCOMES = (ACK, NACK, ACK_FAILED)
+ACK_OK = "ack_ok"  # an ack's response was SUCCESS: it took effect
+OUTCOMES = (ACK, NACK, ACK_FAILED, ACK_OK)
 
 
 class ProbeFields(NamedTuple):
@@ -84,7 +95,8 @@ class Delivery(NamedTuple):
 
 class Settlement(NamedTuple):
     """What the handler did with a delivery: ``ack`` or ``nack`` (written before the call, so that
-    it precedes the key's next delivery), or ``ack_failed`` (the ack's response was not SUCCESS)."""
+    it precedes the key's next delivery), then ``ack_ok`` or ``ack_failed`` when the ack's response
+    comes (SUCCESS or not)."""
 
     at: float
     subscriber: str
@@ -104,6 +116,24 @@ class Fault(NamedTuple):
     what: str
 
 
+class Lost(NamedTuple):
+    """A harness's word that a subscriber process died at ``at`` (killed, or crashed): what it held
+    unsettled is not settled by it; another subscriber may take its keys at once."""
+
+    at: float
+    subscriber: str
+
+
+class DeadLettered(NamedTuple):
+    """A message found in the subscription's dead-letter topic: settled (DLQ-2), not lost."""
+
+    at: float
+    run: str
+    key: str
+    seq: int
+    attempts: int
+
+
 class Expectation(NamedTuple):
     """The publisher's final word on a key: ``messages`` messages (seq 0..messages-1) were published."""
 
@@ -113,9 +143,10 @@ class Expectation(NamedTuple):
     messages: int
 
 
-Event = Delivery | Settlement | Fault | Expectation
+Event = Delivery | Settlement | Fault | Expectation | Lost | DeadLettered
 
-_TYPES: dict[str, type[Any]] = {"delivery": Delivery, "settle": Settlement, "fault": Fault, "expect": Expectation}
+_TYPES: dict[str, type[Any]] = {"delivery": Delivery, "settle": Settlement, "fault": Fault, "expect": Expectation,
+                                "lost": Lost, "dead": DeadLettered}
 _NAMES = {cls: name for name, cls in _TYPES.items()}
 
 

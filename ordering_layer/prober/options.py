@@ -10,6 +10,7 @@ from pathlib import Path
 
 from ordering_layer.errors import ConfigError
 from ordering_layer.prober.consumer import HandlerPlan
+from ordering_layer.prober.events import POISON_EXIT
 
 MODES = ("full", "publish", "consume", "check")
 
@@ -40,6 +41,7 @@ class ProbeOptions:
     duration: float = 0.0
     rate: float = 0.0
     payload_size: int = 100
+    poison: tuple[str, ...] = ()
     front_end: str = "callback"
     handler: HandlerPlan = field(default_factory=HandlerPlan)
     workers: int = 10
@@ -63,6 +65,9 @@ class ProbeOptions:
             raise ConfigError("from_events is for check mode")
         if self.mode in ("full", "publish") and not (self.messages or self.duration):
             raise ConfigError("publishing needs a message count or a duration")
+        if self.mode == "full" and POISON_EXIT in self.poison:
+            raise ConfigError("an 'exit' poison message ends the process consuming it: publish it in publish "
+                              "mode, to consume-mode subscriber processes that a harness restarts")
 
     @property
     def topic_name(self) -> str:

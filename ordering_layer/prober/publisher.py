@@ -6,6 +6,9 @@ Message ``seq`` of key K carries its run id, ``seq`` and publish time in its att
 producer (PUB-2) together with its queued messages: once K's in-flight publishes have all
 resolved, the prober resumes K and publishes again from the first failed ``seq``, so each key's
 published sequence stays 0, 1, 2, ... without holes.
+
+Poison messages (``poison``: kinds of ``ordering_layer.prober.events.POISONS``) are published first,
+one per kind on its own key ``<key_prefix>-poison-<kind>``, without run or seq.
 """
 
 from __future__ import annotations
@@ -15,8 +18,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from ordering_layer.errors import OrderingKeyPausedError
-from ordering_layer.prober.events import ATTR_PUBLISHED, ATTR_RUN, ATTR_SEQ
+from ordering_layer.errors import ConfigError, OrderingKeyPausedError, PublishError
+from ordering_layer.prober.events import ATTR_POISON, ATTR_PUBLISHED, ATTR_RUN, ATTR_SEQ, POISONS
 from ordering_layer.publisher import OrderedProducer
 
 _LOGGER = logging.getLogger(__name__)
@@ -36,6 +39,7 @@ class PublishPlan:
         duration: seconds of publishing; 0 = no limit (use ``messages``).
         rate: messages per second over all keys; 0 = as fast as the producer takes them.
         payload_size: bytes of filler payload per message.
+        poison: kinds of poison message to publish first, one each.
     """
 
     topic: str
@@ -46,6 +50,16 @@ class PublishPlan:
     duration: float = 0.0
     rate: float = 0.0
     payload_size: int = 100
+    poison: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.poison) - set(POISONS))
+        if unknown:
+            raise ConfigError(f"unknown poison kind(s) {unknown}; known: {list(POISONS)}")
+
+    def poison_keys(self) -> dict[str, str]:
+        """The ordering key of each poison kind to publish."""
+        return {kind: f"{self.key_prefix}-poison-{kind}" for kind in self.poison}
 
     def key_names(self) -> list[str]:
         """The ordering keys, in turn order."""
@@ -73,6 +87,7 @@ class ProbePublisher:
         self.failures = 0
         self.started = 0.0
         self.finished = 0.0
+        self.poison_published = 0
         self._producer = producer
         self._keys = plan.key_names()
         self._next = dict.fromkeys(self._keys, 0)
@@ -85,6 +100,7 @@ class ProbePublisher:
     def run(self) -> None:
         """Publish the plan, wait for every publish to resolve, republish failed keys (up to a minute)."""
         plan = self.plan
+        self._publish_poison()
         self.started = time.monotonic()
         deadline = self.started + plan.duration if plan.duration else float("inf")
         sent = 0
@@ -105,6 +121,20 @@ class ProbePublisher:
             self._producer.flush(1)
         self._producer.flush(30)
         self.finished = time.monotonic()
+
+    def _publish_poison(self) -> None:
+        """Publish one message per poison kind, each retried a few times (a broker may be down)."""
+        for kind, key in self.plan.poison_keys().items():
+            for attempt in range(1, 4):
+                try:
+                    self._producer.publish(self.plan.topic, self._payload, ordering_key=key,
+                                           attributes={ATTR_POISON: kind}).result(timeout=60)
+                except (PublishError, TimeoutError) as exc:
+                    _LOGGER.warning("poison %s: publish attempt %d failed (%s)", kind, attempt, exc)
+                    self._producer.resume_publish(key)
+                    continue
+                self.poison_published += 1
+                break
 
     def _round(self, sent: int) -> tuple[int, bool]:
         """One turn over the keys; returns (messages sent, whether any key has more to send)."""

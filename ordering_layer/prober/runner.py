@@ -135,7 +135,7 @@ class ProbeRun:
         opts = self.options
         plan = PublishPlan(opts.topic_name, opts.run_id, keys=opts.keys, key_prefix=opts.key_prefix,
                            messages=opts.messages, duration=opts.duration, rate=opts.rate,
-                           payload_size=opts.payload_size)
+                           payload_size=opts.payload_size, poison=opts.poison)
         producer = OrderedProducer(self._kafka)
         self._publisher = ProbePublisher(producer, plan, self.stop)
 
@@ -248,6 +248,7 @@ class ProbeRun:
             publisher = self._publisher
             seconds = max(1e-9, publisher.finished - publisher.started)
             summary["publish"] = {"published": publisher.published, "failures": publisher.failures,
+                                  "poison_published": publisher.poison_published,
                                   "seconds": round(seconds, 3), "rate_per_s": round(publisher.published / seconds, 1)}
             if opts.mode == "publish":
                 summary["expected"] = {opts.run_id: publisher.expectations()}

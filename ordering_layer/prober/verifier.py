@@ -20,7 +20,7 @@ message not acked in the run. Violations (each names its property):
 
 * ``two_outstanding`` (SUB-1): a forward delivery while the key has an unsettled delivery from
   another batch (callback mode: any unsettled delivery); ``affinity`` (SUB-5) when it goes to
-  another subscriber than the one holding it.
+  another subscriber than the one holding it, unless a ``Lost`` event said the holder died.
 * ``gap`` (SUB-1): a delivery that skips a message not acked: forward past never-delivered
   messages (``n > high + 1``), forward past a nacked message, or a restart above ``run_acked + 1``.
 * ``missing_cascade`` (SUB-4): after a restart at m, a forward delivery that skips one of the
@@ -36,7 +36,12 @@ message not acked in the run. Violations (each names its property):
 * ``lost`` (SUB-3, at ``finish``): an expected message never acked nor dead-lettered, or a refused
   ack never followed by a redelivery; ``unpublished``: a seq beyond the expected count.
 
-A nack at attempt ``max_delivery_attempts`` counts as dead-lettered (DLQ-2), i.e. settled.
+* ``stale_ack`` (ACK-5): an ack sent after another subscriber had delivered the key (so had taken
+  its partition over) whose response was SUCCESS (``ack_ok``): fencing let an old owner's ack in.
+
+A nack at attempt ``max_delivery_attempts`` counts as dead-lettered (DLQ-2), i.e. settled, and so
+does a message a ``DeadLettered`` event names (found in the dead-letter topic, for example after
+crash redeliveries used up its attempts).
 """
 
 from __future__ import annotations
@@ -45,14 +50,25 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from ordering_layer.prober.events import ACK, ACK_FAILED, Delivery, Event, Expectation, Fault, Settlement
+from ordering_layer.prober.events import (
+    ACK,
+    ACK_FAILED,
+    ACK_OK,
+    DeadLettered,
+    Delivery,
+    Event,
+    Expectation,
+    Fault,
+    Lost,
+    Settlement,
+)
 from ordering_layer.prober.latency import LatencyHistogram
 
 _RUNS_KEPT = 8
 
 PROPERTIES = {"two_outstanding": "SUB-1", "affinity": "SUB-5", "gap": "SUB-1", "missing_cascade": "SUB-4",
               "reorder": "SUB-1", "duplicate": "SUB-4", "attempt": "ACK-6", "lost": "SUB-3",
-              "unpublished": "SUB-3"}
+              "unpublished": "SUB-3", "stale_ack": "ACK-5"}
 
 
 @dataclass(frozen=True)
@@ -111,10 +127,14 @@ class Verifier:
         self.counts = dict.fromkeys(("deliveries", "first_deliveries", "redeliveries", "redelivered_acked",
                                      "restarts", "handovers", "acks", "nacks", "ack_failures", "dead_lettered",
                                      "ack_failures_unjudged", "stale_settlements", "unverified", "faults",
-                                     "acked_messages"), 0)
+                                     "acked_messages", "acks_confirmed", "subscribers_lost", "takeovers",
+                                     "dead_letter_records"), 0)
         self._keys: dict[tuple[str, str], _Key] = {}
         self._gen = 0
         self._per_kind: dict[str, int] = {}
+        self._lost: set[str] = set()
+        # Acks sent for a delivery another subscriber had taken over, awaiting their response.
+        self._stale_acks: dict[tuple[str, int], Settlement] = {}
 
     def feed(self, event: Event) -> None:
         """Judge one event."""
@@ -125,6 +145,11 @@ class Verifier:
         elif isinstance(event, Fault):
             self._gen += 1
             self.counts["faults"] += 1
+        elif isinstance(event, Lost):
+            self._lost.add(event.subscriber)
+            self.counts["subscribers_lost"] += 1
+        elif isinstance(event, DeadLettered):
+            self._dead_lettered(event)
         else:
             self._expect(event)
 
@@ -177,7 +202,9 @@ class Verifier:
 
     def _forward(self, k: _Key, d: Delivery, n: int) -> None:
         if k.unsettled and not (d.batch is not None and d.batch == k.batch and d.subscriber == k.holder):
-            if d.subscriber != k.holder:
+            if k.holder in self._lost:
+                self.counts["takeovers"] += 1  # its holder died: SUB-5 lets the key move
+            elif d.subscriber != k.holder:
                 self._violate("affinity", d, n, f"delivered to {d.subscriber} while {k.holder} holds "
                                                 f"{k.unsettled} unsettled message(s) up to {k.last}")
             else:
@@ -243,13 +270,25 @@ class Verifier:
         k = self._keys.get((s.run, s.key))
         n = s.seq
         current = k is not None and s.subscriber == k.holder and s.delivery >= k.run_first
+        if s.outcome == ACK_OK:
+            self.counts["acks_confirmed"] += 1
+            stale = self._stale_acks.pop((s.subscriber, s.delivery), None)
+            if stale is not None:
+                self._record(Violation("stale_ack", s.run, s.key, n, s.subscriber, stale.at,
+                                       f"ack sent after {k.holder if k else '?'} took the key over took effect"))
+            return
         if s.outcome == ACK_FAILED:
             self.counts["ack_failures"] += 1
+            self._stale_acks.pop((s.subscriber, s.delivery), None)
             if k is not None and not self._redelivered_since(k, s):
                 k.owed = n if k.owed is None else min(k.owed, n)
             return
         if k is None or not current:
             self.counts["stale_settlements"] += 1
+            if k is not None and s.outcome == ACK and s.subscriber != k.holder:
+                # Sent after another subscriber delivered the key, so after it took the partition
+                # over: fencing (ACK-5) must refuse it.
+                self._stale_acks[(s.subscriber, s.delivery)] = s
             return
         k.unsettled = max(0, k.unsettled - 1)
         if s.outcome == ACK:
@@ -266,6 +305,16 @@ class Verifier:
             self._ack(k, n)
         else:
             k.nacked = n if k.nacked is None else min(k.nacked, n)
+
+    def _dead_lettered(self, e: DeadLettered) -> None:
+        """A message the dead-letter topic holds counts as settled (DLQ-2), whenever it is reported."""
+        k = self._key(e.run, e.key)
+        self.counts["dead_letter_records"] += 1
+        if k.owed == e.seq:
+            k.owed = None
+        if k.nacked == e.seq:
+            k.nacked = None
+        self._ack(k, e.seq)
 
     def _redelivered_since(self, k: _Key, s: Settlement) -> bool:
         """Whether a run that began after the settled delivery covers its message: then the refused

@@ -10,10 +10,13 @@ from ordering_layer.errors import ConfigError
 from ordering_layer.prober.eventlog import EventFolderReader, EventLog
 from ordering_layer.prober.events import (
     ACK,
+    ACK_OK,
+    DeadLettered,
     Delivery,
     Event,
     Expectation,
     Fault,
+    Lost,
     ProbeFields,
     Settlement,
     from_json,
@@ -80,3 +83,11 @@ def test_folder_reader_skips_malformed_lines(tmp_path: Path) -> None:
     assert [e.at for e in reader.drain()] == [1.0, 2.0]
     assert reader.malformed == 1
     reader.close()
+
+
+def test_harness_events_round_trip() -> None:
+    """A lost subscriber, a dead letter found in the topic and a confirmed ack survive JSON lines."""
+    events: list[Event] = [Lost(1.5, "sub-2"), DeadLettered(2.0, "r", "k", 7, 5),
+                           Settlement(3.0, "s1", 4, "k", "r", 3, 1, ACK_OK)]
+    assert [from_json(to_json(e)) for e in events] == events
+    assert from_json('{"ev":"lost","at":9,"subscriber":"x"}') == Lost(9, "x")

@@ -7,8 +7,10 @@ from collections.abc import Mapping
 from concurrent.futures import Future
 from typing import Any, cast
 
-from ordering_layer.errors import OrderingKeyPausedError, PublishError
-from ordering_layer.prober.events import ATTR_RUN, ATTR_SEQ, probe_fields
+import pytest
+
+from ordering_layer.errors import ConfigError, OrderingKeyPausedError, PublishError
+from ordering_layer.prober.events import ATTR_POISON, ATTR_RUN, ATTR_SEQ, probe_fields
 from ordering_layer.prober.publisher import ProbePublisher, PublishPlan
 from ordering_layer.publisher import OrderedProducer
 
@@ -22,15 +24,20 @@ class FakeProducer:
         self.paused: set[str] = set()
         self.stored: dict[str, list[int]] = defaultdict(list)
         self.resumed: list[str] = []
+        self.poison: list[tuple[str, str]] = []
 
     def publish(self, topic: str, data: bytes, ordering_key: str | None = None,
                 attributes: Mapping[str, str] | None = None) -> Future[Any]:
         assert ordering_key is not None and attributes is not None
         if ordering_key in self.paused:
             raise OrderingKeyPausedError("paused", topic=topic, ordering_key=ordering_key)
+        future: Future[Any] = Future()
+        if ATTR_POISON in attributes:
+            self.poison.append((ordering_key, attributes[ATTR_POISON]))
+            future.set_result(None)
+            return future
         fields = probe_fields(attributes)
         assert fields is not None and fields.run == "run-1"
-        future: Future[Any] = Future()
         if (ordering_key, fields.seq) in self.fail:
             self.fail.discard((ordering_key, fields.seq))
             self.paused.add(ordering_key)
@@ -84,3 +91,14 @@ def test_stopped_publisher_counts_what_was_published() -> None:
     publisher.stop.set()
     publisher.run()
     assert publisher.expectations() == {"key-0": 0, "key-1": 0}
+
+
+def test_poison_messages_go_first_one_per_kind_on_their_own_keys() -> None:
+    """DLQ-2, DLQ-3: the poison kinds asked for are published before the sequences, each on key
+    <prefix>-poison-<kind>, without run or seq (the verifier does not judge them)."""
+    producer = FakeProducer()
+    publisher = run(PublishPlan("t", "run-1", keys=2, messages=4, poison=("nack", "exit", "hold")), producer)
+    assert producer.poison == [("key-poison-nack", "nack"), ("key-poison-exit", "exit"), ("key-poison-hold", "hold")]
+    assert publisher.poison_published == 3 and publisher.published == 4
+    with pytest.raises(ConfigError, match="unknown poison"):
+        PublishPlan("t", "run-1", poison=("explode",))

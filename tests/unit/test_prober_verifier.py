@@ -5,7 +5,18 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from ordering_layer.prober.events import ACK, ACK_FAILED, NACK, Delivery, Expectation, Fault, Settlement
+from ordering_layer.prober.events import (
+    ACK,
+    ACK_FAILED,
+    ACK_OK,
+    NACK,
+    DeadLettered,
+    Delivery,
+    Expectation,
+    Fault,
+    Lost,
+    Settlement,
+)
 from ordering_layer.prober.verifier import Verifier
 
 
@@ -389,3 +400,61 @@ def test_fenced_ack_never_redelivered_is_a_loss() -> None:
     s.settle(ACK_FAILED, 2, numbers[2], sub="a")
     verdict = s.finish()
     assert verdict["violations"] == {"lost": 1} and verdict["lost_messages"] == 1
+
+
+# -- harness events: lost subscribers, dead letters found in the topic, confirmed acks ---------------
+def test_key_moving_from_a_lost_holder_is_a_takeover_not_an_affinity_violation() -> None:
+    """SUB-5, DLQ-2: subscriber a dies holding 1, whose crash redeliveries used up its attempts; b
+    goes on with 2. Without the Lost event that is an affinity violation; with it a takeover, and
+    the dead letter found in the topic settles 1 (nothing lost)."""
+    for reported in (True, False):
+        s = Stream()
+        s.expect(3)
+        s.handle(0, sub="a")
+        s.deliver(1, sub="a", attempt=5)
+        if reported:
+            s.v.feed(Lost(50.0, "a"))
+        s.handle(2, sub="b")
+        s.v.feed(DeadLettered(60.0, "r", "k", 1, 5))
+        verdict = s.finish()
+        assert verdict["ok"] is reported, verdict["examples"]
+        assert verdict["lost_messages"] == 0 and verdict["dead_letter_records"] == 1
+        if reported:
+            assert verdict["takeovers"] == 1 and verdict["subscribers_lost"] == 1
+        else:
+            assert kinds(verdict) == {"affinity"}
+
+
+def test_message_never_acked_nor_dead_lettered_is_lost_even_after_a_takeover() -> None:
+    """SUB-3: the holder died holding 1 and the key went on with 2, but 1 is not in the dead-letter
+    topic: 1 is lost."""
+    s = Stream()
+    s.expect(3)
+    s.handle(0, sub="a")
+    s.deliver(1, sub="a")
+    s.v.feed(Lost(50.0, "a"))
+    s.handle(2, sub="b")
+    verdict = s.finish()
+    assert kinds(verdict) == {"lost"} and verdict["lost_messages"] == 1
+
+
+def test_stale_ack_that_took_effect_is_a_fencing_violation() -> None:
+    """ACK-5: a sends its ack of 0 after b delivered 0 (b owns the partition now). Refused
+    (ack_failed): fine. SUCCESS (ack_ok): a stale ack was accepted. An ack_ok of a current delivery
+    is no violation."""
+    for outcome in (ACK_FAILED, ACK_OK):
+        s = Stream()
+        s.expect(2)
+        old = s.deliver(0, sub="a")
+        s.handle(0, sub="b", attempt=2)
+        s.ack(0, old, sub="a")
+        s.settle(outcome, 0, old, sub="a")
+        number = s.deliver(1, sub="b")
+        s.ack(1, number, sub="b")
+        s.settle(ACK_OK, 1, number, sub="b")
+        verdict = s.finish()
+        assert verdict["ok"] is (outcome == ACK_FAILED), verdict["examples"]
+        assert verdict["stale_settlements"] == 1
+        if outcome == ACK_OK:
+            assert kinds(verdict) == {"stale_ack"} and verdict["examples"][0]["property"] == "ACK-5"
+            assert verdict["acks_confirmed"] == 2
