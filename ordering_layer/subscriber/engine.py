@@ -258,6 +258,8 @@ class Engine:
                 for partition, offset in event.offsets:
                     if partition in self._partitions:
                         self._writer.add(partition, (OpKind.WATERMARK, 0, offset), now)
+                for partition in event.failed:
+                    self._owned.commit_failed(partition)
             elif kind is DeadLettered:
                 self._dead_lettered(event, now)
 

@@ -213,12 +213,17 @@ class Fetcher:
         _tell(self._rebalance.on_lost, partitions, "on_lost")
 
     def _on_commit(self, err: Any, partitions: list[TopicPartition]) -> None:
-        """A commit reached the group coordinator: only now may Redis forget what lies below it."""
-        if err is None:
-            done = [(tp.partition, tp.offset) for tp in partitions
-                    if tp.error is None and tp.topic == self.topic and tp.offset >= 0]
-            if done:
-                self._post(Committed(done))
+        """A commit reached the group coordinator: only now may Redis forget what lies below it. A
+        refused commit (a rebalance, a coordinator loading) is reported so that it is sent again."""
+        mine = [tp for tp in partitions if tp.topic == self.topic]
+        if err is not None:
+            failed = tuple(tp.partition for tp in mine)
+            done = []
+        else:
+            failed = tuple(tp.partition for tp in mine if tp.error is not None)
+            done = [(tp.partition, tp.offset) for tp in mine if tp.error is None and tp.offset >= 0]
+        if done or failed:
+            self._post(Committed(done, failed))
 
     def _pause(self, partitions: list[TopicPartition], pause: bool) -> None:
         if partitions:

@@ -131,6 +131,10 @@ class Partitions:
                     released.append((state, batch))
         return released
 
+    def commit_failed(self, partition: int) -> None:
+        """The coordinator refused the partition's last commit: send its commit point again."""
+        self._committed.pop(partition, None)
+
     def commit_offsets(self, topic: str, *, sync: bool, only: list[int] | None = None) -> list[TopicPartition]:
         """Each owned partition's lowest unsettled offset (ACK-4); without ``sync`` only those that
         moved since the last call."""

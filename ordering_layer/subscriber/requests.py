@@ -53,9 +53,11 @@ class Pull(NamedTuple):
 
 
 class Committed(NamedTuple):
-    """Offsets the group coordinator has taken: Redis may forget what is settled below them."""
+    """Offsets the group coordinator has taken (Redis may forget what is settled below them), and
+    partitions whose commit it refused (their commit point is sent again at the next interval)."""
 
     offsets: list[tuple[int, int]]
+    failed: tuple[int, ...] = ()
 
 
 class DeadLettered(NamedTuple):

@@ -52,3 +52,14 @@ def test_partitions_share_a_small_budget_and_take_turns_at_it() -> None:
     offsets = owned.commit_offsets("t", sync=False)
     assert [(tp.partition, tp.offset) for tp in offsets] == [(0, 0), (1, 0), (2, 0)]
     assert owned.commit_offsets("t", sync=False) == []
+
+
+def test_a_refused_commit_is_sent_again() -> None:
+    """ACK-4: a commit point the coordinator refused (a rebalance, a loading coordinator) is queued
+    again at the next interval, so an idle partition's committed offset does not stay behind."""
+    owned = owning(2)
+    owned.take(Fetched([record(0, 0), record(1, 0)], {0: 1, 1: 1}))
+    assert [(tp.partition, tp.offset) for tp in owned.commit_offsets("t", sync=False)] == [(0, 0), (1, 0)]
+    assert owned.commit_offsets("t", sync=False) == []
+    owned.commit_failed(1)
+    assert [(tp.partition, tp.offset) for tp in owned.commit_offsets("t", sync=False)] == [(1, 0)]
