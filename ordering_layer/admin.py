@@ -18,6 +18,7 @@ from confluent_kafka.admin import AdminClient, ConfigResource, NewPartitions, Ne
 
 from ordering_layer.auth import verify_kafka
 from ordering_layer.config import (
+    DEAD_LETTER_MAX_BYTES,
     DeadLetterPolicy,
     RetryPolicy,
     StartPosition,
@@ -130,7 +131,8 @@ class Admin:
             max_duration_per_lease_extension=max_duration_per_lease_extension)
         described = self.describe_topic(topic)
         if dead_letter_policy is not None:
-            self.create_topic(dead_letter_policy.topic, partitions=described.partitions, exist_ok=True)
+            self.create_topic(dead_letter_policy.topic, partitions=described.partitions, exist_ok=True,
+                              config={"max.message.bytes": str(DEAD_LETTER_MAX_BYTES)})
         if not self.store.create_settings(name, settings):
             if self.store.settings(name) == settings:
                 return settings

@@ -16,6 +16,10 @@ from typing import Any, ClassVar, TypeVar
 from ordering_layer.errors import ConfigError
 
 MAX_ORDERING_KEY_BYTES = 1024
+# A dead letter is the source record plus its facts, so it may be larger than anything the source
+# topic took: dead-letter topics are created with room for this many bytes per record, and the
+# dead-letter producer may send as much.
+DEAD_LETTER_MAX_BYTES = 8 * 1024 * 1024
 DEFAULT_SCHEDULE_TOPIC = "__ordering_layer_schedules"
 
 _T = TypeVar("_T")

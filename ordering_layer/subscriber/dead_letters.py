@@ -15,9 +15,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import redis
-from confluent_kafka import Producer
+from confluent_kafka import KafkaError, KafkaException, Producer
 
-from ordering_layer.config import SubscriptionSettings
+from ordering_layer.config import DEAD_LETTER_MAX_BYTES, SubscriptionSettings
 from ordering_layer.record import display_key, encode
 from ordering_layer.state import StateStore
 from ordering_layer.subscriber.partition import Delivery
@@ -28,6 +28,9 @@ _LOGGER = logging.getLogger(__name__)
 DLQ_HEADERS = ("ol-dlq-source-topic", "ol-dlq-source-partition", "ol-dlq-source-offset",
                "ol-dlq-sequence-number", "ol-dlq-key", "ol-dlq-attempts", "ol-dlq-last-error",
                "ol-dlq-subscription", "ol-dlq-reason")
+
+HEADER_PAYLOAD_DROPPED = "ol-dlq-payload-dropped"
+_TOO_LARGE = (KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_LIST_TOO_LARGE)
 
 MAX_DELIVERY_ATTEMPTS = "MAX_DELIVERY_ATTEMPTS"
 PARKED_KEY = "PARKED_KEY"
@@ -85,28 +88,57 @@ class DeadLetters:
             self.parked.add(record.key)
             self._store.park_key(subscription, record.key)
         sequence = (record.partition << 48) | record.offset
-        value = encode("dead_letter", {
+        fields: dict[str, Any] = {
             "source_topic": topic, "source_partition": record.partition, "source_offset": record.offset,
             "sequence_number": sequence, "subscription": subscription, "reason": reason,
             "delivery_attempts": attempts, "last_error": last_error, "key": record.key,
-            "value": record.value, "headers": [{"key": k, "value": _header_bytes(v)} for k, v in record.headers or ()]})
+            "value": record.value, "headers": [{"key": k, "value": _header_bytes(v)} for k, v in record.headers or ()]}
         facts = (topic, record.partition, record.offset, sequence,
                  display_key(record.key), attempts, last_error or "", subscription, reason)
         headers: list[tuple[str, str | bytes | None]] = [
             (name, str(fact).encode()) for name, fact in zip(DLQ_HEADERS, facts, strict=True)]
-        if self._producer is None:
-            conf = {**self._producer_config, "enable.idempotence": True, "acks": "all",
-                    "logger": logging.getLogger("ordering_layer.kafka.dlq")}
-            self._producer = Producer(conf)
         outcome = (record.partition, epoch, delivery.queue_key, record.offset)
-
-        def delivered(err: Any, _msg: Any) -> None:
-            self._report(DeadLettered(*outcome, None if err is None else str(err)))
-
-        self._producer.produce(policy.topic, value, key=record.key, headers=headers, on_delivery=delivered)
-        self._producer.poll(0)
+        self._produce(policy.topic, record.key, fields, headers, outcome, record.size)
         _LOGGER.warning("%s: dead-lettering %d:%d (%s, %d attempts)", subscription, record.partition,
                         record.offset, reason, attempts)
+
+    def _produce(self, topic: str, key: bytes | None, fields: dict[str, Any],
+                 headers: list[tuple[str, str | bytes | None]], outcome: tuple[int, int, Any, int], size: int,
+                 *, payload: bool = True) -> None:
+        """Send one dead letter. One that is too large even for the dead-letter topic is sent again
+        with the facts alone (its payload stays at its source offset, named in the headers), so that
+        an oversized record still settles (DLQ-4) instead of failing forever."""
+        if self._producer is None:
+            conf = {**self._producer_config, "enable.idempotence": True, "acks": "all",
+                    "message.max.bytes": DEAD_LETTER_MAX_BYTES,
+                    "logger": logging.getLogger("ordering_layer.kafka.dlq")}
+            self._producer = Producer(conf)
+        if not payload:
+            note = f"payload of {size} bytes too large for a dead letter; it stays at its source offset"
+            fields = {**fields, "value": None, "headers": [],
+                      "last_error": f"{fields['last_error']}; {note}" if fields["last_error"] else note}
+            headers = [*headers, (HEADER_PAYLOAD_DROPPED, str(size).encode())]
+
+        def delivered(err: Any, _msg: Any) -> None:
+            if err is not None and payload and err.code() in _TOO_LARGE:
+                self._produce(topic, key, fields, headers, outcome, size, payload=False)
+                return
+            self._report(DeadLettered(*outcome, None if err is None else str(err)))
+
+        try:
+            self._producer.produce(topic, encode("dead_letter", fields), key=key, headers=headers,
+                                   on_delivery=delivered)
+        except KafkaException as exc:
+            error = exc.args[0] if exc.args else None
+            if payload and isinstance(error, KafkaError) and error.code() in _TOO_LARGE:
+                self._produce(topic, key, fields, headers, outcome, size, payload=False)
+                return
+            self._report(DeadLettered(*outcome, str(exc)))  # requeued and tried again, never fatal
+            return
+        except BufferError as exc:
+            self._report(DeadLettered(*outcome, f"dead-letter queue full: {exc}"))
+            return
+        self._producer.poll(0)
 
     def poll(self) -> None:
         """Serve the producer's delivery reports."""

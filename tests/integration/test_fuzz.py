@@ -302,8 +302,6 @@ def test_generated_records_and_actions_never_crash_lose_or_block(admin: Admin, k
     assert sum(sent) >= 10_000, f"only {sum(sent)} records in {len(sent)} examples"
 
 
-@pytest.mark.xfail(strict=True, reason="the engine's dead-letter produce raises MSG_SIZE_TOO_LARGE inside its step "
-                                       "for a record near the broker's limit (found by fuzzing; fix in engine)")
 def test_poison_record_too_large_for_a_dead_letter_still_settles(admin: Admin, kafka_config: dict[str, Any],
                                                                  endpoints: Any) -> None:
     """DLQ-4: a record near the broker's limit (any producer may write one: Java's default request
