@@ -7,6 +7,7 @@ import threading
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from ordering_layer import metrics
 from ordering_layer.config import FlowControl, require_bootstrap
 from ordering_layer.errors import ConfigError
 from ordering_layer.scheduler.participant import Activation, join_activation
@@ -35,6 +36,7 @@ class StreamingPullFuture:
             if self._done.is_set():
                 return False
             self.engine.close(timeout)
+            metrics.unregister(self.engine)
             self._pool.shutdown()
             self._activation.close()
             self._done.set()
@@ -67,9 +69,12 @@ class Subscriber:
         kafka_config: confluent-kafka settings (``bootstrap.servers`` required; e.g.
             ``session.timeout.ms`` passes through).
         redis_url: the Redis holding the subscriptions' state (default ``$ORDERING_LAYER_REDIS_URL``).
+        metrics_port: serve Prometheus metrics of this subscriber's subscriptions on this port
+            (``ordering_layer.metrics``); None: no endpoint.
     """
 
-    def __init__(self, kafka_config: Mapping[str, Any], *, redis_url: str | None = None) -> None:
+    def __init__(self, kafka_config: Mapping[str, Any], *, redis_url: str | None = None,
+                 metrics_port: int | None = None) -> None:
         require_bootstrap(kafka_config)
         self._kafka = dict(kafka_config)
         self._redis_url = redis_url_from(redis_url)
@@ -80,6 +85,9 @@ class Subscriber:
         self._pull_engines: dict[str, Engine] = {}
         self._last_pull: dict[str, list[Message]] = {}
         self._lock = threading.Lock()
+        self._metrics_port = metrics_port
+        if metrics_port is not None:
+            metrics.start_metrics_server(metrics_port)
 
     def subscribe(self, subscription: str, callback: Callable[[Message], Any], *,
                   flow_control: FlowControl | None = None, max_workers: int = 10,
@@ -108,6 +116,8 @@ class Subscriber:
                         flow_control=flow_control or FlowControl(), on_messages=pool.submit,
                         track_leases=track_leases)
         engine.start()
+        if self._metrics_port is not None:
+            metrics.register(engine, kafka_config=self._kafka)
         return StreamingPullFuture(engine, pool, join_activation(self._kafka, self._redis_url))
 
     def pull(self, subscription: str, max_messages: int = 100, timeout: float = 1.0, *,
@@ -127,6 +137,8 @@ class Subscriber:
                                 flow_control=flow_control or FlowControl(), on_messages=None)
                 engine.start()
                 self._pull_engines[subscription] = engine
+                if self._metrics_port is not None:
+                    metrics.register(engine, kafka_config=self._kafka)
                 if self._pull_activation is None:
                     self._pull_activation = join_activation(self._kafka, self._redis_url)
             previous = self._last_pull.pop(subscription, [])
@@ -152,6 +164,7 @@ class Subscriber:
             activation.close()
         for engine in engines:
             engine.close(timeout)
+            metrics.unregister(engine)
 
     def __enter__(self) -> Subscriber:
         return self
