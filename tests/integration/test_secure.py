@@ -124,7 +124,7 @@ def test_cli_through_the_secured_stack(secure: Endpoints, unique_name: Callable[
     assert pulled.exit_code == 0, pulled.output
     assert [line.split("\t")[-1] for line in pulled.output.splitlines() if line.startswith("k\t")] == ["one", "two"]
     assert runner.invoke(main, ["deadletter", "list", name], env=env).exit_code == 0
-    described = runner.invoke(main, ["subscription", "describe", name], env=env)
+    described = runner.invoke(main, ["subscription", "describe", name, "--json"], env=env)
     assert described.exit_code == 0 and '"backlog"' in described.output
 
 
