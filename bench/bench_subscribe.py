@@ -117,7 +117,8 @@ def layer_pull(endpoints: Endpoints, admin: Admin, topic: str, count: int, batch
 def layer_ordered_consumer(endpoints: Endpoints, topic: str, count: int, batch: int = 500) -> float:
     """``OrderedConsumer`` on one thread: ``consume`` then ``ack`` each message."""
     consumer = OrderedConsumer({"bootstrap.servers": endpoints.bootstrap,
-                                "group.id": f"bench-oc-{uuid.uuid4().hex[:8]}"}, redis_url=endpoints.redis_url)
+                                "group.id": f"bench-oc-{uuid.uuid4().hex[:8]}", "auto.offset.reset": "earliest",
+                                "enable.auto.commit": False}, redis_url=endpoints.redis_url)
     consumer.subscribe([topic])
     seen, start = 0, 0.0
     while seen < count:
