@@ -1,4 +1,4 @@
-"""``Admin``: topics (and, with Redis, subscriptions) of the layer.
+"""``Admin``: topics (and, with Redis, subscriptions, snapshots and seeks) of the layer.
 
 Topics are created with ``message.timestamp.type=LogAppendTime`` so that every record carries the
 broker's enqueued time.
@@ -11,6 +11,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, TypeVar
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
@@ -19,6 +20,8 @@ from confluent_kafka.admin import AdminClient, ConfigResource, NewPartitions, Ne
 from ordering_layer.auth import verify_kafka
 from ordering_layer.config import (
     DEAD_LETTER_MAX_BYTES,
+    DEFAULT_SNAPSHOT_TOPIC,
+    DEFAULT_SNAPSHOT_TTL,
     DeadLetterPolicy,
     RetryPolicy,
     StartPosition,
@@ -28,6 +31,9 @@ from ordering_layer.config import (
 from ordering_layer.deadletter import DeadLetter, list_dead_letters, redrive
 from ordering_layer.describe import SubscriptionDescription, describe_subscription
 from ordering_layer.errors import ConfigError, SubscriptionExistsError, TopicError, TopicExistsError
+from ordering_layer.seek.runner import Progress, SeekResult, SeekRunner
+from ordering_layer.seek.snapshots import Snapshot, SnapshotBook, check_name
+from ordering_layer.seek.targets import snapshot_targets
 from ordering_layer.state import StateStore
 
 _LOGGER = logging.getLogger(__name__)
@@ -80,6 +86,7 @@ class Admin:
             ``sasl.*`` and ``ssl.*`` for a secured cluster).
         redis_url: the Redis holding subscription state (needed for subscriptions only); see
             ``ordering_layer.state.client`` for its forms (TLS, ACL user, Redis Cluster).
+        snapshot_topic: the compacted topic that keeps the snapshots (GRP-3; created on first use).
 
     Raises:
         ConfigError: ``bootstrap.servers`` is missing or confluent-kafka refuses the config.
@@ -87,7 +94,8 @@ class Admin:
             Redis does so on first use of a subscription method (``server="redis"``).
     """
 
-    def __init__(self, config: Mapping[str, Any], *, redis_url: str | None = None) -> None:
+    def __init__(self, config: Mapping[str, Any], *, redis_url: str | None = None,
+                 snapshot_topic: str = DEFAULT_SNAPSHOT_TOPIC) -> None:
         require_bootstrap(config)
         verify_kafka(config)
         conf = dict(config)
@@ -99,6 +107,7 @@ class Admin:
         self._config = conf
         self.redis_url = redis_url
         self._store: StateStore | None = None
+        self._snapshots = SnapshotBook(conf, snapshot_topic, lambda: self)
 
     @property
     def store(self) -> StateStore:
@@ -170,6 +179,92 @@ class Admin:
             return describe_subscription(self._admin, self._config, self.store, name, _TIMEOUT)
         except KafkaException as exc:
             raise TopicError(f"describing subscription {name!r} failed: {exc.args[0]}", topic=name) from exc
+
+    # -- snapshots and seek (GRP-3) ------------------------------------------------------------------
+    def _runner(self, subscription: str) -> SeekRunner:
+        topic = self.store.settings(subscription).topic
+        return SeekRunner(self._config, self._admin, self.store, subscription, topic, _TIMEOUT)
+
+    def create_snapshot(self, name: str, subscription: str, *, ttl: float = DEFAULT_SNAPSHOT_TTL) -> Snapshot:
+        """Take a snapshot of the subscription's acked state: per partition the committed offset and
+        the offsets acked above it. It can be sought to until it expires, ``ttl`` seconds from now.
+
+        Raises:
+            ConfigError: a bad name or a ttl <= 0.
+            SubscriptionNotFoundError: no such subscription.
+            SnapshotExistsError: a snapshot of that name exists and has not expired.
+            TopicError, PublishError: Kafka did not answer or did not store it.
+        """
+        check_name(name)
+        if ttl <= 0:
+            raise ConfigError(f"ttl must be > 0 seconds, got {ttl}")
+        runner = self._runner(subscription)
+        try:
+            snapshot = runner.capture(name, ttl)
+        finally:
+            runner.close()
+        self._snapshots.add(snapshot)
+        _LOGGER.info("snapshot %s of %s taken (%d partitions, %d acked above the committed offsets)", name,
+                     subscription, len(snapshot.partitions), snapshot.settled_above)
+        return snapshot
+
+    def get_snapshot(self, name: str) -> Snapshot:
+        """The snapshot ``name``. Raises ``SnapshotNotFoundError`` (also once it has expired)."""
+        return self._snapshots.get(name)
+
+    def list_snapshots(self) -> list[Snapshot]:
+        """The snapshots that have not expired, by name (expired ones are deleted as they are seen)."""
+        return self._snapshots.list()
+
+    def delete_snapshot(self, name: str) -> None:
+        """Delete a snapshot. Raises ``SnapshotNotFoundError`` when there is none of that name."""
+        self._snapshots.delete(name)
+
+    def seek(self, subscription: str, *, time: datetime | None = None, snapshot: str | None = None,
+             timeout: float = 60.0, progress: Progress | None = None) -> SeekResult:
+        """Seek the subscription to a time or a snapshot (GRP-3), for all of its subscribers.
+
+        To ``time``: messages published before it count as acked, the others as unacked (a time in
+        the past replays acked messages; a time past the last message purges the backlog). To
+        ``snapshot``: the acked state the snapshot holds is restored (messages published after it
+        count as unacked). Running subscribers apply it within seconds without restarting: acks
+        of deliveries made before the seek are ignored afterwards, each ordering key is delivered
+        again from its first unacked message, in order, with delivery attempts restarting at 1.
+        Without subscribers (an empty group) it is applied here.
+
+        Args:
+            subscription: the subscription.
+            time: a timezone-aware time.
+            snapshot: the name of a snapshot of a subscription of the same topic.
+            timeout: seconds to wait until every partition has applied it.
+            progress: called with (partitions applied, partitions) as that changes.
+
+        Raises:
+            ConfigError: neither or both of ``time`` and ``snapshot``; a naive time; a snapshot of
+                another topic.
+            SubscriptionNotFoundError, SnapshotNotFoundError: no such subscription or snapshot.
+            SeekTimeoutError: partitions had not applied it within ``timeout`` (it stays pending
+                and is applied when their owners next look, or when they are next claimed).
+        """
+        if (time is None) == (snapshot is None):
+            raise ConfigError("seek needs exactly one of time= and snapshot=")
+        if time is not None and time.tzinfo is None:
+            raise ConfigError("seek needs a timezone-aware time (e.g. datetime.now(UTC))")
+        runner = self._runner(subscription)
+        try:
+            positions = runner.positions()
+            if time is not None:
+                targets = runner.time_targets(int(time.timestamp() * 1000), positions)
+            else:
+                assert snapshot is not None
+                kept = self._snapshots.get(snapshot)
+                if kept.topic != runner.topic:
+                    raise ConfigError(f"snapshot {snapshot!r} is of topic {kept.topic!r}, subscription "
+                                      f"{subscription!r} of {runner.topic!r}")
+                targets = snapshot_targets(kept, {row.partition: row.low for row in positions})
+            return runner.run(targets, positions, timeout, progress)
+        finally:
+            runner.close()
 
     def _dead_letter_topic(self, subscription: str) -> str:
         policy = self.store.settings(subscription).dead_letter_policy

@@ -13,12 +13,13 @@ from typing import Any, TextIO
 import click
 
 from ordering_layer.admin import Admin
-from ordering_layer.config import DeadLetterPolicy, RetryPolicy, StartPosition
+from ordering_layer.config import DEFAULT_SNAPSHOT_TOPIC, DeadLetterPolicy, RetryPolicy, StartPosition
 from ordering_layer.describe_table import render_description
 from ordering_layer.errors import OrderingLayerError
 from ordering_layer.prober.cli import prober_command
 from ordering_layer.publisher import OrderedProducer
 from ordering_layer.scheduler import cli as schedule_commands
+from ordering_layer.seek.cli import seek_command, snapshot_group
 from ordering_layer.stack import Endpoints, get_backend
 from ordering_layer.stack.base import BROKER_COUNTS
 from ordering_layer.state.client import mask_url
@@ -268,16 +269,16 @@ def demo(messages: int, keys: int, partitions: int, spark: bool, servers: Server
 
 
 # -- subscriptions -----------------------------------------------------------------------------------
-def _admin(servers: ServerOptions) -> Admin:
+def _admin(servers: ServerOptions, snapshot_topic: str = DEFAULT_SNAPSHOT_TOPIC) -> Admin:
     endpoints = servers.endpoints()
     if not endpoints.redis_url:
         raise click.ClickException(f"subscriptions need Redis: --redis-url or ${_ENV_REDIS}")
-    return Admin(endpoints.kafka_config(), redis_url=endpoints.redis_url)
+    return Admin(endpoints.kafka_config(), redis_url=endpoints.redis_url, snapshot_topic=snapshot_topic)
 
 
 @main.group()
 def subscription() -> None:
-    """Subscriptions: settings, backlog, outstanding, committed offsets."""
+    """Subscriptions: settings, backlog, outstanding, committed offsets; seek to a time or a snapshot."""
 
 
 @subscription.command("create")
@@ -396,6 +397,8 @@ def deadletter_redrive(subscription_name: str, topic: str | None, servers: Serve
 
 main.add_command(schedule_commands.schedule)
 main.add_command(schedule_commands.scheduler)
+subscription.add_command(seek_command(_server_options, _admin))
+main.add_command(snapshot_group(_server_options, _admin))
 
 # -- prober ----------------------------------------------------------------------------------------
 main.add_command(prober_command(_server_options))

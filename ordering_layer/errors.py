@@ -117,3 +117,31 @@ class AuthenticationError(OrderingLayerError):
     def __init__(self, message: str, *, server: str) -> None:
         super().__init__(message)
         self.server = server
+
+
+class SnapshotNotFoundError(OrderingLayerError, LookupError):
+    """The named snapshot was never created, was deleted, or has expired (GRP-3)."""
+
+    def __init__(self, snapshot: str) -> None:
+        super().__init__(f"snapshot {snapshot!r} does not exist (or has expired)")
+        self.snapshot = snapshot
+
+
+class SnapshotExistsError(OrderingLayerError):
+    """``create_snapshot`` named a snapshot that exists already and has not expired (GRP-3)."""
+
+    def __init__(self, snapshot: str) -> None:
+        super().__init__(f"snapshot {snapshot!r} exists already")
+        self.snapshot = snapshot
+
+
+class SeekTimeoutError(OrderingLayerError, TimeoutError):
+    """A seek was not applied by every partition in time (GRP-3). It stays pending: the partitions
+    named apply it when their owner next checks or when they are next claimed."""
+
+    def __init__(self, subscription: str, generation: int, partitions: tuple[int, ...], timeout: float) -> None:
+        super().__init__(f"seek {generation} of {subscription!r} not applied by partitions "
+                         f"{', '.join(map(str, partitions))} within {timeout:g} s (it stays pending)")
+        self.subscription = subscription
+        self.generation = generation
+        self.partitions = partitions

@@ -45,3 +45,19 @@ def partition_offsets(consumer: Consumer, topic: str, partitions: list[int], tim
         low, high = consumer.get_watermark_offsets(TopicPartition(topic, tp.partition), timeout=timeout)
         rows.append(PartitionOffsets(tp.partition, tp.offset if tp.offset >= 0 else None, low, high))
     return rows
+
+
+_SEEK_TAG = "ol-seek:"
+
+
+def seek_tag(generation: int) -> str:
+    """The metadata of a subscriber's offset commit: the seek generation its partition state
+    follows (GRP-3), so that a report of a commit made before a seek is told apart from one after."""
+    return f"{_SEEK_TAG}{generation}"
+
+
+def tagged_generation(metadata: str | None) -> int | None:
+    """The seek generation in a commit's metadata (``seek_tag``); None when it carries none."""
+    if metadata and metadata.startswith(_SEEK_TAG) and metadata[len(_SEEK_TAG):].isdigit():
+        return int(metadata[len(_SEEK_TAG):])
+    return None

@@ -1,8 +1,10 @@
 """The Redis state store: one hash tag per (subscription, partition), Lua scripts for every write.
 
-Keys: ``ol:{<subscription>:<partition>}:epoch|settled|attempts|leases`` (one slot per partition, so
-every script touches one slot of a Redis Cluster), ``ol:sub:<subscription>`` for the settings and
-``ol:sub:<subscription>:parked`` for parked keys (each read and written alone, by one-key commands).
+Keys: ``ol:{<subscription>:<partition>}:epoch|settled|attempts|leases|seek`` (one slot per partition,
+so every script touches one slot of a Redis Cluster), ``ol:sub:<subscription>`` for the settings,
+``ol:sub:<subscription>:parked`` for parked keys, ``:seek`` for the latest seek generation announced to
+the subscribers and ``:seek-counter`` for the next one (each read and written alone, by one-key
+commands).
 Redis is an accelerator of correctness: losing it loses no message (Kafka holds them), it only causes
 redelivery. The client comes from ``state.client.redis_client``, so a Redis Cluster URL works as well.
 """
@@ -14,7 +16,7 @@ import functools
 import hashlib
 import logging
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any, Concatenate, Final, Literal, ParamSpec, TypeVar
@@ -69,11 +71,31 @@ class ApplyResult(enum.IntEnum):
 
 @dataclass(frozen=True)
 class ClaimedPartition:
-    """What a new owner learns when it claims a partition."""
+    """What a new owner learns when it claims a partition.
+
+    ``seek_generation`` is the partition's latest seek (0: never sought); ``seek_offset`` is that
+    seek's target when the claim applied it (the owner starts there instead of the committed offset
+    and, once it has committed it, marks it applied), None when no seek was pending.
+    """
 
     epoch: int
     settled: frozenset[int]
     attempts: dict[int, int]
+    seek_generation: int = 0
+    seek_offset: int | None = None
+
+
+@dataclass(frozen=True)
+class SeekStatus:
+    """A partition's latest seek generation and the last one applied (0: none)."""
+
+    generation: int
+    applied: int
+
+    @property
+    def pending(self) -> bool:
+        """A seek is recorded that no owner has applied yet."""
+        return self.generation > self.applied
 
 
 def _script(name: str) -> str:
@@ -86,9 +108,30 @@ def partition_keys(subscription: str, partition: int) -> list[str]:
     return [f"{tag}:epoch", f"{tag}:settled", f"{tag}:attempts", f"{tag}:leases"]
 
 
+def seek_key(subscription: str, partition: int) -> str:
+    """The key of a partition's latest seek (same slot as ``partition_keys``)."""
+    return f"ol:{{{subscription}:{partition}}}:seek"
+
+
 def settings_key(subscription: str) -> str:
     """The key holding a subscription's settings."""
     return f"ol:sub:{subscription}"
+
+
+def _parse_claim(raw: list[Any]) -> ClaimedPartition:
+    """claim.lua's answer: epoch, settled offsets, '|', attempt pairs, '|', seek gen, seek target."""
+    split = raw.index(b"|")
+    rest = raw[split + 1:]
+    second = rest.index(b"|")
+    pairs = rest[:second]
+    target = int(rest[second + 2])
+    return ClaimedPartition(
+        epoch=int(raw[0]),
+        settled=frozenset(int(o) for o in raw[1:split]),
+        attempts={int(pairs[i]): int(pairs[i + 1]) for i in range(0, len(pairs), 2)},
+        seek_generation=int(rest[second + 1]),
+        seek_offset=target if target >= 0 else None,
+    )
 
 
 _P = ParamSpec("_P")
@@ -135,9 +178,8 @@ class StateStore:
         self.client = redis_client(redis_url)
         self._cluster_retry = retry_policy() if isinstance(self.client, RedisCluster) else None
         self._url = mask_url(redis_url)
-        self._apply_source = _script("apply")
-        self._apply_sha = hashlib.sha1(self._apply_source.encode()).hexdigest()
-        self._claim = self.client.register_script(_script("claim"))  # type: ignore[union-attr]
+        self._scripts = {name: _script(name) for name in ("apply", "claim", "seek_post", "seek_applied")}
+        self._shas = {name: hashlib.sha1(source.encode()).hexdigest() for name, source in self._scripts.items()}
 
     def __repr__(self) -> str:
         return f"StateStore({self._url})"
@@ -163,7 +205,8 @@ class StateStore:
         On a cluster the scan visits every primary; keys are deleted one slot at a time.
         """
         removed = int(self.client.delete(settings_key(subscription)))
-        removed += int(self.client.delete(f"{settings_key(subscription)}:parked"))
+        for suffix in (":parked", ":seek", ":seek-counter"):
+            removed += int(self.client.delete(f"{settings_key(subscription)}{suffix}"))
         # The glob narrows the scan; the regex keeps only this subscription's keys (a name may hold
         # glob characters or a colon, so that "a" must not match the keys of "a:1").
         match = "ol:{" + re.sub(r"([\\*?\[\]])", r"\\\1", subscription) + ":*"
@@ -180,16 +223,35 @@ class StateStore:
     # -- partitions ------------------------------------------------------------------------------
     @_redis_call
     def claim(self, subscription: str, partition: int) -> ClaimedPartition:
-        """Become the owner of a partition: bump its epoch, read settled offsets and attempts."""
-        keys = partition_keys(subscription, partition)[:3]
-        raw = self._claim(keys=keys, args=[])
-        split = raw.index(b"|")
-        pairs = raw[split + 1:]
-        return ClaimedPartition(
-            epoch=int(raw[0]),
-            settled=frozenset(int(o) for o in raw[1:split]),
-            attempts={int(pairs[i]): int(pairs[i + 1]) for i in range(0, len(pairs), 2)},
-        )
+        """Become the owner of a partition: bump its epoch, read settled offsets and attempts; a
+        pending seek (GRP-3) is applied with the claim (``ClaimedPartition.seek_offset``)."""
+        [raw] = self._eval_many("claim", [(self._claim_keys(subscription, partition), ["", "", ""])])
+        return _parse_claim(raw)
+
+    @_redis_call
+    def claim_for_seek(self, subscription: str, epochs: Mapping[int, int], *, mark_applied: bool = False,
+                       generation: int | None = None) -> dict[int, ClaimedPartition | None]:
+        """Apply the pending seeks of partitions held under the given epochs (partition -> owner
+        epoch, 0 for a partition never claimed), in one round trip: each such partition is claimed
+        again (a new epoch fences the writes of before the seek) with the seek's settled set and
+        no attempts or leases. Returns the partitions that had a seek pending (None: fenced, the
+        stored epoch was another); ``mark_applied`` marks them applied at once (the caller has
+        committed the targets in Kafka already); with ``generation`` only a pending seek of that
+        generation is applied (a later one is left pending)."""
+        order = sorted(epochs)
+        args = ["1" if mark_applied else "", "" if generation is None else str(generation)]
+        calls = [(self._claim_keys(subscription, p), [str(epochs[p]), *args]) for p in order]
+        out: dict[int, ClaimedPartition | None] = {}
+        for partition, raw in zip(order, self._eval_many("claim", calls), strict=True):
+            if len(raw) > 1:
+                out[partition] = _parse_claim(raw)
+            elif int(raw[0]) < 0:
+                out[partition] = None
+        return out
+
+    @staticmethod
+    def _claim_keys(subscription: str, partition: int) -> list[str]:
+        return [*partition_keys(subscription, partition), seek_key(subscription, partition)]
 
     @_redis_call
     def apply_many(self, batches: Sequence[tuple[str, int, int, Sequence[Op]]]) -> list[ApplyResult]:
@@ -198,22 +260,29 @@ class StateStore:
         Each batch is (subscription, partition, epoch, ops); ``OpKind`` names what each op does. The
         ops travel packed into one argument, ``"<letter>,<offset>,<value>;"`` each (see ``lua/apply.lua``).
         """
+        calls = []
+        for subscription, partition, epoch, ops in batches:
+            packed = "".join([f"{kind},{offset},{value};" for kind, offset, value in ops])
+            calls.append((partition_keys(subscription, partition), [epoch, packed]))
+        return [ApplyResult(int(r)) for r in self._eval_many("apply", calls)]
+
+    def _eval_many(self, script: str, calls: Sequence[tuple[Sequence[str], Sequence[Any]]]) -> list[Any]:
+        """Run one of the layer's scripts once per (keys, args) call, all in one pipeline."""
         # EVALSHA straight on the pipeline: redis-py's Script objects would add a SCRIPT EXISTS
         # round trip to every pipeline (and a cluster pipeline takes no Script). After a NOSCRIPT
         # answer (a restarted or flushed server, on a cluster maybe one primary of several) the
-        # script is loaded on every primary and only the refused batches are sent again: the
-        # others were applied already.
-        results: list[Any] = [None] * len(batches)
-        pending = list(range(len(batches)))
+        # script is loaded on every primary and only the refused calls are sent again: the others
+        # were run already.
+        sha = self._shas[script]
+        results: list[Any] = [None] * len(calls)
+        pending = list(range(len(calls)))
         for reload in (False, True):
             if reload:
-                self.client.script_load(self._apply_source)  # type: ignore[union-attr]
+                self.client.script_load(self._scripts[script])  # type: ignore[union-attr]
             pipe = self.client.pipeline(transaction=False)
             for index in pending:
-                subscription, partition, epoch, ops = batches[index]
-                packed = "".join([f"{kind},{offset},{value};" for kind, offset, value in ops])
-                pipe.execute_command("EVALSHA", self._apply_sha, 4, *partition_keys(subscription, partition),
-                                     epoch, packed)
+                keys, args = calls[index]
+                pipe.execute_command("EVALSHA", sha, len(keys), *keys, *args)
             for index, answer in zip(pending, pipe.execute(raise_on_error=False), strict=True):
                 results[index] = answer
             failed = [r for r in results
@@ -222,8 +291,59 @@ class StateStore:
                 raise failed[0]
             pending = [i for i in pending if isinstance(results[i], redis.exceptions.NoScriptError)]
             if not pending:
-                return [ApplyResult(int(r)) for r in results]
-        raise redis.exceptions.NoScriptError("apply.lua could not be loaded")
+                return results
+        raise redis.exceptions.NoScriptError(f"{script}.lua could not be loaded")
+
+    # -- seeks (GRP-3) ------------------------------------------------------------------------------
+    @_redis_call
+    def post_seek(self, subscription: str, targets: Mapping[int, tuple[int, Sequence[int]]]) -> int:
+        """Record a seek: per partition the target offset and the offsets above it that count as
+        settled; then announce its generation to the subscribers. Returns the generation."""
+        generation = int(self.client.incr(f"{settings_key(subscription)}:seek-counter"))
+        self._eval_many("seek_post", [
+            ([seek_key(subscription, p)], [generation, offset, ",".join(map(str, sorted(settled)))])
+            for p, (offset, settled) in sorted(targets.items())])
+        self.client.set(f"{settings_key(subscription)}:seek", generation)
+        return generation
+
+    @_redis_call
+    def seek_announced(self, subscription: str) -> int:
+        """The latest seek generation announced for the subscription (0: none)."""
+        return int(self.client.get(f"{settings_key(subscription)}:seek") or 0)
+
+    @_redis_call
+    def seek_status(self, subscription: str, partitions: Sequence[int]) -> dict[int, SeekStatus]:
+        """Each partition's latest seek generation and the last one applied."""
+        pipe = self.client.pipeline(transaction=False)
+        for partition in partitions:
+            pipe.hmget(seek_key(subscription, partition), ["gen", "applied"])
+        return {p: SeekStatus(int(gen or 0), int(applied or 0))
+                for p, (gen, applied) in zip(partitions, pipe.execute(), strict=True)}
+
+    @_redis_call
+    def seek_applied(self, subscription: str, partition: int, epoch: int, generation: int) -> bool:
+        """The owner of ``epoch`` has committed the target of seek ``generation``: mark it applied.
+        False when fenced (another owner since) or marked already."""
+        keys = [partition_keys(subscription, partition)[0], seek_key(subscription, partition)]
+        [answer] = self._eval_many("seek_applied", [(keys, [epoch, generation])])
+        return bool(answer)
+
+    @_redis_call
+    def epochs(self, subscription: str, partitions: Sequence[int]) -> dict[int, int]:
+        """Each partition's owner epoch (0: never claimed)."""
+        pipe = self.client.pipeline(transaction=False)
+        for partition in partitions:
+            pipe.get(partition_keys(subscription, partition)[0])
+        return {p: int(raw or 0) for p, raw in zip(partitions, pipe.execute(), strict=True)}
+
+    @_redis_call
+    def settled_from(self, subscription: str, floors: Mapping[int, int]) -> dict[int, list[int]]:
+        """Per partition, the settled offsets at or above its floor (the committed offset), ascending."""
+        order = sorted(floors)
+        pipe = self.client.pipeline(transaction=False)
+        for partition in order:
+            pipe.zrangebyscore(partition_keys(subscription, partition)[1], floors[partition], "+inf")
+        return {p: [int(o) for o in raw] for p, raw in zip(order, pipe.execute(), strict=True)}
 
     @_redis_call
     def parked_keys(self, subscription: str) -> set[bytes]:
