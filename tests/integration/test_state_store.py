@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from ordering_layer.state import ApplyResult, StateStore
-from ordering_layer.state.store import Op, OpKind, partition_keys
+from ordering_layer.state.store import Op, OpKind, partition_keys, seek_key
 
 pytestmark = pytest.mark.integration
 
@@ -53,3 +53,47 @@ def test_a_claim_after_a_loss_of_redis_state_fences_every_earlier_owner(endpoint
     for epoch in earlier:
         assert store.apply_many([(name, 0, epoch, ops)]) == [ApplyResult.FENCED]
     assert store.apply_many([(name, 0, latest, ops)]) == [ApplyResult.APPLIED]
+
+
+def test_a_pending_seek_is_applied_by_a_claim_or_by_its_owner_and_fences_earlier_writes(
+        endpoints: Any, unique_name: Callable[[str], str]) -> None:
+    """GRP-3, ACK-5, ACK-6: a recorded seek is pending until applied; a claim, or a re-claim by the
+    owner of the current epoch, applies it atomically (settled set replaced, attempts and leases
+    dropped, a new epoch that fences the writes of before); a stale epoch cannot re-claim; a later
+    seek wins over an earlier one still being recorded; 'applied' is marked by the owner only."""
+    store = StateStore(endpoints.redis_url)
+    name = unique_name("seek")
+    owner = store.claim(name, 0).epoch
+    store.apply_many([(name, 0, owner, [(OpKind.SETTLED, 5, 0), (OpKind.DELIVERED, 6, 3), (OpKind.LEASE, 6, 99)])])
+    assert store.claim_for_seek(name, {0: owner}) == {}  # nothing pending: nothing changes
+
+    generation = store.post_seek(name, {0: (4, (4, 7)), 1: (0, ())})
+    assert store.seek_announced(name) == generation
+    assert store.seek_status(name, [0, 1])[0].pending
+    assert store.claim_for_seek(name, {0: owner - 1}) == {0: None}  # a stale owner is fenced
+    [(partition, claimed)] = store.claim_for_seek(name, {0: owner}).items()
+    assert partition == 0 and claimed is not None
+    assert (claimed.settled, claimed.attempts, claimed.seek_offset, claimed.seek_generation) == (
+        frozenset({4, 7}), {}, 4, generation)
+    assert claimed.epoch > owner
+    assert store.client.hlen(partition_keys(name, 0)[3]) == 0  # leases dropped
+    assert store.apply_many([(name, 0, owner, [(OpKind.SETTLED, 9, 0)])]) == [ApplyResult.FENCED]
+
+    assert store.seek_status(name, [0])[0].pending  # until the owner has committed the target
+    assert not store.seek_applied(name, 0, owner, generation)  # a fenced owner marks nothing
+    assert store.seek_applied(name, 0, claimed.epoch, generation)
+    assert not store.seek_status(name, [0])[0].pending
+    assert store.claim(name, 0).seek_offset is None  # applied: a later claim starts at the commit
+
+    # Partition 1 was never claimed: a new owner applies the seek with its claim.
+    fresh = store.claim(name, 1)
+    assert (fresh.seek_offset, fresh.seek_generation) == (0, generation)
+
+    later = store.post_seek(name, {0: (10, ())})
+    # A seek recorded late (an earlier generation) does not overwrite a later one.
+    assert store._eval_many("seek_post", [([seek_key(name, 0)], [generation, 1, ""])]) == [0]
+    claimed_later = store.claim(name, 0)
+    assert (claimed_later.seek_offset, claimed_later.seek_generation) == (10, later)
+    assert store.claim_for_seek(name, {1: fresh.epoch}, generation=later) == {}  # p1 has no seek `later`
+    store.delete_subscription(name)
+    assert not store.client.exists(seek_key(name, 0), f"ol:sub:{name}:seek", f"ol:sub:{name}:seek-counter")
