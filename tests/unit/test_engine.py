@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import cast
 
 import pytest
@@ -41,6 +41,12 @@ class FakeStore:
 
     def parked_keys(self, subscription: str) -> set[bytes]:
         return set()
+
+    def seek_announced(self, subscription: str) -> int:
+        return 0
+
+    def claim_for_seek(self, subscription: str, epochs: Mapping[int, int]) -> dict[int, ClaimedPartition | None]:
+        return {}
 
 
 def record(offset: int, partition: int = 0) -> Record:
