@@ -25,8 +25,9 @@ _LOGGER = logging.getLogger(__name__)
 
 _REFUSED = {KafkaError._AUTHENTICATION: "refused the SASL credentials", KafkaError._SSL: "TLS handshake failed"}
 _UNREACHABLE = {KafkaError._ALL_BROKERS_DOWN, KafkaError._TRANSPORT, KafkaError._RESOLVE}
-# Keys of the caller's config the probe replaces with its own.
-_PROBE_OWN = ("error_cb", "logger", "stats_cb", "throttle_cb", "oauth_cb")
+# Keys of the caller's config the probe leaves out: the callbacks it replaces with its own, and the
+# producer's and consumer's Python-level callbacks, which an AdminClient refuses as unknown.
+_PROBE_OWN = ("error_cb", "logger", "stats_cb", "throttle_cb", "oauth_cb", "on_delivery", "on_commit")
 
 
 def verify_kafka(config: Mapping[str, Any], timeout: float = 10.0) -> None:
