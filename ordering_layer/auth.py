@@ -31,7 +31,8 @@ _PROBE_OWN = ("error_cb", "logger", "stats_cb", "throttle_cb", "oauth_cb", "on_d
 
 
 def verify_kafka(config: Mapping[str, Any], timeout: float = 10.0) -> None:
-    """Check that the brokers of ``config`` accept its TLS and SASL settings.
+    """Check that the brokers of ``config`` accept its TLS and SASL settings (a plaintext config
+    has neither: it returns at once).
 
     Returns once metadata arrives, or as soon as the brokers are plainly unreachable (a broker that
     is down is left to the caller's own calls and their retries), or after ``timeout`` seconds.
@@ -45,6 +46,10 @@ def verify_kafka(config: Mapping[str, Any], timeout: float = 10.0) -> None:
         AuthenticationError: with ``server="kafka"``: a broker refused the login or the handshake.
         ConfigError: confluent-kafka refused the config itself.
     """
+    if str(config.get("security.protocol", "plaintext")).lower() == "plaintext":
+        # No credentials and no handshake to refuse: nothing to check, and no wait for a broker
+        # that is down or drops packets (a plain confluent client does not wait at construction).
+        return
     reports: list[KafkaError] = []
     probe_config: dict[str, Any] = {key: value for key, value in config.items() if key not in _PROBE_OWN}
     probe_config.update(error_cb=reports.append, logger=logging.getLogger("ordering_layer.kafka.verify"))
