@@ -81,7 +81,7 @@ test-secure: setup
 lint: python-deps core
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy ordering_layer tests bench spark
-	cargo clippy --release --locked --quiet --manifest-path core/Cargo.toml -- -D warnings
+	PYO3_PYTHON=$(abspath $(PY)) cargo clippy --release --locked --quiet --manifest-path core/Cargo.toml -- -D warnings
 
 # -- Docker: an engine, images built here without a registry, and the tests through testcontainers --
 # Integration tests run a second time with Kafka and Redis in containers (ORDERING_LAYER_STACK):
