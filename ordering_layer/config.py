@@ -23,6 +23,8 @@ DEAD_LETTER_MAX_BYTES = 8 * 1024 * 1024
 DEFAULT_SCHEDULE_TOPIC = "__ordering_layer_schedules"
 DEFAULT_SNAPSHOT_TOPIC = "__ordering_layer_snapshots"
 DEFAULT_SNAPSHOT_TTL = 7 * 24 * 3600.0  # seconds a snapshot lasts (GRP-3; Pub/Sub keeps them up to 7 days)
+# The compacted topic holding the durable copy of every subscription's settings.
+SUBSCRIPTIONS_TOPIC = "__ordering_layer_subscriptions"
 
 _T = TypeVar("_T")
 

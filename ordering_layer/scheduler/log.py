@@ -1,9 +1,8 @@
 """The schedule topic: a compacted Kafka topic of the layer's schedule records (PUB-5).
 
 Keyed by schedule id; the last record of an id is its state (``schemas/schedule.avsc``), a
-tombstone forgets it. Writes wait for the broker's acknowledgement (``acks=all``), so a schedule
-exists durably once ``schedule()`` returns; the topic is read from the start to rebuild a lost
-Redis index.
+tombstone forgets it. A schedule exists durably once ``schedule()`` returns; the topic is read
+from the start to rebuild a lost Redis index.
 """
 
 from __future__ import annotations
@@ -12,8 +11,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ordering_layer.admin import Admin
-from ordering_layer.compacted_log import CompactedLog, producer_config
+from ordering_layer.compacted import CompactedTopic
 from ordering_layer.errors import RecordFormatError
 from ordering_layer.scheduler.records import ScheduledMessage
 
@@ -31,12 +29,12 @@ class ScheduleLog:
     """
 
     def __init__(self, kafka_config: Mapping[str, Any], topic: str) -> None:
-        self._log = CompactedLog(kafka_config, topic, lambda: Admin(producer_config(kafka_config)), "schedule")
+        self._topic = CompactedTopic(kafka_config, topic, "schedule")
         self.topic = topic
 
     def ensure_topic(self) -> None:
         """Create the schedule topic unless it exists. Raises ``TopicError`` when it cannot."""
-        self._log.ensure_topic()
+        self._topic.ensure_topic()
 
     def write(self, records: Sequence[ScheduledMessage], timeout: float = _TIMEOUT) -> None:
         """Write records and wait until the broker has them all.
@@ -44,16 +42,17 @@ class ScheduleLog:
         Raises:
             PublishError: a record was refused or not acknowledged within ``timeout`` seconds.
         """
-        self._log.write([(r.schedule_id, r.encode()) for r in records], timeout)
+        self._topic.send([(r.schedule_id, r.encode()) for r in records], timeout)
 
     def forget(self, schedule_ids: Sequence[str], timeout: float = _TIMEOUT) -> None:
         """Write tombstones for ``schedule_ids`` (compaction then drops them)."""
-        self._log.write([(i, None) for i in schedule_ids], timeout)
+        self._topic.send([(i, None) for i in schedule_ids], timeout)
 
     def read_all(self) -> dict[str, ScheduledMessage]:
         """The last record of every schedule id not forgotten, read from the start of the topic."""
+        self._topic.ensure_topic()
         latest: dict[str, ScheduledMessage] = {}
-        for schedule_id, value in self._log.read_all().items():
+        for schedule_id, value in self._topic.read_all().items():
             try:
                 latest[schedule_id] = ScheduledMessage.decode(value)
             except RecordFormatError:
@@ -62,4 +61,4 @@ class ScheduleLog:
 
     def close(self, timeout: float = _TIMEOUT) -> None:
         """Flush what is in flight."""
-        self._log.close(timeout)
+        self._topic.close(timeout)

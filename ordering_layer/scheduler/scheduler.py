@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
-from ordering_layer.compacted_log import producer_config
+from ordering_layer.compacted import producer_config
 from ordering_layer.config import from_mapping
 from ordering_layer.errors import OrderingLayerError
 from ordering_layer.scheduler.book import ScheduleBook

@@ -9,12 +9,12 @@ reads it writes its tombstone (compaction then drops it).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from ordering_layer.compacted_log import CompactedLog, TopicAdmin
+from ordering_layer.compacted import CompactedTopic
 from ordering_layer.errors import ConfigError, RecordFormatError, SnapshotExistsError, SnapshotNotFoundError
 from ordering_layer.record import decode, encode
 
@@ -116,18 +116,17 @@ class SnapshotBook:
 
     Args:
         kafka_config: confluent-kafka settings (``bootstrap.servers`` at least).
-        topic: the compacted snapshot topic (created on first use).
-        admin: makes the ``Admin`` that creates the topic.
+        topic: the compacted snapshot topic (created on first write).
     """
 
-    def __init__(self, kafka_config: Mapping[str, Any], topic: str, admin: Callable[[], TopicAdmin]) -> None:
-        self.log = CompactedLog(kafka_config, topic, admin, "snapshot")
+    def __init__(self, kafka_config: Mapping[str, Any], topic: str) -> None:
+        self.log = CompactedTopic(kafka_config, topic, "snapshot")
 
     def _live(self) -> dict[str, Snapshot]:
         live, expired = live_snapshots(self.log.read_all(), now_ms())
         if expired:
             _LOGGER.info("snapshots expired, forgetting them: %s", ", ".join(sorted(expired)))
-            self.log.write([(name, None) for name in expired])
+            self.log.send([(name, None) for name in expired])
         return live
 
     def add(self, snapshot: Snapshot) -> None:
@@ -139,7 +138,7 @@ class SnapshotBook:
         """
         if snapshot.name in self._live():
             raise SnapshotExistsError(snapshot.name)
-        self.log.write([(snapshot.name, snapshot.encode())])
+        self.log.send([(snapshot.name, snapshot.encode())])
 
     def get(self, name: str) -> Snapshot:
         """The live snapshot ``name``. Raises ``SnapshotNotFoundError`` (also once it has expired)."""
@@ -155,7 +154,7 @@ class SnapshotBook:
     def delete(self, name: str) -> None:
         """Delete a live snapshot (a tombstone). Raises ``SnapshotNotFoundError``."""
         self.get(name)
-        self.log.write([(name, None)])
+        self.log.send([(name, None)])
 
     def close(self) -> None:
         """Flush what is in flight."""

@@ -1,8 +1,10 @@
-"""A compacted Kafka topic of the layer's own records, keyed by a name (schedules, snapshots).
+"""``CompactedTopic``: a compacted Kafka topic of the layer's own records, keyed by name.
 
-The last record of a key is its value; a tombstone (null value) forgets it. Writes wait for the
-broker's acknowledgement (``acks=all``), so a record exists durably once ``write`` returns; the
-topic is read from its start to learn every key's last value.
+The last record of a key is its state and a tombstone (null value) forgets the key; compaction
+keeps the topic as small as the set of live keys. Writes wait for the broker's acknowledgement
+(``acks=all``, idempotent), so a record is durable once ``send`` returns; ``read_all`` reads the
+topic from the start. The schedule topic (PUB-5) and the durable copy of subscription settings
+are such topics.
 """
 
 from __future__ import annotations
@@ -11,15 +13,12 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
 from ordering_layer.errors import ConfigError, PublishError, TopicError
-
-if TYPE_CHECKING:
-    from ordering_layer.admin import TopicDescription
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -50,33 +49,22 @@ def consumer_config(config: Mapping[str, Any]) -> dict[str, Any]:
     return client_config(config, _PRODUCER_ONLY)
 
 
-class TopicAdmin(Protocol):
-    """What the log needs to create its topic (``ordering_layer.Admin`` has it)."""
-
-    def describe_topic(self, name: str) -> TopicDescription:
-        """Describe a topic; ``TopicError`` when it does not exist."""
-
-    def create_topic(self, name: str, partitions: int = 1, *, replication_factor: int | None = None,
-                     config: Mapping[str, str] | None = None, exist_ok: bool = False) -> TopicDescription:
-        """Create a topic."""
-
-
-class CompactedLog:
-    """Writes and reads one compacted topic.
+class CompactedTopic:
+    """Writes and reads one compacted topic of the layer's records.
 
     Args:
-        kafka_config: confluent-kafka settings (``bootstrap.servers`` at least).
-        topic: the topic, created on first use (compacted, one partition, broker append time).
-        admin: makes the ``Admin`` that creates the topic (called once, on first use).
-        kind: what the records are, for logs and errors (``"schedule"``, ``"snapshot"``).
+        kafka_config: confluent-kafka settings (``bootstrap.servers`` at least; ``security.protocol``,
+            ``sasl.*`` and ``ssl.*`` pass through); settings of consumers or producers alone are
+            dropped for the other side.
+        topic: the topic, created on first write (one partition, compacted, broker append time).
+        what: what its records are, for messages and the Kafka client's logger name.
     """
 
-    def __init__(self, kafka_config: Mapping[str, Any], topic: str, admin: Callable[[], TopicAdmin],
-                 kind: str) -> None:
+    def __init__(self, kafka_config: Mapping[str, Any], topic: str, what: str) -> None:
         self._config = dict(kafka_config)
         self.topic = topic
-        self._admin = admin
-        self.kind = kind
+        self._what = what
+        self._logger = logging.getLogger(f"ordering_layer.kafka.{what}")
         self._lock = threading.Lock()
         self._producer: Producer | None = None
         self._ready = False
@@ -85,7 +73,7 @@ class CompactedLog:
         with self._lock:
             if self._producer is None:
                 conf = {**producer_config(self._config), "enable.idempotence": True, "acks": "all",
-                        "linger.ms": 2, "logger": logging.getLogger(f"ordering_layer.kafka.{self.kind}")}
+                        "linger.ms": 2, "logger": self._logger}
                 try:
                     self._producer = Producer(conf)
                 except KafkaException as exc:
@@ -93,23 +81,32 @@ class CompactedLog:
             return self._producer
 
     def ensure_topic(self) -> None:
-        """Create the topic unless it exists. Raises ``TopicError`` when it cannot."""
+        """Create the topic unless it exists.
+
+        Raises:
+            TopicError: it cannot be created, or it exists without ``cleanup.policy=compact``.
+        """
         if self._ready:
             return
-        admin = self._admin()
+        # Imported here: the admin module needs the state store, whose durable settings copy is one
+        # of these topics.
+        from ordering_layer.admin import Admin
+
+        admin = Admin(producer_config(self._config))
         try:
             described = admin.describe_topic(self.topic)
         except TopicError:
             described = admin.create_topic(self.topic, partitions=1, config=_TOPIC_CONFIG, exist_ok=True)
         if described.config.get("cleanup.policy", "compact") != "compact":
-            raise TopicError(f"{self.kind} topic {self.topic!r} must have cleanup.policy=compact", topic=self.topic)
+            raise TopicError(f"{self._what} topic {self.topic!r} must have cleanup.policy=compact", topic=self.topic)
         self._ready = True
 
-    def write(self, pairs: Sequence[tuple[str, bytes | None]], timeout: float = _TIMEOUT) -> None:
-        """Write (key, value) records, a None value as a tombstone, and wait until the broker has them.
+    def send(self, pairs: Sequence[tuple[str, bytes | None]], timeout: float = _TIMEOUT) -> None:
+        """Write (key, value) records, a None value being a tombstone; wait until the broker has them all.
 
         Raises:
             PublishError: a record was refused or not acknowledged within ``timeout`` seconds.
+            TopicError: the topic cannot be created.
         """
         if not pairs:
             return
@@ -131,34 +128,39 @@ class CompactedLog:
                 except BufferError:
                     producer.poll(0.05)
                 except KafkaException as exc:
-                    raise PublishError(f"write to {self.topic!r} refused: {exc.args[0]}",
+                    raise PublishError(f"write to {self._what} topic {self.topic!r} refused: {exc.args[0]}",
                                        topic=self.topic, ordering_key=None) from exc
         deadline = time.monotonic() + timeout
         while pending[0] > 0 and time.monotonic() < deadline:
             producer.poll(0.05)
         if failures or pending[0] > 0:
             reason = failures[0] if failures else f"no acknowledgement in {timeout:.0f} s"
-            raise PublishError(f"write to {self.kind} topic {self.topic!r} failed: {reason}",
+            raise PublishError(f"write to {self._what} topic {self.topic!r} failed: {reason}",
                                topic=self.topic, ordering_key=None)
 
     def read_all(self) -> dict[str, bytes]:
-        """The last value of every key not forgotten, read from the start of the topic."""
-        self.ensure_topic()
+        """The last value of every key not forgotten, read from the start; empty when the topic is absent.
+
+        Raises:
+            TopicError: the topic cannot be read within ten times the Kafka timeout.
+        """
         consumer = Consumer({**consumer_config(self._config),
-                             "group.id": f"ordering-layer-{self.kind}-read-{uuid.uuid4().hex}",
+                             "group.id": f"ordering-layer-{self._what}-read-{uuid.uuid4().hex}",
                              "enable.auto.commit": False, "enable.partition.eof": False,
-                             "logger": logging.getLogger(f"ordering_layer.kafka.{self.kind}")})
+                             "logger": self._logger})
         latest: dict[str, bytes] = {}
         try:
-            partitions = consumer.list_topics(self.topic, timeout=_TIMEOUT).topics[self.topic].partitions
+            described = consumer.list_topics(self.topic, timeout=_TIMEOUT).topics.get(self.topic)
+            if described is None or described.error is not None:
+                return latest
             ends = {p: consumer.get_watermark_offsets(TopicPartition(self.topic, p), timeout=_TIMEOUT)[1]
-                    for p in partitions}
+                    for p in described.partitions}
             remaining = {p for p, end in ends.items() if end > 0}
             consumer.assign([TopicPartition(self.topic, p, OFFSET_BEGINNING) for p in remaining])
             deadline = time.monotonic() + 10 * _TIMEOUT
             while remaining:
                 if time.monotonic() > deadline:
-                    raise TopicError(f"reading {self.kind} topic {self.topic!r} timed out", topic=self.topic)
+                    raise TopicError(f"reading {self._what} topic {self.topic!r} timed out", topic=self.topic)
                 for msg in consumer.consume(1000, 0.5):
                     if msg.error() is not None:
                         raise TopicError(f"reading {self.topic!r}: {msg.error()}", topic=self.topic)
