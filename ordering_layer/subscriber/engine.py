@@ -9,6 +9,11 @@ that keeps its state, and applies their verdicts: partitions and key queues rele
 (``Leases``); attempts and leases are written to Redis in one pipeline (``StateWriter``) *before* the
 messages are handed out (``handoff``) or dead-lettered (``DeadLetters``); commits go back to the fetch
 thread as queued requests. The components hold no references to each other.
+
+Seeks (GRP-3) are noticed with the commits, once a second (one Redis read): the owned partitions
+with a pending seek are claimed again and restarted at its target (``Partitions.apply_seeks``), their
+outstanding deliveries are void (a later ack of one is refused: its epoch is gone), and the fetcher
+seeks the consumer.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from typing import Any
 
+import redis
 from confluent_kafka import Consumer, TopicPartition
 
 from ordering_layer.config import FlowControl, SubscriptionSettings
@@ -35,7 +41,7 @@ from ordering_layer.subscriber.message import AckResponse, Message
 from ordering_layer.subscriber.metrics import snapshot
 from ordering_layer.subscriber.partition import Delivery, PartitionState
 from ordering_layer.subscriber.partitions import Partitions
-from ordering_layer.subscriber.requests import Committed, DeadLettered, Fetched, Pull, Settle, SettleKind
+from ordering_layer.subscriber.requests import Committed, DeadLettered, Fetched, Pull, Settle, SettleKind, Sought
 from ordering_layer.subscriber.state_writer import StateWriter, resolve
 from ordering_layer.worker import Worker
 
@@ -94,6 +100,7 @@ class Engine:
         self._owned = Partitions(store, subscription, settings)
         self._partitions = self._owned.owned
         self._last_commit = 0.0
+        self._seek_seen: int | None = None  # the seek generation announced when last looked
         self._closing = False
         self._counts = {"delivered": 0, "acked": 0, "nacked": 0, "redelivered": 0}
         self._worker = Worker(f"ordering-layer-engine-{subscription}", self._step)
@@ -121,6 +128,8 @@ class Engine:
             self._flush()
             offsets = self._offsets(sync=True)
         self._fetcher.commit_sync(offsets)
+        with self._lock:
+            self._handle(self._inbox.take(), time.monotonic())  # the commit's report: seeks it completes
         self._fetcher.close()
         self._dead_letters.close()
 
@@ -183,11 +192,17 @@ class Engine:
                 self.drop(number)
             return offsets
 
-    def assigned(self, partitions: list[int], generations: Mapping[int, int]) -> None:
-        """Claim newly assigned partitions (before their first fetch)."""
+    def assigned(self, partitions: list[int], generations: Mapping[int, int]) -> Mapping[int, int]:
+        """Claim newly assigned partitions (before their first fetch); returns where a claim applied a
+        seek (GRP-3), to start there."""
+        starts = {}
         with self._lock:
             for number in partitions:
-                self._owned.claim(number, generations[number])
+                if self._owned.claim(number, generations[number], assigning=True):
+                    start = self._partitions[number].start_offset
+                    if start is not None:
+                        starts[number] = start
+        return starts
 
     def lost(self, partitions: list[int]) -> None:
         """Drop lost partitions: another owner has them already."""
@@ -227,6 +242,8 @@ class Engine:
                 if offsets:
                     self._fetcher.commit(offsets)
                 self._dead_letters.refresh_parked()
+                self._check_seek()
+            self._send_seeks()
             leases = self._leases
             self._gate.update(len(leases.outstanding), leases.bytes,
                               self._owned.buffered(), now)
@@ -254,14 +271,53 @@ class Engine:
                 else:
                     self._pulls.add(event)
             elif kind is Committed:
-                # Trimming before the commit succeeded would make a new owner redeliver acked messages.
-                for partition, offset in event.offsets:
-                    if partition in self._partitions:
-                        self._writer.add(partition, (OpKind.WATERMARK, 0, offset), now)
-                for partition in event.failed:
-                    self._owned.commit_failed(partition)
+                self._committed(event, now)
+            elif kind is Sought:
+                self._owned.sought(event.partition, event.generation, event.seek_generation)
             elif kind is DeadLettered:
                 self._dead_lettered(event, now)
+
+    def _committed(self, event: Committed, now: float) -> None:
+        """Commits the group coordinator took: Redis may forget what is settled below them (trimming
+        before the commit succeeded would make a new owner redeliver acked messages), unless the
+        commit was made before a seek (GRP-3) of the partition; a commit after a seek completes it."""
+        for partition, offset, seek_generation in event.offsets:
+            state = self._partitions.get(partition)
+            if state is not None and seek_generation == state.seek_generation:
+                self._writer.add(partition, (OpKind.WATERMARK, 0, offset), now)
+            if seek_generation is not None:
+                self._owned.confirm(partition, seek_generation)
+        for partition in event.failed:
+            self._owned.commit_failed(partition)
+
+    def _check_seek(self) -> None:
+        """Apply a newly announced seek (GRP-3) to the owned partitions, without a restart: what was
+        decided before is written first (it happened before the seek), then each partition with the
+        seek pending is claimed again and restarted at its target."""
+        try:
+            announced = self._owned.seek_announced()
+            if announced == self._seek_seen or not self._flush():
+                return
+            restarted, fenced = self._owned.apply_seeks()
+        except redis.RedisError as exc:
+            _LOGGER.warning("%s: looking for seeks failed (%s); retrying", self.subscription, exc)
+            return
+        self._seek_seen = announced
+        for partition in fenced:
+            _LOGGER.warning("%s: partition %d fenced by a newer owner; dropping it", self.subscription, partition)
+            self.drop(partition)
+        for partition in restarted:
+            self._writer.drop(partition)
+            self._leases.drop_partition(partition)
+        if restarted:
+            self._last_commit = 0.0  # commit the targets at the next step: that completes the seek
+
+    def _send_seeks(self) -> None:
+        owned = self._owned
+        if owned.seeks:
+            for request in owned.seeks:
+                self._fetcher.seek(request)
+            owned.seeks.clear()
 
     def _settle(self, kind: int, delivery: Delivery, epoch: int, seconds: float, error: str | None,
                 future: Future[AckResponse] | None, now: float) -> None:

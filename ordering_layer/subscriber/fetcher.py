@@ -2,10 +2,11 @@
 
 librdkafka's consumer is not safe for concurrent calls from Python threads, so only the fetch thread
 calls it while it runs: ``consume`` (which also serves the rebalance callbacks and commit reports),
-pause and resume as the flow-control gate says (SUB-7), and commits, which reach it only as queued
-requests. Each fetched batch carries every partition's assignment generation, bumped on each
-assignment, revocation and loss, so that records fetched for an ownership that has ended are never
-taken by a later one (SUB-3). Records are read once here: metadata, size, timestamp (PUB-7, DLQ-4).
+pause and resume as the flow-control gate says (SUB-7), and commits and seeks (GRP-3), which reach
+it only as queued requests. Each fetched batch carries every partition's assignment generation,
+bumped on each assignment, revocation, loss and seek, so that records fetched for an ownership (or
+a position) that has ended are never taken by a later one (SUB-3). Records are read once here:
+metadata, size, timestamp (PUB-7, DLQ-4).
 """
 
 from __future__ import annotations
@@ -16,13 +17,14 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple, Protocol, cast
 
-from confluent_kafka import Consumer, KafkaException, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from confluent_kafka import Message as KafkaMessage
 
+from ordering_layer.offsets import tagged_generation
 from ordering_layer.record import HEADER_PARTITION_COUNT, HeaderPairs, RecordMetadata, read_metadata
 from ordering_layer.subscriber.flow import FlowGate, Gate
 from ordering_layer.subscriber.partition import Record
-from ordering_layer.subscriber.requests import Committed, Fetched
+from ordering_layer.subscriber.requests import Committed, Fetched, SeekPartition, Sought
 from ordering_layer.worker import Worker
 
 _LOGGER = logging.getLogger(__name__)
@@ -45,8 +47,9 @@ class RebalanceHooks(NamedTuple):
 class Ownership(Protocol):
     """What the fetcher tells the coordinator about partition ownership (on the fetch thread)."""
 
-    def assigned(self, partitions: list[int], generations: Mapping[int, int]) -> None:
-        """Claim newly assigned partitions (before their first fetch)."""
+    def assigned(self, partitions: list[int], generations: Mapping[int, int]) -> Mapping[int, int]:
+        """Claim newly assigned partitions (before their first fetch); returns the offsets to start
+        at where a claim applied a seek (the others start at the committed offset)."""
 
     def revoking(self, partitions: list[int]) -> list[TopicPartition]:
         """Let revoked partitions go; returns the offsets to commit before they move."""
@@ -94,7 +97,7 @@ class Fetcher:
         topic: the subscribed topic.
         gate: the flow-control gate, read before each fetch.
         ownership: the coordinator's side of rebalances.
-        post: receives ``Fetched`` batches and ``Committed`` reports.
+        post: receives ``Fetched`` batches and ``Committed`` and ``Sought`` reports.
         rebalance: user callbacks, told after a claim and before a revoke lets go.
     """
 
@@ -107,7 +110,8 @@ class Fetcher:
         self._post = post
         self._rebalance = rebalance
         self.consumer = Consumer({**config, "on_commit": self._on_commit})
-        self._requests: queue.SimpleQueue[list[TopicPartition]] = queue.SimpleQueue()
+        self._requests: queue.SimpleQueue[list[TopicPartition] | SeekPartition] = queue.SimpleQueue()
+        self._seeks: dict[int, SeekPartition] = {}  # seeks the consumer could not do yet, by partition
         self.generations: dict[int, int] = {}  # fetch thread: bumped on each assign, revoke, loss
         self.paused = False  # the assignment is paused in the consumer
         self.malformed_records = 0  # records whose ol- metadata was ignored (DLQ-4)
@@ -134,25 +138,37 @@ class Fetcher:
         """Queue an asynchronous commit for the fetch thread (any thread)."""
         self._requests.put(offsets)
 
+    def seek(self, request: SeekPartition) -> None:
+        """Queue a seek of the consumer for the fetch thread (any thread); ``Sought`` reports it done."""
+        self._requests.put(request)
+
     def commit_sync(self, offsets: list[TopicPartition]) -> bool:
-        """Commit now: on the fetch thread, or after ``stop``. False when the commit failed."""
+        """Commit now: on the fetch thread, or after ``stop``. False when the commit failed. A commit
+        made is reported (``Committed``) as the asynchronous ones are."""
         if not offsets:
             return True
         try:
-            self.consumer.commit(offsets=offsets, asynchronous=False)
+            committed = self.consumer.commit(offsets=offsets, asynchronous=False)
         except KafkaException as exc:
             _LOGGER.warning("%s: commit failed: %s", self.subscription, exc)
             return False
+        self._on_commit(None, committed or offsets)
         return True
 
     def step(self) -> float:
-        """One turn of the fetch thread: queued commits, the gate, one ``consume``."""
+        """One turn of the fetch thread: queued commits and seeks, the gate, one ``consume``."""
         requests = self._requests
         while not requests.empty():
+            request = requests.get_nowait()
+            if isinstance(request, SeekPartition):
+                self._seeks[request.partition] = request
+                continue
             try:
-                self.consumer.commit(offsets=requests.get_nowait(), asynchronous=True)
+                self.consumer.commit(offsets=request, asynchronous=True)
             except KafkaException as exc:
                 _LOGGER.warning("%s: commit failed: %s", self.subscription, exc)
+        if self._seeks:
+            self._seek_partitions()
         state = self._gate.fetch_state(time.monotonic())
         if state is Gate.HELD:
             return _PAUSED_POLL  # SUB-7: no records taken while over the limit
@@ -186,14 +202,39 @@ class Fetcher:
                             "record (%d such records so far)", self.subscription, record.partition,
                             record.offset, record.metadata.malformed, count)
 
+    def _seek_partitions(self) -> None:
+        """Seek the consumer where asked (GRP-3). A partition assigned just now cannot be sought until
+        its fetch has started: it is tried again at the next turn. Records of the partition fetched
+        from here on get a new generation (those fetched before belong to the state of before)."""
+        assigned = {tp.partition for tp in self.consumer.assignment()}
+        for partition, request in list(self._seeks.items()):
+            if partition not in assigned:
+                del self._seeks[partition]  # revoked or lost since: the next owner applies the seek at claim
+                continue
+            try:
+                self.consumer.seek(TopicPartition(self.topic, partition, request.offset))
+            except KafkaException as exc:
+                error = exc.args[0]
+                if not isinstance(error, KafkaError) or error.code() != KafkaError._STATE:
+                    _LOGGER.warning("%s: seek of partition %d failed (%s); retrying", self.subscription, partition,
+                                    exc)
+                continue
+            del self._seeks[partition]
+            self.generations[partition] = self.generations.get(partition, 0) + 1
+            self._post(Sought(partition, self.generations[partition], request.seek_generation))
+
     def _next_generation(self, partitions: list[TopicPartition]) -> None:
         generations = self.generations
         for tp in partitions:
             generations[tp.partition] = generations.get(tp.partition, 0) + 1
+            self._seeks.pop(tp.partition, None)  # made for an ownership that ends here
 
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         self._next_generation(partitions)
-        self._ownership.assigned([tp.partition for tp in partitions], self.generations)
+        starts = self._ownership.assigned([tp.partition for tp in partitions], self.generations)
+        for tp in partitions:
+            if tp.partition in starts:
+                tp.offset = starts[tp.partition]  # a claim applied a seek (GRP-3)
         # Assigned here rather than by the client after this callback, so that the new partitions
         # join the gate's state before their first fetch: paused while the assignment is paused
         # (SUB-7), and resumed otherwise, as librdkafka may keep a pause from an earlier ownership
@@ -221,7 +262,8 @@ class Fetcher:
             done = []
         else:
             failed = tuple(tp.partition for tp in mine if tp.error is not None)
-            done = [(tp.partition, tp.offset) for tp in mine if tp.error is None and tp.offset >= 0]
+            done = [(tp.partition, tp.offset, tagged_generation(tp.metadata)) for tp in mine
+                    if tp.error is None and tp.offset >= 0]
         if done or failed:
             self._post(Committed(done, failed))
 

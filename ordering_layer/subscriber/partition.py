@@ -104,6 +104,8 @@ class Delivery(NamedTuple):
 
 _tokens = itertools.count(1)
 
+AWAITING_SEEK = -1  # the generation of a partition state whose consumer has not sought yet
+
 
 class PartitionState:
     """Dispatch state of one owned partition.
@@ -115,17 +117,24 @@ class PartitionState:
         settled_before: offsets settled above the committed offset, read at claim (recovery walk).
         attempts_before: delivery attempts of unsettled records, read at claim (ACK-6).
         generation: the assignment generation it was claimed under: only records fetched under it
-            belong to it.
+            belong to it (``AWAITING_SEEK``: none, until the consumer has sought to ``start_offset``).
+        start_offset: where a seek (GRP-3) restarted the partition; None: at the committed offset.
+        seek_generation: the partition's latest seek applied (0: none); its commits carry it.
     """
 
     def __init__(self, partition: int, epoch: int, *, ordered: bool,
                  settled_before: frozenset[int] = frozenset(),
-                 attempts_before: dict[int, int] | None = None, generation: int = 0) -> None:
+                 attempts_before: dict[int, int] | None = None, generation: int = 0,
+                 start_offset: int | None = None, seek_generation: int = 0) -> None:
         self.partition = partition
         self.epoch = epoch
         self.generation = generation
+        self.seek_generation = seek_generation
+        self.start_offset = start_offset
         self.ordered = ordered
         self.tracker = OffsetTracker()
+        # After a seek the commit point is the target until records arrive (a purge may bring none).
+        self.tracker.next_offset = start_offset
         self.keys: dict[QueueKey, KeyQueue] = {}
         self.ready: dict[QueueKey, None] = {}
         self.backing_off: dict[QueueKey, None] = {}

@@ -7,6 +7,13 @@ Fetched records reach a partition's state only when they were fetched under that
 records fetched for an ownership that has ended are dropped, the current owner refetches them from
 the committed offset (SUB-3). A claim that fails (Redis down) keeps the partition's records waiting
 and is retried when more of them arrive.
+
+Seeks (GRP-3): a claim applies a pending seek (the partition starts at its target); a running
+owner applies one when it is announced (``apply_seeks``): the partition is claimed again, which
+fences everything of before, and its state restarts at the target, waiting (``AWAITING_SEEK``) until
+the fetcher reports the consumer sought (``sought``). Commits carry the partition's seek generation
+(``seek_tag``), so that reports of commits made before a seek are told apart; the first report of a
+commit made after it marks the seek applied in Redis (``confirm``).
 """
 
 from __future__ import annotations
@@ -17,9 +24,10 @@ import redis
 from confluent_kafka import TopicPartition
 
 from ordering_layer.config import SubscriptionSettings
-from ordering_layer.state import StateStore
-from ordering_layer.subscriber.partition import Delivery, PartitionState, Record
-from ordering_layer.subscriber.requests import Fetched
+from ordering_layer.offsets import seek_tag
+from ordering_layer.state import ClaimedPartition, StateStore
+from ordering_layer.subscriber.partition import AWAITING_SEEK, Delivery, PartitionState, Record
+from ordering_layer.subscriber.requests import Fetched, SeekPartition
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -41,9 +49,18 @@ class Partitions:
         self._unclaimed: dict[int, tuple[int, list[Record]]] = {}  # generation, records waiting
         self._committed: dict[int, int] = {}  # the last commit point queued or made per partition
         self._rotation = 0
+        self.seeks: list[SeekPartition] = []  # consumer seeks for the fetcher, taken by the engine
+        # Seeks applied whose target is not yet known committed: partition -> (epoch, seek generation).
+        # Kept past a drop: the commit of a revoke or close follows it.
+        self._unconfirmed: dict[int, tuple[int, int]] = {}
 
-    def claim(self, partition: int, generation: int) -> bool:
-        """Claim a partition assigned under ``generation``; False when Redis failed (retried later)."""
+    def claim(self, partition: int, generation: int, *, assigning: bool = False) -> bool:
+        """Claim a partition assigned under ``generation``; False when Redis failed (retried later).
+
+        A claim that applied a pending seek starts the state at the seek's target (``start_offset``):
+        when ``assigning`` (before the first fetch) the fetcher starts the consumer there; otherwise
+        the consumer fetches already, and a seek is queued for it (``seeks``).
+        """
         try:
             claimed = self._store.claim(self._subscription, partition)
         except redis.RedisError as exc:
@@ -52,16 +69,78 @@ class Partitions:
             if entry is None or entry[0] != generation:
                 self._unclaimed[partition] = (generation, [])
             return False
-        state = self.owned[partition] = PartitionState(
-            partition, claimed.epoch, ordered=self._settings.enable_message_ordering,
-            settled_before=claimed.settled, attempts_before=claimed.attempts, generation=generation)
         waited, waiting = self._unclaimed.pop(partition, (generation, []))
+        if claimed.seek_offset is not None and not assigning:
+            self._restart(partition, claimed)
+            return True
+        state = self._new_state(partition, claimed, generation)
         if waited == generation:
             for record in waiting:
                 state.add(record)
-        _LOGGER.info("%s: claimed partition %d (epoch %d, %d settled above the commit)",
-                     self._subscription, partition, claimed.epoch, len(claimed.settled))
+        sought = "" if claimed.seek_offset is None else f", seek {claimed.seek_generation} to {claimed.seek_offset}"
+        _LOGGER.info("%s: claimed partition %d (epoch %d, %d settled above the commit%s)",
+                     self._subscription, partition, claimed.epoch, len(claimed.settled), sought)
         return True
+
+    def _new_state(self, partition: int, claimed: ClaimedPartition, generation: int) -> PartitionState:
+        if claimed.seek_offset is not None:
+            self._unconfirmed[partition] = (claimed.epoch, claimed.seek_generation)
+            self._committed.pop(partition, None)
+        state = self.owned[partition] = PartitionState(
+            partition, claimed.epoch, ordered=self._settings.enable_message_ordering,
+            settled_before=claimed.settled, attempts_before=claimed.attempts, generation=generation,
+            start_offset=claimed.seek_offset, seek_generation=claimed.seek_generation)
+        return state
+
+    def _restart(self, partition: int, claimed: ClaimedPartition) -> None:
+        """Restart an owned partition at a seek's target (GRP-3); it takes no records until the consumer
+        has sought there."""
+        assert claimed.seek_offset is not None
+        self._new_state(partition, claimed, AWAITING_SEEK)
+        self.seeks.append(SeekPartition(partition, claimed.seek_offset, claimed.seek_generation))
+        _LOGGER.info("%s: partition %d sought to %d (seek %d, epoch %d, %d settled above it)", self._subscription,
+                     partition, claimed.seek_offset, claimed.seek_generation, claimed.epoch, len(claimed.settled))
+
+    # -- seeks (GRP-3) -----------------------------------------------------------------------------
+    def seek_announced(self) -> int:
+        """The subscription's latest seek generation announced (raises ``redis.RedisError``)."""
+        return self._store.seek_announced(self._subscription)
+
+    def apply_seeks(self) -> tuple[list[int], list[int]]:
+        """Apply the seeks pending for the owned partitions (raises ``redis.RedisError``). Returns the
+        partitions restarted (their deliveries of before are void) and those fenced (another owner)."""
+        epochs = {number: state.epoch for number, state in self.owned.items() if not state.revoking}
+        restarted, fenced = [], []
+        for partition, claimed in self._store.claim_for_seek(self._subscription, epochs).items():
+            if claimed is None:
+                fenced.append(partition)
+            else:
+                self._restart(partition, claimed)
+                restarted.append(partition)
+        return restarted, fenced
+
+    def sought(self, partition: int, generation: int, seek_generation: int) -> None:
+        """The fetcher has sought the consumer for seek ``seek_generation``: records fetched under
+        ``generation`` belong to the restarted state."""
+        state = self.owned.get(partition)
+        if state is not None and state.generation == AWAITING_SEEK and state.seek_generation == seek_generation:
+            state.generation = generation
+
+    def confirm(self, partition: int, seek_generation: int) -> None:
+        """A commit tagged ``seek_generation`` reached Kafka: a seek of that generation applied here is
+        complete; mark it applied in Redis (retried at the next such report when Redis fails)."""
+        entry = self._unconfirmed.get(partition)
+        if entry is None or entry[1] != seek_generation:
+            return
+        try:
+            marked = self._store.seek_applied(self._subscription, partition, *entry)
+        except redis.RedisError as exc:
+            _LOGGER.warning("%s: marking seek %d applied in partition %d failed (%s); retrying", self._subscription,
+                            seek_generation, partition, exc)
+            return
+        del self._unconfirmed[partition]
+        if marked:
+            _LOGGER.info("%s: seek %d applied in partition %d", self._subscription, seek_generation, partition)
 
     def take(self, fetched: Fetched) -> None:
         """Hand fetched records to the ownership they were fetched for. A record of an earlier
@@ -147,6 +226,6 @@ class Partitions:
             # the sync commits of revoke and close never trust it.
             if watermark is None or (not sync and self._committed.get(number) == watermark):
                 continue
-            offsets.append(TopicPartition(topic, number, watermark))
+            offsets.append(TopicPartition(topic, number, watermark, metadata=seek_tag(state.seek_generation)))
             self._committed[number] = watermark
         return offsets

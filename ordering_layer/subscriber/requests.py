@@ -2,8 +2,9 @@
 
 Every request is immutable; the coordinator routes them by type. User threads post ``Settle``
 (through ``Message``; a plain ``ack()`` posts the ``Message`` itself, the one request that costs no
-object per ack) and ``Pull``; the fetch thread posts ``Fetched`` and ``Committed``; the
-dead-letter producer's delivery reports post ``DeadLettered``.
+object per ack) and ``Pull``; the fetch thread posts ``Fetched``, ``Committed`` and ``Sought``; the
+dead-letter producer's delivery reports post ``DeadLettered``. ``SeekPartition`` goes the other way,
+from the coordinator to the fetch thread, queued with the commits.
 """
 
 from __future__ import annotations
@@ -53,11 +54,29 @@ class Pull(NamedTuple):
 
 
 class Committed(NamedTuple):
-    """Offsets the group coordinator has taken (Redis may forget what is settled below them), and
-    partitions whose commit it refused (their commit point is sent again at the next interval)."""
+    """Offsets the group coordinator has taken, as (partition, offset, seek generation of the commit's
+    tag or None): Redis may forget what is settled below them, unless a seek came after the commit;
+    and partitions whose commit it refused (their commit point is sent again at the next interval)."""
 
-    offsets: list[tuple[int, int]]
+    offsets: list[tuple[int, int, int | None]]
     failed: tuple[int, ...] = ()
+
+
+class SeekPartition(NamedTuple):
+    """Move the consumer's position in ``partition`` to ``offset``, for seek ``seek_generation`` (GRP-3)."""
+
+    partition: int
+    offset: int
+    seek_generation: int
+
+
+class Sought(NamedTuple):
+    """The consumer was sought for seek ``seek_generation``: records of ``partition`` fetched under
+    assignment generation ``generation`` come from the seek's target on."""
+
+    partition: int
+    generation: int
+    seek_generation: int
 
 
 class DeadLettered(NamedTuple):
