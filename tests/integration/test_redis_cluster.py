@@ -160,3 +160,26 @@ def test_delete_subscription_scans_every_primary_and_spares_lookalike_names(
     assert store.settings(lookalike) == settings and store.parked_keys(lookalike) == {b"parked-key"}
     assert store.delete_subscription(lookalike) == 5
     assert on_the_nodes() == set()
+
+
+def test_seek_state_spans_every_master(cluster: RedisNodes, unique_name: Callable[[str], str]) -> None:
+    """GRP-3 on a cluster: a seek recorded for partitions served by every master is pending on each,
+    each claim applies it within its own slot, the admin's re-claim marks it applied, and deleting
+    the subscription removes the seek keys from every primary."""
+    store = StateStore(cluster.url())
+    name = unique_name("seek")
+    where = partitions_on_every_master(cluster, name)
+    partitions = sorted(where.values())
+    generation = store.post_seek(name, {p: (5, (6, 9)) for p in partitions})
+    assert store.seek_announced(name) == generation
+    assert all(s.pending for s in store.seek_status(name, partitions).values())
+    first, *rest = partitions
+    claimed = store.claim(name, first)
+    assert (claimed.seek_offset, claimed.settled) == (5, frozenset({6, 9}))
+    reclaimed = store.claim_for_seek(name, store.epochs(name, rest), mark_applied=True, generation=generation)
+    assert sorted(reclaimed) == rest and all(c is not None for c in reclaimed.values())
+    assert store.seek_applied(name, first, claimed.epoch, generation)
+    assert not any(s.pending for s in store.seek_status(name, partitions).values())
+    assert store.settled_from(name, {p: 6 for p in partitions}) == {p: [6, 9] for p in partitions}
+    store.delete_subscription(name)
+    assert all(not s.generation for s in store.seek_status(name, partitions).values())
