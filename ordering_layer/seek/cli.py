@@ -72,7 +72,7 @@ def seek_command(server_options: Decorator, make_admin: AdminFactory) -> click.C
             raise click.UsageError("give exactly one of --time and --snapshot")
         when = parse_time(at) if at is not None else None
         admin = make_admin(servers, snapshot_topic)
-        with click.progressbar(length=1, label="seek applied by 0 partitions", show_eta=False,
+        with click.progressbar(length=1, label="seek recorded, waiting for the partitions", show_eta=False,
                                file=sys.stderr) as bar:
 
             def progress(applied: int, partitions: int) -> None:
