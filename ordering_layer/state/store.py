@@ -28,7 +28,7 @@ from ordering_layer.state.client import mask_url, redis_client, retry_policy, ve
 
 _LOGGER = logging.getLogger(__name__)
 
-OpLetter = Literal["d", "l", "b", "e", "a", "n", "w"]
+OpLetter = Literal["d", "l", "b", "e", "r", "q", "s", "a", "n", "w"]
 
 
 class OpKind:
@@ -38,10 +38,15 @@ class OpKind:
 
     Each op is (kind, offset, value):
 
-    * ``DELIVERED``: attempts[offset] = value (the attempt number); its lease comes with a ``LEASE``;
+    * ``DELIVERED``: attempts[offset] = value (the attempt number): handed to user code (pull mode);
+      its lease comes with a ``LEASE``;
     * ``LEASE``: leases[offset] = value (the deadline, epoch ms);
-    * ``BATCH_LEASE``: the lease deadline (value, ms) of the ``BATCH_DELIVERED`` ops after it (offset 0);
+    * ``BATCH_LEASE``: the lease deadline (value, ms) of the batch ops after it (offset 0);
     * ``BATCH_DELIVERED``: attempts[offset] = value and leases[offset] = the batch lease;
+    * ``RELEASED``: attempts[offset] = -value: attempt ``value`` went to the callback pool, user code
+      has not been seen to start it; its lease comes with a ``LEASE``;
+    * ``BATCH_RELEASED``: attempts[offset] = -value and leases[offset] = the batch lease;
+    * ``STARTED``: attempts[offset] = value: user code started attempt ``value`` (callback mode);
     * ``SETTLED``: acked or dead-lettered: added to the settled set, attempts and lease dropped;
     * ``NACKED``: the lease is dropped (the message stays unsettled);
     * ``WATERMARK``: value is the committed offset: everything settled below it is forgotten (offset 0).
@@ -51,6 +56,9 @@ class OpKind:
     LEASE: Final = "l"
     BATCH_LEASE: Final = "b"
     BATCH_DELIVERED: Final = "e"
+    RELEASED: Final = "r"
+    BATCH_RELEASED: Final = "q"
+    STARTED: Final = "s"
     SETTLED: Final = "a"
     NACKED: Final = "n"
     WATERMARK: Final = "w"
@@ -69,11 +77,17 @@ class ApplyResult(enum.IntEnum):
 
 @dataclass(frozen=True)
 class ClaimedPartition:
-    """What a new owner learns when it claims a partition."""
+    """What a new owner learns when it claims a partition.
+
+    ``attempts`` maps each unsettled offset handed out before to the number of its last attempt;
+    ``unstarted`` holds the offsets whose last attempt went to a callback pool without user code
+    being seen to start it (it may have started: the mark travels in a later flush).
+    """
 
     epoch: int
     settled: frozenset[int]
     attempts: dict[int, int]
+    unstarted: frozenset[int] = frozenset()
 
 
 def _script(name: str) -> str:
@@ -185,10 +199,12 @@ class StateStore:
         raw = self._claim(keys=keys, args=[])
         split = raw.index(b"|")
         pairs = raw[split + 1:]
+        stored = {int(pairs[i]): int(pairs[i + 1]) for i in range(0, len(pairs), 2)}
         return ClaimedPartition(
             epoch=int(raw[0]),
             settled=frozenset(int(o) for o in raw[1:split]),
-            attempts={int(pairs[i]): int(pairs[i + 1]) for i in range(0, len(pairs), 2)},
+            attempts={offset: abs(n) for offset, n in stored.items()},
+            unstarted=frozenset(offset for offset, n in stored.items() if n < 0),
         )
 
     @_redis_call

@@ -9,6 +9,13 @@ that keeps its state, and applies their verdicts: partitions and key queues rele
 (``Leases``); attempts and leases are written to Redis in one pipeline (``StateWriter``) *before* the
 messages are handed out (``handoff``) or dead-lettered (``DeadLetters``); commits go back to the fetch
 thread as queued requests. The components hold no references to each other.
+
+Attempt counts (ACK-6, DLQ-3): a pull hands a message to user code when it is released, so the
+release writes its attempt as delivered. In callback mode a released message may wait in the pool:
+the release writes it as released only, and the worker notes when user code starts on it
+(``begin``), a note the coordinator writes in its next flush. After a crash the next owner charges
+an attempt that was never seen started only up to one below the dead-letter limit, and a worker
+records the start of each such suspect message in Redis, synchronously, before user code runs.
 """
 
 from __future__ import annotations
@@ -16,10 +23,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from typing import Any
 
+import redis
 from confluent_kafka import Consumer, TopicPartition
 
 from ordering_layer.config import FlowControl, SubscriptionSettings
@@ -96,6 +105,10 @@ class Engine:
         self._last_commit = 0.0
         self._closing = False
         self._counts = {"delivered": 0, "acked": 0, "nacked": 0, "redelivered": 0}
+        self._store = store
+        # Callback mode: deliveries whose user code started, noted by the workers (deque appends
+        # and pops are thread-safe: the hot path takes no lock).
+        self._started: deque[Delivery] = deque()
         self._worker = Worker(f"ordering-layer-engine-{subscription}", self._step)
 
     # -- public ----------------------------------------------------------------------------------
@@ -117,6 +130,7 @@ class Engine:
         with self._lock:
             now = time.monotonic()
             self._handle(self._inbox.take(), now)
+            self._write_started(now)
             self._pulls.close()
             self._flush()
             offsets = self._offsets(sync=True)
@@ -127,6 +141,51 @@ class Engine:
     def submit(self, request: Settle) -> None:
         """Post an ack, nack or deadline change (any thread)."""
         self._inbox.put(request)
+
+    def begin(self, message: Message) -> bool:
+        """Callback mode: a worker is about to run user code on ``message`` (ACK-6, DLQ-3).
+
+        The start of a message handed out by an earlier owner and not settled (a suspect: maybe it
+        crashed that owner) is written to Redis before this returns; any other start is noted and
+        written with the coordinator's next flush. Returns False when user code must not run: the
+        delivery was given back or its partition moved meanwhile (its redelivery is on its way), or
+        Redis did not take the start (the message is given back without counting a failure).
+        """
+        delivery = message._delivery
+        if not delivery.record.suspect:
+            self._started.append(delivery)
+            return True
+        return self._begin_suspect(delivery, message._epoch)
+
+    def _begin_suspect(self, delivery: Delivery, epoch: int) -> bool:
+        # Under the lock: no lapse, settle or flush of the coordinator comes between the check and
+        # the write, so the start is written for the current attempt only and in order with the
+        # coordinator's own ops.
+        record = delivery.record
+        partition, offset = record.partition, record.offset
+        with self._lock:
+            state = self._partitions.get(partition)
+            out = self._leases.outstanding.get((partition, offset))
+            if state is None or state.epoch != epoch or out is None or out.delivery.token != delivery.token:
+                return False
+            try:
+                [result] = self._store.apply_many(
+                    [(self.subscription, partition, epoch, [(OpKind.STARTED, offset, delivery.attempt)])])
+            except redis.RedisError as exc:
+                _LOGGER.warning("%s: recording the start of %d:%d failed (%s); redelivering it",
+                                self.subscription, partition, offset, exc)
+                self._leases.pop((partition, offset))
+                record.attempts -= 1
+                state.requeue(delivery.queue_key, offset, delivery.token, time.monotonic(), _REQUEUE_DELAY)
+                return False
+            if result == ApplyResult.FENCED:
+                _LOGGER.warning("%s: partition %d fenced by a newer owner; dropping it", self.subscription,
+                                partition)
+                self.drop(partition)
+                return False
+            if result == ApplyResult.ADOPTED:
+                self._owned.adopted(partition)
+            return True
 
     def pull(self, max_messages: int, timeout: float) -> list[Message]:
         """Release up to ``max_messages`` (at most one batch per key), waiting up to ``timeout`` s."""
@@ -214,6 +273,7 @@ class Engine:
         with self._lock:
             now = time.monotonic()
             self._handle(events, now)
+            self._write_started(now)
             self._leases.take_latencies()
             self._expire(now)
             released = self._release(now)
@@ -262,6 +322,22 @@ class Engine:
                     self._owned.commit_failed(partition)
             elif kind is DeadLettered:
                 self._dead_lettered(event, now)
+
+    def _write_started(self, now: float) -> None:
+        """Queue the starts the workers noted, of deliveries still outstanding. Taken after the
+        step's events: a worker notes a start before user code can settle the delivery, so a settle
+        handled here comes before its start and the start is dropped (never written after SETTLED),
+        and a later redelivery's release is queued after it."""
+        started = self._started
+        if not started:
+            return
+        outstanding, writer, take = self._leases.outstanding, self._writer, started.popleft
+        for _ in range(len(started)):
+            delivery = take()
+            record = delivery.record
+            out = outstanding.get((record.partition, record.offset))
+            if out is not None and out.delivery.token == delivery.token:
+                writer.add(record.partition, (OpKind.STARTED, record.offset, delivery.attempt), now)
 
     def _settle(self, kind: int, delivery: Delivery, epoch: int, seconds: float, error: str | None,
                 future: Future[AckResponse] | None, now: float) -> None:
@@ -341,13 +417,15 @@ class Engine:
 
     def _admit(self, partition: int, batch: list[Delivery], now: float) -> None:
         """Released deliveries become outstanding; their attempts (and leases) are queued for Redis,
-        flushed before anyone sees them (DLQ-3)."""
+        flushed before anyone sees them (DLQ-3): as delivered for a pull, as released (in the pool,
+        not yet started) in callback mode."""
         self._leases.admit(partition, batch, now)
         ops: list[Op] = []
-        kind: OpLetter = OpKind.DELIVERED
+        pooled = self._on_messages is not None
+        kind: OpLetter = OpKind.RELEASED if pooled else OpKind.DELIVERED
         if self._leases.track:
             ops.append((OpKind.BATCH_LEASE, 0, wall_ms(self.settings.ack_deadline)))
-            kind = OpKind.BATCH_DELIVERED
+            kind = OpKind.BATCH_RELEASED if pooled else OpKind.BATCH_DELIVERED
         ops.extend([(kind, d.record.offset, d.attempt) for d in batch])
         self._writer.extend(partition, ops, now)
 

@@ -104,6 +104,8 @@ class Subscriber:
         settings = self._store.settings(subscription)
 
         def run(message: Message) -> None:
+            if not engine.begin(message):  # ACK-6: the start counts the attempt
+                return
             try:
                 callback(message)
             except Exception as exc:  # noqa: BLE001 - user code; its failure is a nack

@@ -2,7 +2,8 @@
 --
 -- KEYS[1]  epoch    string: owner epoch, raised here
 -- KEYS[2]  settled  zset: settled offsets above the committed offset
--- KEYS[3]  attempts hash: offset -> delivery attempts of unsettled messages
+-- KEYS[3]  attempts hash: offset -> number of the last attempt of unsettled messages, negated while
+--          that attempt waited in a callback pool (see apply.lua)
 -- Returns {epoch, settled offsets..., '|', attempts as offset, count pairs...}
 --
 -- The new epoch is above the stored one and at least Redis's clock in microseconds (no two claims
