@@ -90,6 +90,20 @@ class ClaimedPartition:
     unstarted: frozenset[int] = frozenset()
 
 
+def parse_claim(raw: Sequence[Any]) -> ClaimedPartition:
+    """``claim.lua``'s answer: ``[epoch, settled offsets..., "|", offset, attempt, ...]``, an attempt
+    negated while it waited in a callback pool."""
+    split = raw.index(b"|")
+    pairs = raw[split + 1:]
+    stored = {int(pairs[i]): int(pairs[i + 1]) for i in range(0, len(pairs), 2)}
+    return ClaimedPartition(
+        epoch=int(raw[0]),
+        settled=frozenset(int(o) for o in raw[1:split]),
+        attempts={offset: abs(n) for offset, n in stored.items()},
+        unstarted=frozenset(offset for offset, n in stored.items() if n < 0),
+    )
+
+
 def _script(name: str) -> str:
     return (resources.files("ordering_layer.state") / "lua" / f"{name}.lua").read_text()
 
@@ -196,16 +210,7 @@ class StateStore:
     def claim(self, subscription: str, partition: int) -> ClaimedPartition:
         """Become the owner of a partition: bump its epoch, read settled offsets and attempts."""
         keys = partition_keys(subscription, partition)[:3]
-        raw = self._claim(keys=keys, args=[])
-        split = raw.index(b"|")
-        pairs = raw[split + 1:]
-        stored = {int(pairs[i]): int(pairs[i + 1]) for i in range(0, len(pairs), 2)}
-        return ClaimedPartition(
-            epoch=int(raw[0]),
-            settled=frozenset(int(o) for o in raw[1:split]),
-            attempts={offset: abs(n) for offset, n in stored.items()},
-            unstarted=frozenset(offset for offset, n in stored.items() if n < 0),
-        )
+        return parse_claim(self._claim(keys=keys, args=[]))
 
     @_redis_call
     def apply_many(self, batches: Sequence[tuple[str, int, int, Sequence[Op]]]) -> list[ApplyResult]:
