@@ -48,7 +48,8 @@ class OpKind:
     * ``BATCH_RELEASED``: attempts[offset] = -value and leases[offset] = the batch lease;
     * ``STARTED``: attempts[offset] = value: user code started attempt ``value`` (callback mode);
     * ``SETTLED``: acked or dead-lettered: added to the settled set, attempts and lease dropped;
-    * ``NACKED``: the lease is dropped (the message stays unsettled);
+    * ``NACKED``: the lease is dropped (the message stays unsettled); a value above 0 is the attempt
+      user code nacked, so attempts[offset] = value (it started); 0 for a lapsed lease;
     * ``WATERMARK``: value is the committed offset: everything settled below it is forgotten (offset 0).
     """
 

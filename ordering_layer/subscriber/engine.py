@@ -326,8 +326,8 @@ class Engine:
     def _write_started(self, now: float) -> None:
         """Queue the starts the workers noted, of deliveries still outstanding. Taken after the
         step's events: a worker notes a start before user code can settle the delivery, so a settle
-        handled here comes before its start and the start is dropped (never written after SETTLED),
-        and a later redelivery's release is queued after it."""
+        handled here comes before its start and the start is dropped (never written after SETTLED;
+        a NACKED op marks the start itself), and a later redelivery's release is queued after it."""
         started = self._started
         if not started:
             return
@@ -368,7 +368,9 @@ class Engine:
             state.nack(delivery.queue_key, offset, delivery.token, now, self.settings.retry_policy.backoff)
             if error:
                 record.last_error = error
-            writer.add(partition, (OpKind.NACKED, offset, 0), now)
+            # A nack comes from user code: it marks the attempt started (its start note may have
+            # been dropped with the nack in this step).
+            writer.add(partition, (OpKind.NACKED, offset, delivery.attempt), now)
             self._counts["nacked"] += 1
         leases.pop(key)
         writer.add_future(partition, future)

@@ -330,6 +330,8 @@ def test_batched_redis_writes_equal_one_by_one(endpoints: Any, unique_name: Call
             for _ in range(size):
                 kind = rng.choice(rare if rng.random() < 0.05 else common)
                 offset, value = rng.randrange(40), rng.randrange(1, 10**6)
+                if kind == OpKind.NACKED and rng.random() < 0.5:
+                    value = 0  # a lapsed lease: the attempt is not marked started
                 if kind == OpKind.BATCH_LEASE:
                     batch_lease = value
                 ops.append((kind, offset, value))
@@ -351,6 +353,8 @@ def test_batched_redis_writes_equal_one_by_one(endpoints: Any, unique_name: Call
                     leases.pop(offset, None)
                 elif kind == OpKind.NACKED:
                     leases.pop(offset, None)
+                    if value:
+                        attempts[offset] = value
                 elif kind == OpKind.WATERMARK:
                     settled = {o for o in settled if o >= value}
             assert store.apply_many([(name, 0, epoch, ops)]) == [ApplyResult.APPLIED]

@@ -52,7 +52,8 @@ class RedisLike:
                 continue
             for kind, offset, value in ops:
                 self.ops.append((kind, offset, value))
-                if kind in (OpKind.DELIVERED, OpKind.BATCH_DELIVERED, OpKind.STARTED):
+                if kind in (OpKind.DELIVERED, OpKind.BATCH_DELIVERED, OpKind.STARTED) or (
+                        kind == OpKind.NACKED and value):
                     self.attempts[offset] = value
                 elif kind in (OpKind.RELEASED, OpKind.BATCH_RELEASED):
                     self.attempts[offset] = -value
@@ -195,6 +196,21 @@ def test_a_start_is_not_written_after_the_settle_and_a_stale_suspect_does_not_ru
     second.step()
     assert not second.engine.begin(given_back)
     second.crash()
+
+
+def test_a_nack_marks_its_attempt_started() -> None:
+    """ACK-6: a nack comes from user code, so it marks its attempt started (NACKED carries it) even when
+    the worker's start note is dropped because the nack arrived in the same step."""
+    store = RedisLike()
+    process = Process(store)
+    process.step()
+    message = process.handed[1]
+    assert process.engine.begin(message)
+    message.nack()
+    process.step()
+    ops = [op for op in store.ops if op[1] == 1 and op[0] != OpKind.BATCH_LEASE]
+    assert ops == [(OpKind.BATCH_RELEASED, 1, 1), (OpKind.NACKED, 1, 1), (OpKind.BATCH_RELEASED, 1, 2)]
+    process.crash()
 
 
 def test_a_pull_counts_the_release_as_the_start() -> None:

@@ -18,7 +18,8 @@
 --            BATCH_RELEASED  'q': attempts[offset] = -value; leases[offset] = the batch lease
 --            STARTED         's': attempts[offset] = value (a callback worker started user code on it)
 --            SETTLED         'a': zadd settled offset; drop attempts and lease
---            NACKED          'n': drop lease (the message stays unsettled)
+--            NACKED          'n': drop lease (the message stays unsettled); a value above 0 is the
+--                                 attempt user code nacked: attempts[offset] = value (it started)
 --            WATERMARK       'w': committed offset is value: forget everything settled below it
 -- Returns 1 when applied, 0 when fenced (the stored epoch is higher: another owner claimed the
 -- partition since), 2 when the stored epoch was gone or lower (Redis lost its state): the caller's
@@ -89,6 +90,9 @@ for kind, offset, value in string.gmatch(ARGV[2], '(%a),(%d+),(%d+);') do
     add(4, 'HDEL', offset)
   elseif kind == NACKED then
     add(4, 'HDEL', offset)
+    if value ~= '0' then
+      add(3, 'HSET', offset, value)
+    end
   elseif kind == WATERMARK then
     send(2)
     command[2] = nil
