@@ -158,34 +158,46 @@ class Engine:
         return self._begin_suspect(delivery, message._epoch)
 
     def _begin_suspect(self, delivery: Delivery, epoch: int) -> bool:
-        # Under the lock: no lapse, settle or flush of the coordinator comes between the check and
-        # the write, so the start is written for the current attempt only and in order with the
-        # coordinator's own ops.
         record = delivery.record
         partition, offset = record.partition, record.offset
+        if not self._holds(delivery, epoch):
+            return False
+        # The write is made outside the lock (a Redis outage must not stall the coordinator). It
+        # cannot pass a settle of this delivery (user code has not run), and the fence stops it
+        # once the partition moved; only a lapse meanwhile could come first, checked below.
+        try:
+            [result] = self._store.apply_many(
+                [(self.subscription, partition, epoch, [(OpKind.STARTED, offset, delivery.attempt)])])
+        except redis.RedisError as exc:
+            _LOGGER.warning("%s: recording the start of %d:%d failed (%s); redelivering it",
+                            self.subscription, partition, offset, exc)
+            with self._lock:
+                state = self._partitions.get(partition)
+                if state is not None and self._holds(delivery, epoch):
+                    self._leases.pop((partition, offset))
+                    record.attempts -= 1
+                    state.requeue(delivery.queue_key, offset, delivery.token, time.monotonic(), _REQUEUE_DELAY)
+            return False
         with self._lock:
-            state = self._partitions.get(partition)
-            out = self._leases.outstanding.get((partition, offset))
-            if state is None or state.epoch != epoch or out is None or out.delivery.token != delivery.token:
-                return False
-            try:
-                [result] = self._store.apply_many(
-                    [(self.subscription, partition, epoch, [(OpKind.STARTED, offset, delivery.attempt)])])
-            except redis.RedisError as exc:
-                _LOGGER.warning("%s: recording the start of %d:%d failed (%s); redelivering it",
-                                self.subscription, partition, offset, exc)
-                self._leases.pop((partition, offset))
-                record.attempts -= 1
-                state.requeue(delivery.queue_key, offset, delivery.token, time.monotonic(), _REQUEUE_DELAY)
-                return False
             if result == ApplyResult.FENCED:
-                _LOGGER.warning("%s: partition %d fenced by a newer owner; dropping it", self.subscription,
-                                partition)
-                self.drop(partition)
+                state = self._partitions.get(partition)
+                if state is not None and state.epoch == epoch:
+                    _LOGGER.warning("%s: partition %d fenced by a newer owner; dropping it", self.subscription,
+                                    partition)
+                    self.drop(partition)
                 return False
             if result == ApplyResult.ADOPTED:
                 self._owned.adopted(partition)
-            return True
+            return self._holds(delivery, epoch)
+
+    def _holds(self, delivery: Delivery, epoch: int) -> bool:
+        """The delivery is still outstanding here under ``epoch`` (not given back, not moved)."""
+        record = delivery.record
+        with self._lock:
+            state = self._partitions.get(record.partition)
+            out = self._leases.outstanding.get((record.partition, record.offset))
+            return (state is not None and state.epoch == epoch and out is not None
+                    and out.delivery.token == delivery.token)
 
     def pull(self, max_messages: int, timeout: float) -> list[Message]:
         """Release up to ``max_messages`` (at most one batch per key), waiting up to ``timeout`` s."""
