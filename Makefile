@@ -5,10 +5,10 @@ PY := $(VENV)/bin/python
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup system-deps python-deps jars demo test test-unit lint bench soak soak-short clean docker-engine images \
+.PHONY: setup system-deps python-deps core jars demo test test-unit lint bench soak soak-short clean docker-engine images \
 	test-docker compose-check test-redis-cluster test-secure
 
-setup: system-deps python-deps jars
+setup: system-deps python-deps core jars
 
 # Debian packages: redis-server (the local Redis), Maven (fetches the Kafka and Spark jars), Java 17,
 # kcat (a Kafka client this project did not write: the interoperability tests and the README use it).
@@ -31,6 +31,19 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[spark,test,dev]'
 	@touch $@
 
+# The compiled dispatch core (core/: Rust through PyO3, abi3), built by maturin into the venv; cargo
+# fetches its crates from crates.io. Rust comes from rustup (~/.cargo/bin): it needs rustc >= 1.85,
+# newer than Debian bookworm's.
+export PATH := $(HOME)/.cargo/bin:$(PATH)
+CORE_SOURCES := core/Cargo.toml core/Cargo.lock core/pyproject.toml core/ordering_layer_core.pyi $(wildcard core/src/*.rs)
+
+core: $(VENV)/.core-built
+
+$(VENV)/.core-built: $(VENV)/.installed $(CORE_SOURCES)
+	@command -v cargo >/dev/null || { echo "cargo not found: install Rust >= 1.85 (rustup) to build core/"; exit 1; }
+	VIRTUAL_ENV=$(abspath $(VENV)) $(VENV)/bin/maturin develop --release --locked --quiet -m core/Cargo.toml
+	@touch $@
+
 # Kafka broker jars and Spark's Kafka source, pinned in ordering_layer/stack/poms/, into the cache.
 jars: python-deps
 	$(PY) -m ordering_layer.stack.fetch_jars
@@ -39,10 +52,13 @@ demo: setup
 	$(VENV)/bin/ordering-layer stack up
 	$(VENV)/bin/ordering-layer demo
 
+# The core's own Rust tests link the venv's Python (no extension-module feature); the differential
+# tests against the Python reference are in tests/unit/test_core.py.
 test: setup
+	PYO3_PYTHON=$(abspath $(PY)) cargo test --release --locked --quiet --manifest-path core/Cargo.toml
 	$(PY) -m pytest -ra
 
-test-unit: python-deps
+test-unit: python-deps core
 	$(PY) -m pytest -ra tests/unit
 
 # The session's Redis is a three-master Redis Cluster (ORDERING_LAYER_REDIS_CLUSTER=1): the subscriber,
@@ -62,9 +78,10 @@ SECURE_TESTS ?= tests/integration/test_subscriber.py tests/integration/test_leas
 test-secure: setup
 	ORDERING_LAYER_SECURE=1 $(PY) -m pytest -ra $(SECURE_TESTS)
 
-lint: python-deps
+lint: python-deps core
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy ordering_layer tests bench spark
+	PYO3_PYTHON=$(abspath $(PY)) cargo clippy --release --locked --quiet --manifest-path core/Cargo.toml -- -D warnings
 
 # -- Docker: an engine, images built here without a registry, and the tests through testcontainers --
 # Integration tests run a second time with Kafka and Redis in containers (ORDERING_LAYER_STACK):
@@ -102,4 +119,4 @@ soak-short: setup
 
 clean:
 	-$(VENV)/bin/ordering-layer stack down
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache core/target

@@ -22,6 +22,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 from confluent_kafka import Producer
 
@@ -34,10 +35,10 @@ SETTINGS = {"enable.idempotence": True, "acks": "all", "linger.ms": 5}
 ATTRIBUTES = {"event-type": "order-created", "schema": "v3", "source": "checkout"}
 
 
-def run_raw(bootstrap: str, topic: str, payload: bytes, keys: list[bytes], count: int,
+def run_raw(config: dict[str, Any], topic: str, payload: bytes, keys: list[bytes], count: int,
             attributes: dict[str, str]) -> float:
     """Raw produce of the same key, value and (as headers) attributes."""
-    producer = Producer({"bootstrap.servers": bootstrap, **SETTINGS, "partitioner": "murmur2_random"})
+    producer = Producer({**config, **SETTINGS, "partitioner": "murmur2_random"})
     delivered = 0
     headers: list[tuple[str, str | bytes | None]] | None = [
         (name, value.encode()) for name, value in attributes.items()] or None
@@ -62,11 +63,11 @@ def run_raw(bootstrap: str, topic: str, payload: bytes, keys: list[bytes], count
     return count / elapsed
 
 
-def run_layer(bootstrap: str, topic: str, payload: bytes, keys: list[str], count: int,
+def run_layer(config: dict[str, Any], topic: str, payload: bytes, keys: list[str], count: int,
               attributes: dict[str, str]) -> tuple[float, float]:
     """Messages per second, and microseconds per message to build the results afterwards."""
     given = attributes or None
-    with OrderedProducer({"bootstrap.servers": bootstrap, **SETTINGS}) as producer:
+    with OrderedProducer({**config, **SETTINGS}) as producer:
         start = time.perf_counter()
         futures = [producer.publish(topic, payload, ordering_key=keys[n % len(keys)], attributes=given)
                    for n in range(count)]
@@ -91,20 +92,21 @@ def main() -> None:
     text_keys = [f"key-{i}" for i in range(args.keys)]
     raw_keys = [k.encode() for k in text_keys]
     with bench_stack() as endpoints:
-        admin = Admin({"bootstrap.servers": endpoints.bootstrap})
+        admin = Admin(endpoints.kafka_config())
 
         def fresh_topic(prefix: str) -> str:
             name = f"bench-{prefix}-{uuid.uuid4().hex[:8]}"
             admin.create_topic(name, partitions=6)
             return name
 
-        run_raw(endpoints.bootstrap, fresh_topic("warm-up"), payload, raw_keys, args.messages, {})
+        config = endpoints.kafka_config()
+        run_raw(config, fresh_topic("warm-up"), payload, raw_keys, args.messages, {})
         for label, attributes in (("0 attributes", {}), ("3 attributes", ATTRIBUTES)):
             raw_best = layer_best = 0.0
             ratios: list[float] = []
             for round_ in range(args.rounds):
-                raw = run_raw(endpoints.bootstrap, fresh_topic("raw"), payload, raw_keys, args.messages, attributes)
-                layer, resolving = run_layer(endpoints.bootstrap, fresh_topic("layer"), payload, text_keys,
+                raw = run_raw(config, fresh_topic("raw"), payload, raw_keys, args.messages, attributes)
+                layer, resolving = run_layer(config, fresh_topic("layer"), payload, text_keys,
                                              args.messages, attributes)
                 ratios.append(layer / raw)
                 print(f"{label} round {round_ + 1}: raw {raw:,.0f} msg/s, layer {layer:,.0f} msg/s, ratio "

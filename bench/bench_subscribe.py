@@ -8,14 +8,21 @@
 (d) Redis round trips per message during (a), from INFO commandstats: the commands the layer
     sends itself (EVALSHA of the batched Lua script, GET, INCR, SMEMBERS, ...); the commands that
     the scripts run inside Redis (HSET, ZADD, HDEL, ...) are counted by Redis too but cost no round
-    trip, and several EVALSHAs in one pipeline are still one round trip, so this is an upper bound.
+    trip, and several EVALSHAs in one pipeline are still one round trip, so this is an upper bound;
+(e) 10,000 keys, 1 ms handler, 16 workers: an ordered subscription vs an unordered one on the same
+    topic (the cost of per-key ordering when keys are plentiful).
 
-    .venv/bin/python bench/bench_subscribe.py [--messages 100000] [--workers 16] [--scenarios abcd]
+(a) and (e) run ``--rounds`` interleaved rounds on the same topic (each reader has its own group
+from the earliest offset) and print every round and the median of the per-round ratios.
+
+    .venv/bin/python bench/bench_subscribe.py [--messages 100000] [--workers 16] [--rounds 3]
+        [--scenarios abcde]
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import threading
 import time
@@ -34,7 +41,7 @@ from ordering_layer.state.client import redis_client
 
 
 def publish(endpoints: Endpoints, topic: str, keys: list[str], count: int, payload: bytes = b"x" * 100) -> None:
-    with OrderedProducer({"bootstrap.servers": endpoints.bootstrap}) as producer:
+    with OrderedProducer(endpoints.kafka_config()) as producer:
         for n in range(count):
             producer.produce(topic, payload, key=keys[n % len(keys)])
 
@@ -42,7 +49,7 @@ def publish(endpoints: Endpoints, topic: str, keys: list[str], count: int, paylo
 def raw_consume(endpoints: Endpoints, topic: str, count: int, handler_seconds: float = 0.0,
                 one_at_a_time: bool = False) -> float:
     """A plain consumer: consume, handle, commit (per batch, or per message when one at a time)."""
-    consumer = Consumer({"bootstrap.servers": endpoints.bootstrap, "group.id": f"raw-{uuid.uuid4().hex}",
+    consumer = Consumer({**endpoints.kafka_config(), "group.id": f"raw-{uuid.uuid4().hex}",
                          "enable.auto.commit": False, "auto.offset.reset": "earliest"})
     consumer.subscribe([topic])
     seen = 0
@@ -66,10 +73,11 @@ def raw_consume(endpoints: Endpoints, topic: str, count: int, handler_seconds: f
 
 
 def layer_consume(endpoints: Endpoints, admin: Admin, topic: str, count: int, workers: int,
-                  handler: Any = None, done_when: Any = None, track_leases: bool = True) -> float:
-    """The layer: an ordered subscription, callback mode, acking after ``handler``."""
+                  handler: Any = None, done_when: Any = None, track_leases: bool = True,
+                  ordered: bool = True) -> float:
+    """The layer: a subscription (ordered unless told), callback mode, acking after ``handler``."""
     name = f"bench-{uuid.uuid4().hex[:8]}"
-    admin.create_subscription(name, topic=topic, retry_policy=RetryPolicy(0, 0))
+    admin.create_subscription(name, topic=topic, retry_policy=RetryPolicy(0, 0), enable_message_ordering=ordered)
     acked = 0
     lock = threading.Lock()
     first = [0.0]
@@ -87,7 +95,7 @@ def layer_consume(endpoints: Endpoints, admin: Admin, topic: str, count: int, wo
             if (done_when(message) if done_when else acked >= count):
                 finished.set()
 
-    subscriber = Subscriber({"bootstrap.servers": endpoints.bootstrap}, redis_url=endpoints.redis_url)
+    subscriber = Subscriber(endpoints.kafka_config(), redis_url=endpoints.redis_url)
     handle = subscriber.subscribe(name, callback, max_workers=workers,
                                   flow_control=FlowControl(max_messages=max(1000, workers * 4)),
                                   track_leases=track_leases)
@@ -101,7 +109,7 @@ def layer_pull(endpoints: Endpoints, admin: Admin, topic: str, count: int, batch
     """Pull mode on one thread: ``Subscriber.pull`` then ``acknowledge`` the whole batch."""
     name = f"bench-pull-{uuid.uuid4().hex[:8]}"
     admin.create_subscription(name, topic=topic, retry_policy=RetryPolicy(0, 0))
-    subscriber = Subscriber({"bootstrap.servers": endpoints.bootstrap}, redis_url=endpoints.redis_url)
+    subscriber = Subscriber(endpoints.kafka_config(), redis_url=endpoints.redis_url)
     seen, start = 0, 0.0
     while seen < count:
         messages = subscriber.pull(name, max_messages=batch, timeout=1.0)
@@ -116,7 +124,7 @@ def layer_pull(endpoints: Endpoints, admin: Admin, topic: str, count: int, batch
 
 def layer_ordered_consumer(endpoints: Endpoints, topic: str, count: int, batch: int = 500) -> float:
     """``OrderedConsumer`` on one thread: ``consume`` then ``ack`` each message."""
-    consumer = OrderedConsumer({"bootstrap.servers": endpoints.bootstrap,
+    consumer = OrderedConsumer({**endpoints.kafka_config(),
                                 "group.id": f"bench-oc-{uuid.uuid4().hex[:8]}", "auto.offset.reset": "earliest",
                                 "enable.auto.commit": False}, redis_url=endpoints.redis_url)
     consumer.subscribe([topic])
@@ -148,37 +156,78 @@ def main() -> None:
     parser.add_argument("--messages", type=int, default=100_000)
     parser.add_argument("--workers", type=int, default=16)
     parser.add_argument("--io-messages", type=int, default=600)
-    parser.add_argument("--scenarios", default="abcd", help="which of a, b, c, d to run (d needs a)")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of (a) and (e)")
+    parser.add_argument("--e-messages", type=int, default=20_000, help="messages of (e)")
+    parser.add_argument("--scenarios", default="abcde", help="which of a..e to run (d needs a)")
     args = parser.parse_args()
     with bench_stack() as endpoints:
-        admin = Admin({"bootstrap.servers": endpoints.bootstrap}, redis_url=endpoints.redis_url)
+        admin = Admin(endpoints.kafka_config(), redis_url=endpoints.redis_url)
         if "a" in args.scenarios:
-            noop(endpoints, admin, args.messages, args.workers, "d" in args.scenarios)
+            noop(endpoints, admin, args.messages, args.workers, args.rounds, "d" in args.scenarios)
         if "b" in args.scenarios:
             io_bound(endpoints, admin, args.io_messages, args.workers)
         if "c" in args.scenarios:
             head_of_line(endpoints, admin, args.workers)
+        if "e" in args.scenarios:
+            ordered_vs_unordered(endpoints, admin, args.e_messages, args.workers, args.rounds)
 
 
-def noop(endpoints: Endpoints, admin: Admin, messages: int, workers: int, round_trips: bool) -> None:
-    """(a), (a') and (d): the same topic read by raw confluent-kafka and by each front end."""
+def noop(endpoints: Endpoints, admin: Admin, messages: int, workers: int, rounds: int,
+         round_trips: bool) -> None:
+    """(a), (a') and (d): the same topic read by raw confluent-kafka and by each front end, rounds
+    interleaved; medians of the per-round ratios."""
     topic = f"bench-noop-{uuid.uuid4().hex[:8]}"
     admin.create_topic(topic, partitions=6)
     publish(endpoints, topic, [f"key-{i}" for i in range(10_000)], messages)
-    raw = raw_consume(endpoints, topic, messages)
-    before = redis_round_trips(endpoints)
-    layer = layer_consume(endpoints, admin, topic, messages, workers)
-    per_message = (redis_round_trips(endpoints) - before) / messages
-    unleased = layer_consume(endpoints, admin, topic, messages, workers, track_leases=False)
-    pulled = layer_pull(endpoints, admin, topic, messages)
-    consumed = layer_ordered_consumer(endpoints, topic, messages)
-    print(ratio_line(f"(a) no-op, {messages} x 100 B, 10,000 keys, callback", layer, raw))
-    print(ratio_line("(a') callback, lease tracking switched off", unleased, raw))
-    print(f"    leases on / off: {layer / unleased:.2f} (goal >= 0.90)")
-    print(ratio_line("(a) the same, pull mode (Subscriber.pull)", pulled, raw))
-    print(ratio_line("(a) the same, OrderedConsumer.consume", consumed, raw))
+    runs: dict[str, list[float]] = {name: [] for name in ("raw", "callback", "unleased", "pull", "consumer")}
+    per_message: list[float] = []
+    for round_ in range(rounds):
+        runs["raw"].append(raw_consume(endpoints, topic, messages))
+        before = redis_round_trips(endpoints)
+        runs["callback"].append(layer_consume(endpoints, admin, topic, messages, workers))
+        per_message.append((redis_round_trips(endpoints) - before) / messages)
+        runs["unleased"].append(layer_consume(endpoints, admin, topic, messages, workers, track_leases=False))
+        runs["pull"].append(layer_pull(endpoints, admin, topic, messages))
+        runs["consumer"].append(layer_ordered_consumer(endpoints, topic, messages))
+        print(f"round {round_ + 1}: " + ", ".join(f"{name} {rates[-1]:,.0f}" for name, rates in runs.items())
+              + " msg/s", flush=True)
+
+    def ratio(layer: str, reference: str = "raw") -> float:
+        return statistics.median(a / b for a, b in zip(runs[layer], runs[reference], strict=True))
+
+    def rate(name: str) -> float:
+        return statistics.median(runs[name])
+
+    print(f"medians of {rounds} interleaved rounds:")
+    print(ratio_line(f"(a) no-op, {messages} x 100 B, 10,000 keys, callback", rate("callback"), rate("raw"))
+          + f"   median ratio {ratio('callback'):.3f}")
+    print(ratio_line("(a') callback, lease tracking switched off", rate("unleased"), rate("raw"))
+          + f"   median ratio {ratio('unleased'):.3f}")
+    print(f"    leases on / off: {ratio('callback', 'unleased'):.2f} (goal >= 0.90)")
+    print(ratio_line("(a) the same, pull mode (Subscriber.pull)", rate("pull"), rate("raw"))
+          + f"   median ratio {ratio('pull'):.3f}")
+    print(ratio_line("(a) the same, OrderedConsumer.consume", rate("consumer"), rate("raw"))
+          + f"   median ratio {ratio('consumer'):.3f}")
     if round_trips:
-        print(f"(d) Redis round trips per message during (a) callback: {per_message:.4f} (goal <= 0.05)")
+        print(f"(d) Redis round trips per message during (a) callback: {statistics.median(per_message):.4f} "
+              "(goal <= 0.05)")
+
+
+def ordered_vs_unordered(endpoints: Endpoints, admin: Admin, messages: int, workers: int, rounds: int) -> None:
+    """(e): 10,000 keys, 1 ms handler: an ordered subscription vs an unordered one, same topic."""
+    topic = f"bench-order-{uuid.uuid4().hex[:8]}"
+    admin.create_topic(topic, partitions=6)
+    publish(endpoints, topic, [f"key-{i}" for i in range(10_000)], messages)
+    ratios: list[float] = []
+    for round_ in range(rounds):
+        ordered = layer_consume(endpoints, admin, topic, messages, workers, handler=lambda _m: time.sleep(0.001))
+        unordered = layer_consume(endpoints, admin, topic, messages, workers, handler=lambda _m: time.sleep(0.001),
+                                  ordered=False)
+        ratios.append(ordered / unordered)
+        print(f"(e) round {round_ + 1}: ordered {ordered:,.0f} msg/s, unordered {unordered:,.0f} msg/s, "
+              f"ratio {ordered / unordered:.2f}", flush=True)
+    print(f"(e) 1 ms handler, 10,000 keys, {workers} workers: ordered / unordered, median of {rounds} rounds: "
+          f"{statistics.median(ratios):.2f} (goal >= 0.9)")
 
 
 def io_bound(endpoints: Endpoints, admin: Admin, io_messages: int, workers: int) -> None:

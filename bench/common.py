@@ -12,14 +12,16 @@ from ordering_layer.stack import Endpoints, get_backend
 
 
 @contextlib.contextmanager
-def bench_stack() -> Iterator[Endpoints]:
-    """Endpoints of ``ORDERING_LAYER_BOOTSTRAP``/``ORDERING_LAYER_REDIS_URL``, else a fresh local stack."""
+def bench_stack(*, secure: bool = False) -> Iterator[Endpoints]:
+    """Endpoints of ``ORDERING_LAYER_BOOTSTRAP``/``ORDERING_LAYER_REDIS_URL`` (with
+    ``ORDERING_LAYER_KAFKA_CONFIG`` for a secured one), else a fresh local stack, secured (TLS and
+    authentication on Kafka and Redis) when ``secure``."""
     bootstrap, redis_url = os.environ.get("ORDERING_LAYER_BOOTSTRAP"), os.environ.get("ORDERING_LAYER_REDIS_URL")
     if bootstrap and redis_url:
-        yield Endpoints(bootstrap, redis_url)
+        yield Endpoints(bootstrap, redis_url, os.environ.get("ORDERING_LAYER_KAFKA_CONFIG", ""))
         return
     with tempfile.TemporaryDirectory(prefix="ol-bench-") as folder:
-        backend = get_backend(state_dir=Path(folder))
+        backend = get_backend(state_dir=Path(folder), secure=secure or None)
         try:
             yield backend.up()
         finally:

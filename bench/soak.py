@@ -51,7 +51,6 @@ from bench.soak_faults import (
     spawn,
 )
 from ordering_layer import Admin, DeadLetterPolicy, RetryPolicy
-from ordering_layer.config import SubscriptionSettings
 from ordering_layer.prober.eventlog import EventLog
 from ordering_layer.prober.events import ATTR_POISON, ATTR_RUN, ATTR_SEQ, POISONS, DeadLettered, Fault
 from ordering_layer.stack import LocalStack
@@ -116,7 +115,6 @@ class Soak:
         self.topic, self.subscription, self.dlq = name, f"{name}-sub", f"{name}-dlq"
         self.admin = Admin({"bootstrap.servers": self.endpoints.bootstrap}, redis_url=self.endpoints.redis_url)
         self.figures: dict[str, Any] = {"plan": asdict(plan), "workdir": str(workdir)}
-        self.settings = SubscriptionSettings(topic=self.topic)
         self.tally = AckTally(self.events)
 
     # -- phases -------------------------------------------------------------------------------------
@@ -126,7 +124,7 @@ class Soak:
         if not wait_for(lambda: cluster_healthy(self.endpoints), 180, 1.0):
             raise RuntimeError("the cluster is not healthy: 3 brokers with every replica in sync")
         self.admin.create_topic(self.topic, partitions=plan.partitions)
-        self.settings = self.admin.create_subscription(
+        self.admin.create_subscription(
             self.subscription, topic=self.topic, ack_deadline=plan.ack_deadline,
             retry_policy=RetryPolicy(minimum_backoff=0.2, maximum_backoff=2.0),
             dead_letter_policy=DeadLetterPolicy(self.dlq, plan.max_delivery_attempts),
@@ -226,14 +224,11 @@ class Soak:
                                                           self.timeline)
 
     def _flushall(self) -> None:
-        """FLUSHALL Redis, then put the subscription's settings back as its operator would: they live
-        only in Redis, and without them no subscriber process can start again (the engine writes them
-        back only when a running one adopts a partition, and the killer leaves none running)."""
+        """FLUSHALL Redis; nothing is put back: subscribers started afterwards find the subscription's
+        settings in their durable copy in Kafka."""
         redis.Redis.from_url(self.endpoints.redis_url).flushall()
         self.faults(Fault(time.time(), "redis-flushall"))
         self.timeline.note("redis FLUSHALL")
-        self.admin.store.create_settings(self.subscription, self.settings)
-        self.timeline.note("subscription settings restored")
 
     def _drain(self) -> None:
         """Wait until every message is acked or dead-lettered and the three poison messages are

@@ -106,7 +106,7 @@ class Admin:
         if self._store is None:
             if not self.redis_url:
                 raise ConfigError("subscriptions need Admin(..., redis_url=...)")
-            self._store = StateStore(self.redis_url)
+            self._store = StateStore(self.redis_url, kafka_config=self._config)
         return self._store
 
     # -- subscriptions -----------------------------------------------------------------------------
@@ -118,7 +118,8 @@ class Admin:
                             max_duration_per_lease_extension: float = 0.0) -> SubscriptionSettings:
         """Create a durable subscription of ``topic`` (a consumer group of the same name).
 
-        Settings are validated (ConfigError) and stored in Redis; ordering is fixed from now on.
+        Settings are validated (ConfigError) and stored in Redis, with a durable copy in Kafka that a
+        subscriber reads back when Redis lost them; ordering is fixed from now on.
         The start position (GRP-1) is resolved to offsets and committed for the group at once, so
         every subscriber resumes from committed state. Creating it again with equal settings is a
         no-op; with other settings it raises ``SubscriptionExistsError``.
@@ -133,8 +134,10 @@ class Admin:
         if dead_letter_policy is not None:
             self.create_topic(dead_letter_policy.topic, partitions=described.partitions, exist_ok=True,
                               config={"max.message.bytes": str(DEAD_LETTER_MAX_BYTES)})
-        if not self.store.create_settings(name, settings):
+        if not self.store.create_subscription(name, settings):
             if self.store.settings(name) == settings:
+                # A subscription created by a store without a Kafka config has no durable copy yet.
+                self.store.write_durable_copy(name, settings)
                 return settings
             raise SubscriptionExistsError(name)
         self._commit_start(name, topic, described.partitions, start)
@@ -191,7 +194,13 @@ class Admin:
         return self.store.release_key(subscription, ordering_key)
 
     def delete_subscription(self, name: str) -> None:
-        """Delete the subscription's settings and state, and its consumer group."""
+        """Delete the subscription's settings (tombstoning their durable copy) and state, and its
+        consumer group.
+
+        Raises:
+            SubscriptionNotFoundError: no such subscription.
+            PublishError, TopicError: the durable copy could not be tombstoned (nothing was deleted).
+        """
         self.store.settings(name)
         self.store.delete_subscription(name)
         futures = self._admin.delete_consumer_groups([name], request_timeout=_TIMEOUT)

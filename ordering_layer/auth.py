@@ -25,12 +25,14 @@ _LOGGER = logging.getLogger(__name__)
 
 _REFUSED = {KafkaError._AUTHENTICATION: "refused the SASL credentials", KafkaError._SSL: "TLS handshake failed"}
 _UNREACHABLE = {KafkaError._ALL_BROKERS_DOWN, KafkaError._TRANSPORT, KafkaError._RESOLVE}
-# Keys of the caller's config the probe replaces with its own.
-_PROBE_OWN = ("error_cb", "logger", "stats_cb", "throttle_cb", "oauth_cb")
+# Keys of the caller's config the probe leaves out: the callbacks it replaces with its own, and the
+# producer's and consumer's Python-level callbacks, which an AdminClient refuses as unknown.
+_PROBE_OWN = ("error_cb", "logger", "stats_cb", "throttle_cb", "oauth_cb", "on_delivery", "on_commit")
 
 
 def verify_kafka(config: Mapping[str, Any], timeout: float = 10.0) -> None:
-    """Check that the brokers of ``config`` accept its TLS and SASL settings.
+    """Check that the brokers of ``config`` accept its TLS and SASL settings (a plaintext config
+    has neither: it returns at once).
 
     Returns once metadata arrives, or as soon as the brokers are plainly unreachable (a broker that
     is down is left to the caller's own calls and their retries), or after ``timeout`` seconds.
@@ -44,6 +46,10 @@ def verify_kafka(config: Mapping[str, Any], timeout: float = 10.0) -> None:
         AuthenticationError: with ``server="kafka"``: a broker refused the login or the handshake.
         ConfigError: confluent-kafka refused the config itself.
     """
+    if str(config.get("security.protocol", "plaintext")).lower() == "plaintext":
+        # No credentials and no handshake to refuse: nothing to check, and no wait for a broker
+        # that is down or drops packets (a plain confluent client does not wait at construction).
+        return
     reports: list[KafkaError] = []
     probe_config: dict[str, Any] = {key: value for key, value in config.items() if key not in _PROBE_OWN}
     probe_config.update(error_cb=reports.append, logger=logging.getLogger("ordering_layer.kafka.verify"))

@@ -21,6 +21,8 @@ MAX_ORDERING_KEY_BYTES = 1024
 # dead-letter producer may send as much.
 DEAD_LETTER_MAX_BYTES = 8 * 1024 * 1024
 DEFAULT_SCHEDULE_TOPIC = "__ordering_layer_schedules"
+# The compacted topic holding the durable copy of every subscription's settings.
+SUBSCRIPTIONS_TOPIC = "__ordering_layer_subscriptions"
 
 _T = TypeVar("_T")
 

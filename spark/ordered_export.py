@@ -24,6 +24,7 @@ import logging
 import os
 import sys
 import time
+from pathlib import Path
 
 _LOGGER = logging.getLogger("ordered_export")
 
@@ -37,6 +38,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", help="output folder (Parquet)")
     parser.add_argument("--bootstrap", default=os.environ.get("ORDERING_LAYER_BOOTSTRAP"),
                         help="Kafka bootstrap servers (default: $ORDERING_LAYER_BOOTSTRAP)")
+    parser.add_argument("--kafka-config", default=os.environ.get("ORDERING_LAYER_KAFKA_CONFIG"),
+                        help="properties file of further Kafka client settings, e.g. of a secured cluster "
+                             "(default: $ORDERING_LAYER_KAFKA_CONFIG)")
     parser.add_argument("--starting-offsets", default="earliest",
                         help="Kafka source startingOffsets: earliest, latest or per-partition JSON (default: earliest)")
     parser.add_argument("--ending-offsets", default="latest",
@@ -71,9 +75,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from pyspark.sql import SparkSession
 
+    from ordering_layer.config import read_kafka_properties
     from ordering_layer.spark import local_session
     from ordering_layer.spark.export import export_ordered
 
+    kafka_config = read_kafka_properties(Path(args.kafka_config)) if args.kafka_config else None
     active = SparkSession.getActiveSession()
     if active is not None:  # called from a program that has its session already
         spark = active
@@ -85,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         summary = export_ordered(spark, args.topic, args.bootstrap, args.out, files=args.files,
                                  partitions=args.partitions, mode=args.mode,
-                                 starting_offsets=args.starting_offsets, ending_offsets=args.ending_offsets)
+                                 starting_offsets=args.starting_offsets, ending_offsets=args.ending_offsets,
+                                 kafka_config=kafka_config)
         elapsed = time.perf_counter() - start
     finally:
         if active is None:

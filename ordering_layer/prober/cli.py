@@ -25,6 +25,7 @@ from ordering_layer.prober.consumer import FRONT_ENDS, HandlerPlan
 from ordering_layer.prober.events import POISONS
 from ordering_layer.prober.options import MODES, ProbeOptions, SubscriptionPlan, load_expectations
 from ordering_layer.prober.progress import ProgressLine
+from ordering_layer.prober.publisher import PublishPlan
 from ordering_layer.prober.runner import ProbeRun
 from ordering_layer.stack import Endpoints
 
@@ -150,16 +151,18 @@ def _run(endpoints: Endpoints, summary_file: Path | None, progress: bool, progre
          seed: int | None, poison: tuple[str, ...], poison_hold_ms: float, ack_deadline: float,
          min_backoff: float, max_backoff: float,
          dead_letter_topic: str | None, max_delivery_attempts: int, subscriber_id: str | None,
-         run_id: str | None, kafka_settings: tuple[str, ...], **options: Any) -> None:
+         run_id: str | None, topic: str | None, keys: int, key_prefix: str, messages: int, duration: float,
+         rate: float, payload_size: int, kafka_settings: tuple[str, ...], **options: Any) -> None:
     """Run the prober with the parsed options; exit as the command's help says."""
     if not endpoints.redis_url and options["mode"] != "publish" and options["from_events"] is None:
         raise ProbeError("subscribing needs Redis: --redis-url or $ORDERING_LAYER_REDIS_URL")
     try:
-        if run_id:
-            options["run_id"] = run_id
+        named_run = {"run_id": run_id} if run_id else {}
         opts = ProbeOptions(
             **options,
-            poison=tuple(dict.fromkeys(poison)),
+            publish=PublishPlan(topic, **named_run, keys=keys, key_prefix=key_prefix, messages=messages,
+                                duration=duration, rate=rate, payload_size=payload_size,
+                                poison=tuple(dict.fromkeys(poison))),
             handler=HandlerPlan(nack_rate=nack_rate, delay=_delay_range(delay_ms),
                                 slow_keys=frozenset(k for k in slow_keys.split(",") if k),
                                 slow_delay=slow_delay_ms / 1000, seed=seed, poison_hold=poison_hold_ms / 1000),

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,6 +10,7 @@ from pathlib import Path
 from ordering_layer.errors import ConfigError
 from ordering_layer.prober.consumer import HandlerPlan
 from ordering_layer.prober.events import POISON_EXIT
+from ordering_layer.prober.publisher import PublishPlan
 
 MODES = ("full", "publish", "consume", "check")
 
@@ -28,20 +28,16 @@ class SubscriptionPlan:
 
 @dataclass(frozen=True)
 class ProbeOptions:
-    """Everything a prober run needs besides the servers (see the CLI's help for each)."""
+    """Everything a prober run needs besides the servers (see the CLI's help for each).
+
+    ``publish`` is what the publishing side sends (full and publish modes); its topic and run id
+    name the run in every mode, and its ``duration`` bounds the whole run in consume and check modes.
+    """
 
     mode: str = "full"
-    run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
-    topic: str | None = None
+    publish: PublishPlan = field(default_factory=PublishPlan)
     subscription: str | None = None
     partitions: int = 6
-    keys: int = 100
-    key_prefix: str = "key"
-    messages: int = 10_000
-    duration: float = 0.0
-    rate: float = 0.0
-    payload_size: int = 100
-    poison: tuple[str, ...] = ()
     front_end: str = "callback"
     handler: HandlerPlan = field(default_factory=HandlerPlan)
     workers: int = 10
@@ -63,16 +59,21 @@ class ProbeOptions:
             raise ConfigError("consume mode writes its records to an events folder: give events_dir")
         if self.from_events is not None and self.mode != "check":
             raise ConfigError("from_events is for check mode")
-        if self.mode in ("full", "publish") and not (self.messages or self.duration):
+        if self.mode in ("full", "publish") and not (self.publish.messages or self.publish.duration):
             raise ConfigError("publishing needs a message count or a duration")
-        if self.mode == "full" and POISON_EXIT in self.poison:
+        if self.mode == "full" and POISON_EXIT in self.publish.poison:
             raise ConfigError("an 'exit' poison message ends the process consuming it: publish it in publish "
                               "mode, to consume-mode subscriber processes that a harness restarts")
 
     @property
+    def run_id(self) -> str:
+        """The run's id (the publish plan's)."""
+        return self.publish.run_id
+
+    @property
     def topic_name(self) -> str:
         """The topic (default ``prober-<run id>``)."""
-        return self.topic or f"prober-{self.run_id}"
+        return self.publish.topic_name
 
     @property
     def subscription_name(self) -> str:

@@ -16,7 +16,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, field
 
 from ordering_layer.errors import ConfigError, OrderingKeyPausedError, PublishError
 from ordering_layer.prober.events import ATTR_POISON, ATTR_PUBLISHED, ATTR_RUN, ATTR_SEQ, POISONS
@@ -32,8 +33,8 @@ class PublishPlan:
     """What to publish.
 
     Attributes:
-        topic: the topic.
-        run_id: the run's id (sequence numbers restart at 0 in each run).
+        topic: the topic; None: ``prober-<run id>`` (``topic_name``).
+        run_id: the run's id (sequence numbers restart at 0 in each run); default: random.
         keys: how many ordering keys (``<key_prefix>-0`` ...).
         messages: messages in all, spread evenly over the keys; 0 = no limit (use ``duration``).
         duration: seconds of publishing; 0 = no limit (use ``messages``).
@@ -42,8 +43,8 @@ class PublishPlan:
         poison: kinds of poison message to publish first, one each.
     """
 
-    topic: str
-    run_id: str
+    topic: str | None = None
+    run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     keys: int = 100
     key_prefix: str = "key"
     messages: int = 10_000
@@ -56,6 +57,11 @@ class PublishPlan:
         unknown = sorted(set(self.poison) - set(POISONS))
         if unknown:
             raise ConfigError(f"unknown poison kind(s) {unknown}; known: {list(POISONS)}")
+
+    @property
+    def topic_name(self) -> str:
+        """The topic (default ``prober-<run id>``)."""
+        return self.topic or f"prober-{self.run_id}"
 
     def poison_keys(self) -> dict[str, str]:
         """The ordering key of each poison kind to publish."""
@@ -127,7 +133,7 @@ class ProbePublisher:
         for kind, key in self.plan.poison_keys().items():
             for attempt in range(1, 4):
                 try:
-                    self._producer.publish(self.plan.topic, self._payload, ordering_key=key,
+                    self._producer.publish(self.plan.topic_name, self._payload, ordering_key=key,
                                            attributes={ATTR_POISON: kind}).result(timeout=60)
                 except (PublishError, TimeoutError) as exc:
                     _LOGGER.warning("poison %s: publish attempt %d failed (%s)", kind, attempt, exc)
@@ -169,7 +175,8 @@ class ProbePublisher:
             self._next[key] = seq + 1
             self._in_flight[key] += 1
         try:
-            future = self._producer.publish(self.plan.topic, self._payload, ordering_key=key, attributes=attributes)
+            future = self._producer.publish(self.plan.topic_name, self._payload, ordering_key=key,
+                                            attributes=attributes)
         except OrderingKeyPausedError as exc:
             self._resolve(key, seq, exc)
             return

@@ -29,7 +29,7 @@ from ordering_layer.prober.consumer import ProbeConsumer
 from ordering_layer.prober.eventlog import EventFolderReader, EventLog
 from ordering_layer.prober.events import Event, Expectation
 from ordering_layer.prober.options import ProbeOptions
-from ordering_layer.prober.publisher import ProbePublisher, PublishPlan
+from ordering_layer.prober.publisher import ProbePublisher
 from ordering_layer.prober.verifier import Verifier
 from ordering_layer.publisher import OrderedProducer
 
@@ -122,7 +122,7 @@ class ProbeRun:
         except SubscriptionNotFoundError:
             if opts.from_events is not None:
                 return None
-            if opts.mode != "full" and opts.topic is None:
+            if opts.mode != "full" and opts.publish.topic is None:
                 raise
         plan = opts.subscription_plan
         return admin.create_subscription(
@@ -133,11 +133,8 @@ class ProbeRun:
 
     def _start_publisher(self) -> threading.Thread:
         opts = self.options
-        plan = PublishPlan(opts.topic_name, opts.run_id, keys=opts.keys, key_prefix=opts.key_prefix,
-                           messages=opts.messages, duration=opts.duration, rate=opts.rate,
-                           payload_size=opts.payload_size, poison=opts.poison)
         producer = OrderedProducer(self._kafka)
-        self._publisher = ProbePublisher(producer, plan, self.stop)
+        self._publisher = ProbePublisher(producer, opts.publish, self.stop)
 
         def publish() -> None:
             try:
@@ -176,7 +173,7 @@ class ProbeRun:
         if opts.mode == "publish":
             return True
         now = time.monotonic()
-        if opts.mode != "full" and opts.duration and now - started >= opts.duration:
+        if opts.mode != "full" and opts.publish.duration and now - started >= opts.publish.duration:
             return True
         if self._verifier is not None:
             with self._lock:
@@ -263,7 +260,7 @@ class ProbeRun:
                 summary["verdict"] = self._verifier.finish()
             summary["ok"] = summary["verdict"]["ok"]
         else:
-            planned = opts.messages if opts.mode == "publish" and opts.messages else None
+            planned = opts.publish.messages if opts.mode == "publish" and opts.publish.messages else None
             summary["ok"] = planned is None or sum(self._publisher.expectations().values()) == planned \
                 if self._publisher is not None else True
         return summary

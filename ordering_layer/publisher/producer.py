@@ -20,6 +20,7 @@ from confluent_kafka import KafkaError, KafkaException, Producer
 from confluent_kafka import Message as KafkaMessage
 
 from ordering_layer import metrics
+from ordering_layer.auth import verify_kafka
 from ordering_layer.config import (
     MAX_ORDERING_KEY_BYTES,
     PublisherSettings,
@@ -247,6 +248,8 @@ class OrderedProducer:
     Raises:
         ConfigError: missing bootstrap, an unknown layer or Kafka setting, or a setting that
             would break ordering.
+        AuthenticationError: Kafka refused the credentials or the TLS handshake (``server="kafka"``),
+            found by a short metadata request before the producer is made (``auth.verify_kafka``).
     """
 
     def __init__(self, config: Mapping[str, Any] | None = None, /, *,
@@ -254,6 +257,7 @@ class OrderedProducer:
                  metrics_port: int | None = None, **kwargs: Any) -> None:
         conf = {**(config or {}), **kwargs}
         require_bootstrap(conf)
+        verify_kafka(conf)
         self.settings = from_mapping(PublisherSettings, settings)
         if str(conf.get("enable.idempotence", True)).lower() not in ("true", "1"):
             raise ConfigError("OrderedProducer needs enable.idempotence=true for in-key order (PUB-1)")

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from typing import NamedTuple
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 from pyspark import StorageLevel
 from pyspark.sql import SparkSession
@@ -37,7 +38,8 @@ class ExportSummary(NamedTuple):
 
 def export_ordered(spark: SparkSession, topic: str, bootstrap: str, out: str, *, files: int = 4,
                    partitions: int | None = None, mode: str = "errorifexists",
-                   starting_offsets: str = "earliest", ending_offsets: str = "latest") -> ExportSummary:
+                   starting_offsets: str = "earliest", ending_offsets: str = "latest",
+                   kafka_config: Mapping[str, Any] | None = None) -> ExportSummary:
     """Write ``topic`` to Parquet at ``out`` with one ordered sequence per ordering key.
 
     Every key's messages go to one of ``files`` files (by hash of the key's bytes), contiguous and
@@ -51,14 +53,15 @@ def export_ordered(spark: SparkSession, topic: str, bootstrap: str, out: str, *,
         partitions: passed to ``restore_order``.
         mode: Spark's save mode (``errorifexists`` or ``overwrite``).
         starting_offsets, ending_offsets: the Kafka source's range.
+        kafka_config: the layer's Kafka settings of a secured cluster (see ``read_ordered``).
 
     Raises:
         ValueError: ``files`` < 1.
     """
     if files < 1:
         raise ValueError(f"files must be >= 1, got {files}")
-    records = read_ordered(spark, topic, bootstrap, starting_offsets=starting_offsets,
-                           ending_offsets=ending_offsets).persist(StorageLevel.MEMORY_AND_DISK)
+    records = read_ordered(spark, topic, bootstrap, starting_offsets=starting_offsets, ending_offsets=ending_offsets,
+                           kafka_config=kafka_config).persist(StorageLevel.MEMORY_AND_DISK)
     try:
         ordered = (restore_order(records, partitions=partitions)
                    .repartition(files, "key")

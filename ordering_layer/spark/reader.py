@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
+from typing import Any
 
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F  # noqa: N812 - Spark's own idiom
@@ -25,6 +26,7 @@ from ordering_layer.record import (
     MAX_MESSAGE_ID_BYTES,
     RESERVED_PREFIX,
 )
+from ordering_layer.spark.security import kafka_source_options, set_source_options
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -142,13 +144,15 @@ def messages(raw: DataFrame) -> DataFrame:
         F.coalesce(F.col("value"), F.lit(b"")).alias("data"), _malformed(headers).alias("malformed_metadata"))
 
 
-def _source_options(topic: str, bootstrap: str, options: Mapping[str, str] | None) -> dict[str, str]:
+def _source_options(topic: str, bootstrap: str, options: Mapping[str, str] | None,
+                    kafka_config: Mapping[str, Any] | None) -> dict[str, str]:
     return {"kafka.bootstrap.servers": bootstrap, "subscribe": topic, "includeHeaders": "true",
-            **(options or {})}
+            **kafka_source_options(kafka_config or {}), **(options or {})}
 
 
 def read_ordered(spark: SparkSession, topic: str, bootstrap: str, *, starting_offsets: str = "earliest",
-                 ending_offsets: str = "latest", options: Mapping[str, str] | None = None) -> DataFrame:
+                 ending_offsets: str = "latest", options: Mapping[str, str] | None = None,
+                 kafka_config: Mapping[str, Any] | None = None) -> DataFrame:
     """Read ``topic`` once with Spark's Kafka source: one row per record, of any producer (SPK-1).
 
     Args:
@@ -158,6 +162,9 @@ def read_ordered(spark: SparkSession, topic: str, bootstrap: str, *, starting_of
         starting_offsets, ending_offsets: as the Kafka source's options (``earliest``/``latest`` or
             per-partition JSON).
         options: further Kafka source options (``kafka.*`` settings pass to the consumer).
+        kafka_config: the layer's confluent-kafka settings of a secured cluster (``security.protocol``,
+            ``sasl.*``, ``ssl.ca.location``), translated to the source's (``security.kafka_source_options``);
+            ``options`` override them.
 
     Returns:
         The ``COLUMNS``: ``topic``, ``key`` (the ordering key's bytes; null: unordered),
@@ -166,21 +173,22 @@ def read_ordered(spark: SparkSession, topic: str, bootstrap: str, *, starting_of
         ``partition_count`` (null without the header), ``enqueued_time`` (the broker's append
         time), ``attributes``, ``data`` and ``malformed_metadata`` (see ``messages``).
     """
-    reader = spark.read.format("kafka").options(**_source_options(topic, bootstrap, options))
+    reader = set_source_options(spark.read.format("kafka"), _source_options(topic, bootstrap, options, kafka_config))
     raw = reader.option("startingOffsets", starting_offsets).option("endingOffsets", ending_offsets).load()
     return messages(raw)
 
 
 def read_ordered_stream(spark: SparkSession, topic: str, bootstrap: str, *, starting_offsets: str = "earliest",
-                        max_offsets_per_trigger: int | None = None,
-                        options: Mapping[str, str] | None = None) -> DataFrame:
+                        max_offsets_per_trigger: int | None = None, options: Mapping[str, str] | None = None,
+                        kafka_config: Mapping[str, Any] | None = None) -> DataFrame:
     """Structured Streaming variant of ``read_ordered``: the same columns, as a streaming DataFrame.
 
     Args:
         max_offsets_per_trigger: cap on records per micro-batch (Kafka source ``maxOffsetsPerTrigger``).
         Others as ``read_ordered``.
     """
-    reader = spark.readStream.format("kafka").options(**_source_options(topic, bootstrap, options))
+    reader = set_source_options(spark.readStream.format("kafka"),
+                                _source_options(topic, bootstrap, options, kafka_config))
     reader = reader.option("startingOffsets", starting_offsets)
     if max_offsets_per_trigger is not None:
         reader = reader.option("maxOffsetsPerTrigger", str(max_offsets_per_trigger))

@@ -4,7 +4,9 @@ Keys: ``ol:{<subscription>:<partition>}:epoch|settled|attempts|leases`` (one slo
 every script touches one slot of a Redis Cluster), ``ol:sub:<subscription>`` for the settings and
 ``ol:sub:<subscription>:parked`` for parked keys (each read and written alone, by one-key commands).
 Redis is an accelerator of correctness: losing it loses no message (Kafka holds them), it only causes
-redelivery. The client comes from ``state.client.redis_client``, so a Redis Cluster URL works as well.
+redelivery; nor does it lose a subscription, whose settings have a durable copy in Kafka
+(``state.durable``) that ``settings`` reads back when Redis has none. The client comes from
+``state.client.redis_client``, so a Redis Cluster URL works as well.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import functools
 import hashlib
 import logging
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any, Concatenate, Final, Literal, ParamSpec, TypeVar
@@ -23,8 +25,9 @@ import redis
 from redis.cluster import RedisCluster
 
 from ordering_layer.config import SubscriptionSettings
-from ordering_layer.errors import SubscriptionNotFoundError
+from ordering_layer.errors import OrderingLayerError, SubscriptionNotFoundError
 from ordering_layer.state.client import mask_url, redis_client, retry_policy, verify_redis
+from ordering_layer.state.durable import SettingsLog
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -153,14 +156,18 @@ class StateStore:
     Args:
         redis_url: e.g. ``redis://127.0.0.1:6379/0``, ``redis+cluster://h1:7000,h2:7001/`` (see
             ``ordering_layer.state.client``).
+        kafka_config: confluent-kafka settings of the layer's cluster; with them, subscription
+            settings also have a durable copy in Kafka (``state.durable``), written on creation,
+            tombstoned on deletion and read back when Redis has lost them. None: Redis alone.
 
     Raises:
         AuthenticationError: Redis refused the credentials or the TLS handshake.
         ConfigError: the URL is malformed.
     """
 
-    def __init__(self, redis_url: str) -> None:
+    def __init__(self, redis_url: str, *, kafka_config: Mapping[str, Any] | None = None) -> None:
         verify_redis(redis_url)
+        self._durable = SettingsLog(kafka_config) if kafka_config is not None else None
         self.client = redis_client(redis_url)
         self._cluster_retry = retry_policy() if isinstance(self.client, RedisCluster) else None
         self._url = mask_url(redis_url)
@@ -172,25 +179,83 @@ class StateStore:
         return f"StateStore({self._url})"
 
     # -- subscription settings -------------------------------------------------------------------
+    def create_subscription(self, subscription: str, settings: SubscriptionSettings) -> bool:
+        """Store a new subscription's settings, and their durable copy, unless it exists; True when created.
+
+        The durable copy is written after Redis accepted the settings; when that write fails the
+        settings are removed from Redis again, so that no subscription exists without its copy.
+
+        Raises:
+            PublishError, TopicError: the durable copy could not be written.
+        """
+        if not self.create_settings(subscription, settings):
+            return False
+        if self._durable is not None:
+            try:
+                self._durable.write(subscription, settings)
+            except OrderingLayerError:
+                self._delete_settings(subscription)
+                raise
+        return True
+
     @_redis_call
     def create_settings(self, subscription: str, settings: SubscriptionSettings) -> bool:
-        """Store settings unless the subscription exists; True when created."""
+        """Put settings into Redis unless it has some; True when put (the durable copy is left alone)."""
         return bool(self.client.set(settings_key(subscription), settings.to_json(), nx=True))
 
-    @_redis_call
-    def settings(self, subscription: str) -> SubscriptionSettings:
-        """The stored settings. Raises ``SubscriptionNotFoundError``."""
-        raw = self.client.get(settings_key(subscription))
-        if raw is None:
-            raise SubscriptionNotFoundError(subscription)
-        return SubscriptionSettings.from_json(raw)
+    def write_durable_copy(self, subscription: str, settings: SubscriptionSettings) -> None:
+        """Write the durable copy of existing settings again (no-op without a Kafka config).
 
-    @_redis_call
-    def delete_subscription(self, subscription: str) -> int:
-        """Remove the settings and every partition key of the subscription; return keys removed.
-
-        On a cluster the scan visits every primary; keys are deleted one slot at a time.
+        Raises:
+            PublishError, TopicError: the copy could not be written.
         """
+        if self._durable is not None:
+            self._durable.write(subscription, settings)
+
+    def settings(self, subscription: str) -> SubscriptionSettings:
+        """The stored settings; when Redis has none, the durable copy, which is written back to Redis.
+
+        Raises:
+            SubscriptionNotFoundError: neither Redis nor the durable copy knows the subscription
+                (never created, or deleted).
+            TopicError: Redis had no settings and the durable copy could not be read.
+        """
+        raw = self._get_settings(subscription)
+        if raw is not None:
+            return SubscriptionSettings.from_json(raw)
+        kept = self._durable.read(subscription) if self._durable is not None else None
+        if kept is None:
+            raise SubscriptionNotFoundError(subscription)
+        _LOGGER.warning("settings of subscription %s missing in Redis %s: restored from their durable copy",
+                        subscription, self._url)
+        self.create_settings(subscription, kept)
+        return kept
+
+    @_redis_call
+    def _get_settings(self, subscription: str) -> bytes | None:
+        raw: bytes | None = self.client.get(settings_key(subscription))
+        return raw
+
+    @_redis_call
+    def _delete_settings(self, subscription: str) -> int:
+        return int(self.client.delete(settings_key(subscription)))
+
+    def delete_subscription(self, subscription: str) -> int:
+        """Remove the settings and every partition key of the subscription; return Redis keys removed.
+
+        The durable copy is tombstoned first, so a failure leaves the subscription whole, and a
+        deleted subscription is never read back from Kafka.
+
+        Raises:
+            PublishError, TopicError: the tombstone could not be written (nothing was removed).
+        """
+        if self._durable is not None:
+            self._durable.forget(subscription)
+        return self._delete_state(subscription)
+
+    @_redis_call
+    def _delete_state(self, subscription: str) -> int:
+        # On a cluster the scan visits every primary; keys are deleted one slot at a time.
         removed = int(self.client.delete(settings_key(subscription)))
         removed += int(self.client.delete(f"{settings_key(subscription)}:parked"))
         # The glob narrows the scan; the regex keeps only this subscription's keys (a name may hold

@@ -84,7 +84,7 @@ class OrderedConsumer:
         self._config = conf
         self._auto_commit = _is_true(conf.get("enable.auto.commit", True))
         self._redis_url = redis_url_from(redis_url)
-        self._store = StateStore(self._redis_url)
+        self._store = StateStore(self._redis_url, kafka_config=conf)
         self._activation = join_activation(conf, self._redis_url)  # PUB-5
         self._flow_control = flow_control or FlowControl()
         self._engine: Engine | None = None

@@ -86,7 +86,7 @@ class Subscriber:
         verify_credentials(kafka_config)
         self._kafka = dict(kafka_config)
         self._redis_url = redis_url_from(redis_url)
-        self._store = StateStore(self._redis_url)
+        self._store = StateStore(self._redis_url, kafka_config=self._kafka)
         # PUB-5: a running subscription takes part in activating scheduled messages; pull mode
         # from its first pull until close().
         self._pull_activation: Activation | None = None

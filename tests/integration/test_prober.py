@@ -12,7 +12,7 @@ from click.testing import CliRunner, Result
 
 from ordering_layer import OrderedProducer, RetryPolicy
 from ordering_layer.cli import main
-from ordering_layer.prober import HandlerPlan, ProbeOptions, ProbeRun
+from ordering_layer.prober import HandlerPlan, ProbeOptions, ProbeRun, PublishPlan
 from ordering_layer.prober.events import ATTR_PUBLISHED, ATTR_RUN, ATTR_SEQ
 from ordering_layer.pytest_plugin import CreatedSubscription
 
@@ -38,8 +38,9 @@ def test_prober_finds_no_violation_with_random_nacks(kafka_config: dict[str, Any
     """SUB-1, SUB-3, SUB-4, SUB-5, ACK-6: 3,000 messages over 50 keys and 3 partitions, 5 % random
     nacks and a 0-2 ms handler: every message acked, cascades after every nack, no violation."""
     created = subscription_factory(partitions=3, retry_policy=NO_BACKOFF)
-    options = ProbeOptions(topic=created.topic, subscription=created.subscription, keys=50, messages=3000,
-                           front_end=front_end, handler=HandlerPlan(nack_rate=0.05, delay=(0.0, 0.002), seed=7),
+    options = ProbeOptions(publish=PublishPlan(created.topic, keys=50, messages=3000),
+                           subscription=created.subscription, front_end=front_end,
+                           handler=HandlerPlan(nack_rate=0.05, delay=(0.0, 0.002), seed=7),
                            idle_timeout=60)
     summary = ProbeRun(kafka_config, redis_url, options).run()
     verdict = summary["verdict"]

@@ -24,11 +24,12 @@ from click.testing import CliRunner
 from ordering_layer import Admin, DeadLetterPolicy, Message, OrderedConsumer, OrderedProducer, Subscriber
 from ordering_layer.auth import verify_kafka
 from ordering_layer.cli import main
-from ordering_layer.errors import AuthenticationError, OrderingLayerError
+from ordering_layer.errors import AuthenticationError, OrderingLayerError, SubscriptionNotFoundError
 from ordering_layer.stack import Endpoints, LocalStack
 from ordering_layer.stack.certs import make_certificates
 from ordering_layer.state import StateStore
 from ordering_layer.state.client import url_with_credentials
+from ordering_layer.state.store import settings_key
 from tests.checker import wait_until
 from tests.integration.conftest import NO_BACKOFF, publish_keys
 
@@ -245,3 +246,39 @@ def test_stack_env_prints_what_a_client_needs(secure: Endpoints, passwords: list
     assert passwords[1] in result.output
     settings: dict[str, Any] = secure.kafka_config()
     assert settings["sasl.mechanism"] == "SCRAM-SHA-512" and Path(settings["ssl.ca.location"]).exists()
+
+
+def test_producer_with_a_wrong_password_fails_fast_without_revealing_it(
+        secure: Endpoints, passwords: list[str], caplog: pytest.LogCaptureFixture,
+        capfd: pytest.CaptureFixture[str]) -> None:
+    """A wrong SASL password makes ``OrderedProducer(...)`` itself raise ``AuthenticationError`` naming
+    Kafka within seconds (not a publish that times out later); neither the wrong nor the right
+    password appears in the error or the captured logs and output."""
+    caplog.set_level(logging.DEBUG)
+    wrong = f"wrong-{uuid.uuid4().hex}"
+    started = time.monotonic()
+    with pytest.raises(AuthenticationError) as raised:
+        OrderedProducer({**secure.kafka_config(), "sasl.password": wrong}, settings={"scheduler": False})
+    assert time.monotonic() - started < 5, f"took {time.monotonic() - started:.1f} s"
+    assert raised.value.server == "kafka" and str(raised.value).startswith("Kafka refused the SASL credentials")
+    captured = capfd.readouterr()
+    text = "\n".join([caplog.text, captured.out, captured.err, str(raised.value), repr(raised.value)])
+    for secret in [*passwords, wrong]:
+        assert secret not in text
+
+
+def test_subscription_settings_come_back_from_kafka_through_the_secured_stack(
+        secure: Endpoints, unique_name: Callable[[str], str]) -> None:
+    """SUB-3 over SASL_SSL: the durable copy of a subscription's settings is written and read through
+    the secured Kafka config: after Redis lost the settings, the store reads them back and restores them."""
+    kafka = secure.kafka_config()
+    admin = Admin(kafka, redis_url=secure.redis_url)
+    topic, name = unique_name("sec-durable-topic"), unique_name("sec-durable-sub")
+    admin.create_topic(topic)
+    created = admin.create_subscription(name, topic=topic, ack_deadline=30.0)
+    admin.store.client.delete(settings_key(name))
+    with pytest.raises(SubscriptionNotFoundError):
+        StateStore(secure.redis_url).settings(name)
+    assert StateStore(secure.redis_url, kafka_config=kafka).settings(name) == created
+    assert StateStore(secure.redis_url).settings(name) == created
+    admin.delete_subscription(name)

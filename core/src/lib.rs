@@ -1,0 +1,220 @@
+//! ordering_layer_core: the subscriber's per-partition dispatch bookkeeping, compiled (issue 11).
+//!
+//! A prototype measured against `ordering_layer/subscriber/partition.py`, whose semantics it keeps
+//! (see `partition.rs`). Python crosses into it once per batch: a fetched batch in, a release of up
+//! to a budget of ready keys out as parallel lists, a batch of acks in with the new commit point
+//! out. Records stay Python objects: the core keeps a reference to each and hands it back on
+//! release, reading only `offset`, `key` and `size`. The ops for Redis (`apply.lua`'s packed
+//! argument) are written as the decisions are made. Assignment generations, epochs, leases and
+//! dead-letter policy stay in Python.
+
+mod ops;
+mod partition;
+mod tracker;
+
+use std::collections::{HashMap as StdHashMap, HashSet as StdHashSet};
+
+use pyo3::exceptions::PyValueError;
+use pyo3::intern;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyList};
+
+use partition::{PartitionCore as Core, QueueKey};
+
+/// What `release_ready` returns: records, tokens, attempts (parallel lists) and payload bytes.
+type Released<'py> = (Bound<'py, PyList>, Bound<'py, PyList>, Bound<'py, PyList>, i64);
+
+/// Dispatch state of one owned partition (see the module's documentation).
+#[pyclass(module = "ordering_layer_core", name = "PartitionCore")]
+struct PartitionCore {
+    core: Core<Py<PyAny>>,
+}
+
+fn key_bytes<'a>(key: &'a Bound<'_, PyAny>) -> PyResult<Option<&'a [u8]>> {
+    if key.is_none() {
+        return Ok(None);
+    }
+    Ok(Some(key.cast::<PyBytes>()?.as_bytes()))
+}
+
+#[pymethods]
+impl PartitionCore {
+    #[new]
+    #[pyo3(signature = (*, ordered, settled_before = None, attempts_before = None))]
+    fn new(
+        ordered: bool,
+        settled_before: Option<StdHashSet<i64>>,
+        attempts_before: Option<StdHashMap<i64, u32>>,
+    ) -> Self {
+        PartitionCore {
+            core: Core::new(
+                ordered,
+                settled_before.unwrap_or_default().into_iter().collect(),
+                attempts_before.unwrap_or_default().into_iter().collect(),
+            ),
+        }
+    }
+
+    /// Take fetched records `records[start:stop]` (objects with `offset`, `key`, `size`); returns
+    /// the offsets skipped (duplicates, or settled before a crash).
+    #[pyo3(signature = (records, start = 0, stop = None))]
+    fn add(&mut self, records: &Bound<'_, PyList>, start: usize, stop: Option<usize>) -> PyResult<Vec<i64>> {
+        let py = records.py();
+        let stop = stop.unwrap_or(usize::MAX).min(records.len());
+        let mut skipped = Vec::new();
+        for index in start..stop {
+            let record = records.get_item(index)?;
+            let offset: i64 = record.getattr(intern!(py, "offset"))?.extract()?;
+            let size: i64 = record.getattr(intern!(py, "size"))?.extract()?;
+            let key = record.getattr(intern!(py, "key"))?;
+            if !self.core.add(offset, key_bytes(&key)?, size, record.unbind()) {
+                skipped.push(offset);
+            }
+        }
+        Ok(skipped)
+    }
+
+    /// Release from the ready keys, oldest first: up to `per_key` records of each, `budget` in all,
+    /// no further key once `byte_budget` bytes are used up. Returns (records, tokens, attempts,
+    /// payload bytes). With `lease_ms` the attempts are queued as one batch lease and
+    /// `BATCH_DELIVERED` ops, else as `DELIVERED` ops.
+    #[pyo3(signature = (now, budget, per_key, byte_budget, lease_ms = None))]
+    fn release_ready<'py>(
+        &mut self,
+        py: Python<'py>,
+        now: f64,
+        budget: i64,
+        per_key: i64,
+        byte_budget: i64,
+        lease_ms: Option<i64>,
+    ) -> PyResult<Released<'py>> {
+        let mut items = Vec::new();
+        let mut tokens = Vec::new();
+        let mut attempts = Vec::new();
+        let totals = self.core.release_ready(now, budget, per_key, byte_budget, lease_ms, |entry, token| {
+            items.push(entry.item.clone_ref(py));
+            tokens.push(token);
+            attempts.push(entry.attempts);
+        });
+        Ok((PyList::new(py, items)?, PyList::new(py, tokens)?, PyList::new(py, attempts)?, totals.bytes))
+    }
+
+    /// Settle deliveries (acks): returns the positions of the refused ones (stale tokens) and the
+    /// new commit point.
+    fn ack(&mut self, offsets: Vec<i64>, tokens: Vec<u64>) -> PyResult<(Vec<usize>, Option<i64>)> {
+        if offsets.len() != tokens.len() {
+            return Err(PyValueError::new_err("offsets and tokens differ in length"));
+        }
+        let refused = offsets
+            .iter()
+            .zip(&tokens)
+            .enumerate()
+            .filter(|(_, (&offset, &token))| !self.core.ack(offset, token))
+            .map(|(position, _)| position)
+            .collect();
+        Ok((refused, self.core.watermark()))
+    }
+
+    /// Settle a delivered record without an ack (dead-lettered); `key` is the record's key.
+    fn settle_dead_lettered(&mut self, offset: i64, key: &Bound<'_, PyAny>) -> PyResult<()> {
+        self.core.settle_dead_lettered(offset, key_bytes(key)?);
+        Ok(())
+    }
+
+    /// Give a delivery back (nack or lapsed lease) and back its key off by `backoff(failures)`
+    /// seconds; false when the token is stale.
+    fn nack(&mut self, offset: i64, token: u64, now: f64, backoff: &Bound<'_, PyAny>) -> PyResult<bool> {
+        self.core.nack(offset, token, now, |failures| backoff.call1((failures,))?.extract::<f64>())
+    }
+
+    /// Give a delivery back because the layer failed (no failure counted), held `delay` seconds;
+    /// with `uncount` its attempt is taken back too. False when the token is stale.
+    #[pyo3(signature = (offset, token, now, delay, *, uncount = false))]
+    fn requeue(&mut self, offset: i64, token: u64, now: f64, delay: f64, uncount: bool) -> bool {
+        self.core.requeue(offset, token, now, delay, uncount)
+    }
+
+    /// Move keys whose backoff has ended back to the ready set.
+    fn wake(&mut self, now: f64) {
+        self.core.wake(now);
+    }
+
+    /// The earliest end of a backoff, if any key is backing off.
+    fn next_wake(&self) -> Option<f64> {
+        self.core.next_wake()
+    }
+
+    /// Keys with something outstanding or backing off (a scan).
+    fn held_keys(&self) -> usize {
+        self.core.held_keys()
+    }
+
+    /// The ready keys, oldest first: key bytes, or the offset of an unordered record (a scan).
+    fn ready_keys<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let list = PyList::empty(py);
+        for qkey in self.core.ready_keys() {
+            match qkey {
+                QueueKey::Key(key) => list.append(PyBytes::new(py, key))?,
+                QueueKey::Offset(offset) => list.append(offset)?,
+            }
+        }
+        Ok(list)
+    }
+
+    /// Queue an op decided in Python (a lease extension, a commit watermark), in decision order.
+    fn push_op(&mut self, kind: char, offset: i64, value: i64) {
+        self.core.ops.push(kind, offset, value);
+    }
+
+    /// The queued ops packed for `apply.lua` (`"<letter>,<offset>,<value>;"` each); empties the queue.
+    fn take_ops(&mut self) -> String {
+        self.core.ops.take()
+    }
+
+    /// Ops queued since the last `take_ops`.
+    #[getter]
+    fn ops_count(&self) -> usize {
+        self.core.ops.count
+    }
+
+    /// Fetched records not yet released.
+    #[getter]
+    fn buffered(&self) -> i64 {
+        self.core.buffered
+    }
+
+    /// The offset to commit (the lowest fetched offset not settled); None before any fetch.
+    #[getter]
+    fn watermark(&self) -> Option<i64> {
+        self.core.watermark()
+    }
+
+    /// One past the last fetched offset; None before any fetch.
+    #[getter]
+    fn next_offset(&self) -> Option<i64> {
+        self.core.next_offset()
+    }
+}
+
+/// Runs of one partition in a fetched batch: (partition, start, stop) each, in order (records are
+/// objects with a `partition`; a batch from `consume` comes in runs of one partition).
+#[pyfunction]
+fn partition_runs(records: &Bound<'_, PyList>) -> PyResult<Vec<(i64, usize, usize)>> {
+    let py = records.py();
+    let mut runs: Vec<(i64, usize, usize)> = Vec::new();
+    for (index, record) in records.iter().enumerate() {
+        let partition: i64 = record.getattr(intern!(py, "partition"))?.extract()?;
+        match runs.last_mut() {
+            Some(run) if run.0 == partition => run.2 = index + 1,
+            _ => runs.push((partition, index, index + 1)),
+        }
+    }
+    Ok(runs)
+}
+
+#[pymodule]
+fn ordering_layer_core(module: &Bound<'_, PyModule>) -> PyResult<()> {
+    module.add_class::<PartitionCore>()?;
+    module.add_function(wrap_pyfunction!(partition_runs, module)?)?;
+    Ok(())
+}

@@ -1,0 +1,44 @@
+//! State ops of one partition, packed as `apply.lua` reads them: `"<letter>,<offset>,<value>;"`.
+//!
+//! The letters are `OpKind`'s (`ordering_layer/state/store.py`). Every op of a partition goes through
+//! one buffer, in the order decided, because `apply.lua` applies them in sequence (a lease extension
+//! queued after a settle would bring the lease back).
+
+use std::fmt::Write;
+
+pub const DELIVERED: char = 'd';
+pub const BATCH_LEASE: char = 'b';
+pub const BATCH_DELIVERED: char = 'e';
+pub const SETTLED: char = 'a';
+pub const NACKED: char = 'n';
+
+/// Ops queued since the last `take`.
+#[derive(Default)]
+pub struct OpBuffer {
+    packed: String,
+    pub count: usize,
+}
+
+impl OpBuffer {
+    pub fn push(&mut self, kind: char, offset: i64, value: i64) {
+        // Writing into a String cannot fail.
+        let _ = write!(self.packed, "{kind},{offset},{value};");
+        self.count += 1;
+    }
+
+    /// Where the buffer ends now, to drop what was pushed after it (`truncate`).
+    pub fn mark(&self) -> (usize, usize) {
+        (self.packed.len(), self.count)
+    }
+
+    pub fn truncate(&mut self, mark: (usize, usize)) {
+        self.packed.truncate(mark.0);
+        self.count = mark.1;
+    }
+
+    /// The packed ops, and the buffer emptied.
+    pub fn take(&mut self) -> String {
+        self.count = 0;
+        std::mem::take(&mut self.packed)
+    }
+}

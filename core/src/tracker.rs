@@ -1,0 +1,55 @@
+//! The commit point of one partition: the lowest fetched offset not settled (ACK-4).
+
+use std::collections::VecDeque;
+
+/// Fetched offsets (increasing) with a settled flag each; the settled prefix is dropped as it forms.
+#[derive(Default)]
+pub struct OffsetTracker {
+    order: VecDeque<(i64, bool)>,
+    pub next_offset: Option<i64>,
+}
+
+impl OffsetTracker {
+    /// A fetched offset (offsets arrive in increasing order).
+    pub fn add(&mut self, offset: i64) {
+        self.order.push_back((offset, false));
+        self.next_offset = Some(offset + 1);
+    }
+
+    /// An offset acked or dead-lettered (or skipped as settled before). Offsets that are not
+    /// tracked (settled twice, never fetched) change nothing.
+    pub fn settle(&mut self, offset: i64) {
+        if let Ok(index) = self.order.binary_search_by_key(&offset, |entry| entry.0) {
+            self.order[index].1 = true;
+        }
+        while matches!(self.order.front(), Some((_, true))) {
+            self.order.pop_front();
+        }
+    }
+
+    /// The offset to commit: everything below it is settled. None before any fetch.
+    pub fn watermark(&self) -> Option<i64> {
+        self.order.front().map(|entry| entry.0).or(self.next_offset)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::OffsetTracker;
+
+    #[test]
+    fn commits_lowest_unsettled() {
+        let mut tracker = OffsetTracker::default();
+        assert_eq!(tracker.watermark(), None);
+        for offset in [5, 6, 7, 9] {
+            tracker.add(offset);
+        }
+        tracker.settle(6);
+        tracker.settle(9);
+        assert_eq!(tracker.watermark(), Some(5));
+        tracker.settle(5);
+        assert_eq!(tracker.watermark(), Some(7));
+        tracker.settle(7);
+        assert_eq!(tracker.watermark(), Some(10));
+    }
+}

@@ -1,0 +1,246 @@
+"""The compiled dispatch core (``ordering_layer_core``) against ``PartitionState``, its reference.
+
+Both are driven with the same random operation sequences (hypothesis): fetched batches (gaps,
+duplicates, empty and absent keys, a recovery walk's settled offsets and attempts), releases under
+message, byte and per-key budgets, acks in batches, nacks with and without backoff, requeues (with
+the attempt taken back, as the engine's unrelease does), dead-letter settlements, stale tokens and
+wakes. After every operation the two must agree on what went out (offset, queue key, attempt), on
+every verdict, and on the commit point, the ready keys in order, the buffered count, the held keys
+and the next wake. The Redis ops the core packs are checked against the engine's rules for them.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import dataclass, field
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from ordering_layer_core import PartitionCore, partition_runs
+
+from ordering_layer.record import RecordMetadata
+from ordering_layer.subscriber.partition import PartitionState, QueueKey, Record
+
+_KEYS = [None, b"", b"a", b"b", b"c", b"d", b"\x00k"]
+_META = RecordMetadata(None, 1, None)
+
+
+def record(offset: int, key: bytes | None, size: int, partition: int = 0) -> Record:
+    return Record(partition, offset, key, b"v" * size, None, _META, size, 0)
+
+
+# A delivery made: offset, the Python token, the core's token, queue key, key bytes.
+Delivered = tuple[int, int, int, QueueKey, bytes | None]
+
+
+@dataclass
+class Twin:
+    """A ``PartitionState`` and a ``PartitionCore`` fed the same operations; their deliveries."""
+
+    py: PartitionState
+    core: PartitionCore[Record]
+    ordered: bool
+    now: float = 0.0
+    next_offset: int = 0
+    deliveries: list[Delivered] = field(default_factory=list)
+    latest: dict[int, Delivered] = field(default_factory=dict)  # the last delivery of each offset
+    ops: list[str] = field(default_factory=list)
+
+    def check(self) -> None:
+        py, core = self.py, self.core
+        assert core.watermark == py.tracker.watermark
+        assert core.next_offset == py.tracker.next_offset
+        assert core.buffered == py.buffered
+        assert core.ready_keys() == list(py.ready)
+        assert core.next_wake() == py.next_wake()
+        assert core.held_keys() == py.held_keys()
+        assert core.take_ops() == "".join(self.ops)
+        self.ops.clear()
+
+    def add(self, specs: list[tuple[int, int, int]]) -> None:
+        """Fetched records: (gap before the offset, key index, size); a gap of -1 repeats an offset."""
+        records = []
+        for gap, key, size in specs:
+            offset = max(0, self.next_offset - 3) if gap < 0 else self.next_offset + gap
+            self.next_offset = max(self.next_offset, offset + 1)
+            records.append(record(offset, _KEYS[key], size))
+        taken = [self.py.add(r) for r in records]
+        skipped = self.core.add(records)
+        assert skipped == [r.offset for r, took in zip(records, taken, strict=True) if not took]
+
+    def release(self, budget: int, per_key: int, byte_budget: int, lease: bool) -> None:
+        lease_ms = 99 if lease else None
+        expected = self.py.release_ready(self.now, budget, per_key, byte_budget)
+        items, tokens, attempts, size = self.core.release_ready(self.now, budget, per_key, byte_budget, lease_ms)
+        assert [r.offset for r in items] == [d.record.offset for d in expected]
+        assert all(item is d.record for item, d in zip(items, expected, strict=True))
+        assert attempts == [d.attempt for d in expected]
+        assert size == sum(d.record.size for d in expected)
+        for delivery, token in zip(expected, tokens, strict=True):
+            r = delivery.record
+            self.deliveries.append((r.offset, delivery.token, token, delivery.queue_key, r.key))
+            self.latest[r.offset] = self.deliveries[-1]
+        if expected:
+            self.ops.append("b,0,99;" if lease else "")
+            letter = "e" if lease else "d"
+            self.ops.extend(f"{letter},{d.record.offset},{d.attempt};" for d in expected)
+
+    def ack(self, picks: list[tuple[bool, int]]) -> None:
+        chosen = [self.pick(i) for i in picks]
+        verdicts = []
+        for offset, py_token, _, qkey, _ in chosen:
+            verdicts.append(self.py.ack(qkey, offset, py_token))
+            if verdicts[-1]:
+                self.ops.append(f"a,{offset},0;")
+        refused, watermark = self.core.ack([d[0] for d in chosen], [d[2] for d in chosen])
+        assert refused == [i for i, accepted in enumerate(verdicts) if not accepted]
+        assert watermark == self.py.tracker.watermark
+
+    def pick(self, choice: tuple[bool, int]) -> Delivered:
+        """A delivery outstanding now, or (``stale``) any delivery made so far."""
+        stale, index = choice
+        outstanding = sorted(offset for queue in self.py.keys.values() for offset in queue.outstanding)
+        if stale or not outstanding:
+            return self.deliveries[-1 - index % len(self.deliveries)]
+        return self.latest[outstanding[index % len(outstanding)]]
+
+    def nack(self, pick: tuple[bool, int], step: float) -> None:
+        offset, py_token, core_token, qkey, _ = self.pick(pick)
+
+        def backoff(failures: int) -> float:
+            return step * failures
+
+        accepted = self.py.nack(qkey, offset, py_token, self.now, backoff)
+        assert self.core.nack(offset, core_token, self.now, backoff) == accepted
+        if accepted:
+            self.ops.append(f"n,{offset},0;")
+
+    def requeue(self, pick: tuple[bool, int], delay: float, uncount: bool) -> None:
+        offset, py_token, core_token, qkey, _ = self.pick(pick)
+        if uncount:  # the engine's unrelease: only deliveries of the step, the token current
+            queue = self.py.keys.get(qkey)
+            if queue is None or queue.outstanding.get(offset) != py_token:
+                return
+            next(r for r in queue.records if r.offset == offset).attempts -= 1
+        accepted = self.py.requeue(qkey, offset, py_token, self.now, delay)
+        assert self.core.requeue(offset, core_token, self.now, delay, uncount=uncount) == accepted
+
+    def dead_lettered(self, pick: tuple[bool, int]) -> None:
+        offset, _, _, qkey, key = self.pick(pick)
+        self.py.settle_dead_lettered(qkey, offset)
+        self.core.settle_dead_lettered(offset, key)
+        self.ops.append(f"a,{offset},0;")
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+        self.py.wake(self.now)
+        self.core.wake(self.now)
+
+
+_batch = st.lists(st.tuples(st.sampled_from([-1, 0, 0, 0, 1, 3]), st.integers(0, len(_KEYS) - 1),
+                            st.integers(0, 4)), min_size=1, max_size=12)
+_recent = st.tuples(st.sampled_from([False, False, False, False, True]), st.integers(0, 12))
+_operation = st.one_of(
+    st.tuples(st.just("add"), _batch),
+    st.tuples(st.just("release"), st.integers(1, 8), st.sampled_from([1, 1, 2, 3, 5]), st.integers(1, 12),
+              st.booleans()),
+    st.tuples(st.just("ack"), st.lists(_recent, min_size=1, max_size=6)),
+    st.tuples(st.just("nack"), _recent, st.sampled_from([0.0, 0.5, 1.0])),
+    st.tuples(st.just("requeue"), _recent, st.sampled_from([0.0, 1.0]), st.booleans()),
+    st.tuples(st.just("dead_lettered"), _recent),
+    st.tuples(st.just("advance"), st.sampled_from([0.0, 0.25, 0.5, 1.0, 3.0])),
+)
+
+
+_ON_DELIVERIES = {"ack", "nack", "requeue", "dead_lettered"}
+
+
+@st.composite
+def recovery(draw: st.DrawFn) -> tuple[frozenset[int], dict[int, int]]:
+    """A claim's recovery inputs: offsets settled above the commit point, attempts of unsettled ones."""
+    settled = draw(st.frozensets(st.integers(0, 15), max_size=8))
+    attempts = draw(st.dictionaries(st.integers(0, 20), st.integers(1, 4), max_size=5))
+    return settled, attempts
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ordered=st.booleans(), claim=recovery(), operations=st.lists(_operation, min_size=20, max_size=80))
+def test_core_decides_as_partition_state(ordered: bool, claim: tuple[frozenset[int], dict[int, int]],
+                                         operations: list[tuple[object, ...]]) -> None:
+    """SUB-1, SUB-2, SUB-3, SUB-4, SUB-6, SUB-7, ACK-4, ACK-6, DLQ-1: for any sequence of fetches,
+    releases, acks, nacks, requeues, dead-letter settlements and wakes, the compiled core releases
+    the same records in the same order with the same attempts, gives the same verdicts and keeps the
+    same commit point, ready keys, buffered count and backoffs as ``PartitionState``."""
+    settled, attempts = claim
+    twin = Twin(PartitionState(0, 1, ordered=ordered, settled_before=settled, attempts_before=attempts),
+                PartitionCore(ordered=ordered, settled_before=settled, attempts_before=attempts), ordered)
+    twin.check()
+    for name, *args in operations:
+        if name in _ON_DELIVERIES and not twin.deliveries:
+            continue
+        getattr(twin, str(name))(*args)
+        twin.check()
+
+
+def test_stale_tokens_of_another_partition_state_are_refused() -> None:
+    """ACK-5: tokens are unique in the process, so a delivery of an earlier ownership of the same
+    partition (a new core after a re-claim) never matches a delivery of the new one."""
+    records = [record(0, b"k", 1)]
+    old: PartitionCore[Record] = PartitionCore(ordered=True)
+    old.add(records)
+    _, (old_token,), _, _ = old.release_ready(0.0, 1, 1, 10)
+    new: PartitionCore[Record] = PartitionCore(ordered=True)
+    new.add(records)
+    _, (new_token,), _, _ = new.release_ready(0.0, 1, 1, 10)
+    assert new.ack([0], [old_token]) == ([0], 0)
+    assert new.ack([0], [new_token]) == ([], 1)
+
+
+def test_partition_runs_split_a_fetched_batch() -> None:
+    """The runs of one partition in a fetched batch, in order (a partition may come back later)."""
+    partitions = [3, 3, 1, 1, 1, 3, 0]
+    records = [record(offset, b"k", 1, partition) for offset, partition in enumerate(partitions)]
+    assert partition_runs(records) == [(3, 0, 2), (1, 2, 5), (3, 5, 6), (0, 6, 7)]
+    assert partition_runs([]) == []
+    core: PartitionCore[Record] = PartitionCore(ordered=True)
+    assert core.add(records, 2, 5) == []
+    assert (core.next_offset, core.buffered) == (5, 3)
+
+
+def test_op_buffer_keeps_decision_order() -> None:
+    """ACK-4: ops queued from Python (a lease extension) and by the core (a settle) reach Redis in
+    the order decided, as ``apply.lua`` applies them in sequence."""
+    core: PartitionCore[Record] = PartitionCore(ordered=False)
+    core.add([record(offset, None, 1) for offset in range(2)])
+    _, tokens, _, _ = core.release_ready(0.0, 2, 1, 10, lease_ms=7)
+    core.push_op("l", 0, 11)
+    core.ack([0, 1], tokens)
+    assert core.ops_count == 6
+    assert core.take_ops() == "b,0,7;e,0,1;e,1,1;l,0,11;a,0,0;a,1,0;"
+    assert (core.take_ops(), core.ops_count) == ("", 0)
+
+
+def test_the_library_does_not_import_the_core() -> None:
+    """The prototype is measured, not wired in: the library and its subscriber import without it."""
+    code = ("import sys, ordering_layer, ordering_layer.subscriber, ordering_layer.subscriber.engine; "
+            "print('ordering_layer_core' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert result.stdout.strip() == "False"
+
+
+def test_a_key_held_again_wakes_at_its_last_backoff() -> None:
+    """DLQ-1, SUB-4: a key nacked twice while backing off (a pull batch of it outstanding) wakes at
+    the end of the second backoff, not the first; both states agree at every step."""
+    twin = Twin(PartitionState(0, 1, ordered=True), PartitionCore(ordered=True), True)
+    twin.add([(0, 2, 1), (0, 2, 1), (0, 2, 1)])
+    twin.release(10, 5, 100, lease=True)
+    twin.nack((False, 2), 1.0)  # offset 2: backoff 1 s
+    twin.nack((False, 0), 1.0)  # offset 0 (failure 2): backoff 2 s
+    twin.check()
+    twin.advance(1.0)
+    twin.check()
+    assert twin.core.ready_keys() == []
+    twin.advance(1.0)
+    twin.check()
+    assert twin.core.ready_keys() == [b"a"]
