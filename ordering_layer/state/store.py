@@ -33,7 +33,7 @@ from ordering_layer.state.durable import SettingsLog
 
 _LOGGER = logging.getLogger(__name__)
 
-OpLetter = Literal["d", "l", "b", "e", "a", "n", "w"]
+OpLetter = Literal["d", "l", "b", "e", "r", "q", "s", "a", "n", "w"]
 
 
 class OpKind:
@@ -43,12 +43,18 @@ class OpKind:
 
     Each op is (kind, offset, value):
 
-    * ``DELIVERED``: attempts[offset] = value (the attempt number); its lease comes with a ``LEASE``;
+    * ``DELIVERED``: attempts[offset] = value (the attempt number): handed to user code (pull mode);
+      its lease comes with a ``LEASE``;
     * ``LEASE``: leases[offset] = value (the deadline, epoch ms);
-    * ``BATCH_LEASE``: the lease deadline (value, ms) of the ``BATCH_DELIVERED`` ops after it (offset 0);
+    * ``BATCH_LEASE``: the lease deadline (value, ms) of the batch ops after it (offset 0);
     * ``BATCH_DELIVERED``: attempts[offset] = value and leases[offset] = the batch lease;
+    * ``RELEASED``: attempts[offset] = -value: attempt ``value`` went to the callback pool, user code
+      has not been seen to start it; its lease comes with a ``LEASE``;
+    * ``BATCH_RELEASED``: attempts[offset] = -value and leases[offset] = the batch lease;
+    * ``STARTED``: attempts[offset] = value: user code started attempt ``value`` (callback mode);
     * ``SETTLED``: acked or dead-lettered: added to the settled set, attempts and lease dropped;
-    * ``NACKED``: the lease is dropped (the message stays unsettled);
+    * ``NACKED``: the lease is dropped (the message stays unsettled); a value above 0 is the attempt
+      user code nacked, so attempts[offset] = value (it started); 0 for a lapsed lease;
     * ``WATERMARK``: value is the committed offset: everything settled below it is forgotten (offset 0).
     """
 
@@ -56,6 +62,9 @@ class OpKind:
     LEASE: Final = "l"
     BATCH_LEASE: Final = "b"
     BATCH_DELIVERED: Final = "e"
+    RELEASED: Final = "r"
+    BATCH_RELEASED: Final = "q"
+    STARTED: Final = "s"
     SETTLED: Final = "a"
     NACKED: Final = "n"
     WATERMARK: Final = "w"
@@ -76,6 +85,9 @@ class ApplyResult(enum.IntEnum):
 class ClaimedPartition:
     """What a new owner learns when it claims a partition.
 
+    ``attempts`` maps each unsettled offset handed out before to the number of its last attempt;
+    ``unstarted`` holds the offsets whose last attempt went to a callback pool without user code
+    being seen to start it (it may have started: the mark travels in a later flush).
     ``seek_generation`` is the partition's latest seek (0: never sought); ``seek_offset`` is that
     seek's target when the claim applied it (the owner starts there instead of the committed offset
     and, once it has committed it, marks it applied), None when no seek was pending.
@@ -84,6 +96,7 @@ class ClaimedPartition:
     epoch: int
     settled: frozenset[int]
     attempts: dict[int, int]
+    unstarted: frozenset[int] = frozenset()
     seek_generation: int = 0
     seek_offset: int | None = None
 
@@ -99,6 +112,28 @@ class SeekStatus:
     def pending(self) -> bool:
         """A seek is recorded that no owner has applied yet."""
         return self.generation > self.applied
+
+
+def parse_claim(raw: Sequence[Any]) -> ClaimedPartition:
+    """``claim.lua``'s answer: ``[epoch, settled offsets..., "|", offset, attempt, ..., "|", seek
+    generation, seek target]``, an attempt negated while it waited in a callback pool, the target -1
+    when the claim applied no seek (the seek part may be left out: no seek)."""
+    split = raw.index(b"|")
+    rest = list(raw[split + 1:])
+    seek_generation, target = 0, -1
+    if b"|" in rest:
+        second = rest.index(b"|")
+        seek_generation, target = int(rest[second + 1]), int(rest[second + 2])
+        rest = rest[:second]
+    stored = {int(rest[i]): int(rest[i + 1]) for i in range(0, len(rest), 2)}
+    return ClaimedPartition(
+        epoch=int(raw[0]),
+        settled=frozenset(int(o) for o in raw[1:split]),
+        attempts={offset: abs(n) for offset, n in stored.items()},
+        unstarted=frozenset(offset for offset, n in stored.items() if n < 0),
+        seek_generation=seek_generation,
+        seek_offset=target if target >= 0 else None,
+    )
 
 
 def _script(name: str) -> str:
@@ -119,22 +154,6 @@ def seek_key(subscription: str, partition: int) -> str:
 def settings_key(subscription: str) -> str:
     """The key holding a subscription's settings."""
     return f"ol:sub:{subscription}"
-
-
-def _parse_claim(raw: list[Any]) -> ClaimedPartition:
-    """claim.lua's answer: epoch, settled offsets, '|', attempt pairs, '|', seek gen, seek target."""
-    split = raw.index(b"|")
-    rest = raw[split + 1:]
-    second = rest.index(b"|")
-    pairs = rest[:second]
-    target = int(rest[second + 2])
-    return ClaimedPartition(
-        epoch=int(raw[0]),
-        settled=frozenset(int(o) for o in raw[1:split]),
-        attempts={int(pairs[i]): int(pairs[i + 1]) for i in range(0, len(pairs), 2)},
-        seek_generation=int(rest[second + 1]),
-        seek_offset=target if target >= 0 else None,
-    )
 
 
 _P = ParamSpec("_P")
@@ -291,7 +310,7 @@ class StateStore:
         """Become the owner of a partition: bump its epoch, read settled offsets and attempts; a
         pending seek (GRP-3) is applied with the claim (``ClaimedPartition.seek_offset``)."""
         [raw] = self._eval_many("claim", [(self._claim_keys(subscription, partition), ["", "", ""])])
-        return _parse_claim(raw)
+        return parse_claim(raw)
 
     @_redis_call
     def claim_for_seek(self, subscription: str, epochs: Mapping[int, int], *, mark_applied: bool = False,
@@ -309,7 +328,7 @@ class StateStore:
         out: dict[int, ClaimedPartition | None] = {}
         for partition, raw in zip(order, self._eval_many("claim", calls), strict=True):
             if len(raw) > 1:
-                out[partition] = _parse_claim(raw)
+                out[partition] = parse_claim(raw)
             elif int(raw[0]) < 0:
                 out[partition] = None
         return out

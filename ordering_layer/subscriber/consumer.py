@@ -19,6 +19,7 @@ from typing import Any
 
 from confluent_kafka import TopicPartition
 
+from ordering_layer import metrics
 from ordering_layer.config import FlowControl, StartPosition, SubscriptionSettings, require_bootstrap
 from ordering_layer.errors import (
     ConfigError,
@@ -29,6 +30,7 @@ from ordering_layer.errors import (
 )
 from ordering_layer.scheduler.participant import join_activation
 from ordering_layer.state import StateStore
+from ordering_layer.subscriber.client_config import verify_credentials
 from ordering_layer.subscriber.engine import Engine, RebalanceHooks
 from ordering_layer.subscriber.message import AckResponse, Message
 
@@ -62,15 +64,21 @@ class OrderedConsumer:
             pass through, e.g. ``session.timeout.ms``, ``logger``).
         redis_url: the layer's Redis; default ``$ORDERING_LAYER_REDIS_URL``.
         flow_control: limits on outstanding messages (SUB-7).
+        metrics_port: serve Prometheus metrics of this consumer's subscription on this port
+            (``ordering_layer.metrics``); None: no endpoint.
 
     Raises:
-        ConfigError: missing bootstrap, group or Redis URL.
+        ConfigError: missing bootstrap, group or Redis URL; the metrics port cannot be bound.
+        AuthenticationError: Kafka (``server="kafka"``) or Redis (``server="redis"``) refused the
+            credentials or the TLS handshake.
     """
 
     def __init__(self, config: Mapping[str, Any] | None = None, /, *, redis_url: str | None = None,
-                 flow_control: FlowControl | None = None, **kwargs: Any) -> None:
+                 flow_control: FlowControl | None = None, metrics_port: int | None = None,
+                 **kwargs: Any) -> None:
         conf = {**(config or {}), **kwargs}
         require_bootstrap(conf)
+        verify_credentials(conf)
         if not conf.get("group.id"):
             raise ConfigError("OrderedConsumer needs 'group.id' (the subscription name)")
         self._config = conf
@@ -83,6 +91,9 @@ class OrderedConsumer:
         self._topic = ""
         self._returned: list[Message] = []  # returned by poll/consume, not yet settled through us
         self._closed = False
+        self._metrics_port = metrics_port
+        if metrics_port is not None:
+            metrics.start_metrics_server(metrics_port)
 
     # -- subscribing -------------------------------------------------------------------------------
     def subscribe(self, topics: list[str], on_assign: UserRebalanceCallback | None = None,
@@ -114,6 +125,8 @@ class OrderedConsumer:
                               on_messages=None, rebalance=hooks)
         self._topic = topic
         self._engine.start()
+        if self._metrics_port is not None:
+            metrics.register(self._engine, kafka_config=self._config)
 
     def _create(self, name: str, topic: str) -> SubscriptionSettings:
         from ordering_layer.admin import Admin  # the admin client is needed only for a new subscription
@@ -138,6 +151,7 @@ class OrderedConsumer:
         engine, self._engine = self._engine, None
         if engine is not None:
             engine.close()
+            metrics.unregister(engine)
 
     # -- receiving ---------------------------------------------------------------------------------
     def poll(self, timeout: float | None = None) -> Message | None:

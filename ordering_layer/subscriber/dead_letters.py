@@ -20,6 +20,7 @@ from confluent_kafka import KafkaError, KafkaException, Producer
 from ordering_layer.config import DEAD_LETTER_MAX_BYTES, SubscriptionSettings
 from ordering_layer.record import display_key, encode
 from ordering_layer.state import StateStore
+from ordering_layer.subscriber.client_config import without_consumer_keys
 from ordering_layer.subscriber.partition import Delivery
 from ordering_layer.subscriber.requests import DeadLettered
 
@@ -34,9 +35,6 @@ _TOO_LARGE = (KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_LIST_TOO_LARGE)
 
 MAX_DELIVERY_ATTEMPTS = "MAX_DELIVERY_ATTEMPTS"
 PARKED_KEY = "PARKED_KEY"
-
-_PRODUCER_KEYS_LEFT_OUT = ("group.", "session.", "heartbeat.", "max.poll", "auto.", "enable.auto",
-                           "partition.assignment", "isolation", "on_commit")
 
 
 def _header_bytes(value: str | bytes | None) -> bytes | None:
@@ -56,7 +54,7 @@ class DeadLetters:
 
     def __init__(self, kafka_config: Mapping[str, Any], store: StateStore, subscription: str,
                  settings: SubscriptionSettings, report: Callable[[DeadLettered], None]) -> None:
-        self._producer_config = {k: v for k, v in kafka_config.items() if not k.startswith(_PRODUCER_KEYS_LEFT_OUT)}
+        self._producer_config = without_consumer_keys(kafka_config)
         self._store = store
         self._subscription = subscription
         self._settings = settings

@@ -14,6 +14,13 @@ Seeks (GRP-3) are noticed with the commits, once a second (one Redis read): the 
 with a pending seek are claimed again and restarted at its target (``Partitions.apply_seeks``), their
 outstanding deliveries are void (a later ack of one is refused: its epoch is gone), and the fetcher
 seeks the consumer.
+
+Attempt counts (ACK-6, DLQ-3): a pull hands a message to user code when it is released, so the
+release writes its attempt as delivered. In callback mode a released message may wait in the pool:
+the release writes it as released only, and the worker notes when user code starts on it
+(``begin``), a note the coordinator writes in its next flush. After a crash the next owner charges
+an attempt that was never seen started only up to one below the dead-letter limit, and a worker
+records the start of each such suspect message in Redis, synchronously, before user code runs.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from typing import Any
@@ -103,6 +111,10 @@ class Engine:
         self._seek_seen: int | None = None  # the seek generation announced when last looked
         self._closing = False
         self._counts = {"delivered": 0, "acked": 0, "nacked": 0, "redelivered": 0}
+        self._store = store
+        # Callback mode: deliveries whose user code started, noted by the workers (deque appends
+        # and pops are thread-safe: the hot path takes no lock).
+        self._started: deque[Delivery] = deque()
         self._worker = Worker(f"ordering-layer-engine-{subscription}", self._step)
 
     # -- public ----------------------------------------------------------------------------------
@@ -124,6 +136,7 @@ class Engine:
         with self._lock:
             now = time.monotonic()
             self._handle(self._inbox.take(), now)
+            self._write_started(now)
             self._pulls.close()
             self._flush()
             offsets = self._offsets(sync=True)
@@ -136,6 +149,63 @@ class Engine:
     def submit(self, request: Settle) -> None:
         """Post an ack, nack or deadline change (any thread)."""
         self._inbox.put(request)
+
+    def begin(self, message: Message) -> bool:
+        """Callback mode: a worker is about to run user code on ``message`` (ACK-6, DLQ-3).
+
+        The start of a message handed out by an earlier owner and not settled (a suspect: maybe it
+        crashed that owner) is written to Redis before this returns; any other start is noted and
+        written with the coordinator's next flush. Returns False when user code must not run: the
+        delivery was given back or its partition moved meanwhile (its redelivery is on its way), or
+        Redis did not take the start (the message is given back without counting a failure).
+        """
+        delivery = message._delivery
+        if not delivery.record.suspect:
+            self._started.append(delivery)
+            return True
+        return self._begin_suspect(delivery, message._epoch)
+
+    def _begin_suspect(self, delivery: Delivery, epoch: int) -> bool:
+        record = delivery.record
+        partition, offset = record.partition, record.offset
+        if not self._holds(delivery, epoch):
+            return False
+        # The write is made outside the lock (a Redis outage must not stall the coordinator). It
+        # cannot pass a settle of this delivery (user code has not run), and the fence stops it
+        # once the partition moved; only a lapse meanwhile could come first, checked below.
+        try:
+            [result] = self._store.apply_many(
+                [(self.subscription, partition, epoch, [(OpKind.STARTED, offset, delivery.attempt)])])
+        except redis.RedisError as exc:
+            _LOGGER.warning("%s: recording the start of %d:%d failed (%s); redelivering it",
+                            self.subscription, partition, offset, exc)
+            with self._lock:
+                state = self._partitions.get(partition)
+                if state is not None and self._holds(delivery, epoch):
+                    self._leases.pop((partition, offset))
+                    record.attempts -= 1
+                    state.requeue(delivery.queue_key, offset, delivery.token, time.monotonic(), _REQUEUE_DELAY)
+            return False
+        with self._lock:
+            if result == ApplyResult.FENCED:
+                state = self._partitions.get(partition)
+                if state is not None and state.epoch == epoch:
+                    _LOGGER.warning("%s: partition %d fenced by a newer owner; dropping it", self.subscription,
+                                    partition)
+                    self.drop(partition)
+                return False
+            if result == ApplyResult.ADOPTED:
+                self._owned.adopted(partition)
+            return self._holds(delivery, epoch)
+
+    def _holds(self, delivery: Delivery, epoch: int) -> bool:
+        """The delivery is still outstanding here under ``epoch`` (not given back, not moved)."""
+        record = delivery.record
+        with self._lock:
+            state = self._partitions.get(record.partition)
+            out = self._leases.outstanding.get((record.partition, record.offset))
+            return (state is not None and state.epoch == epoch and out is not None
+                    and out.delivery.token == delivery.token)
 
     def pull(self, max_messages: int, timeout: float) -> list[Message]:
         """Release up to ``max_messages`` (at most one batch per key), waiting up to ``timeout`` s."""
@@ -229,6 +299,7 @@ class Engine:
         with self._lock:
             now = time.monotonic()
             self._handle(events, now)
+            self._write_started(now)
             self._leases.take_latencies()
             self._expire(now)
             released = self._release(now)
@@ -319,6 +390,22 @@ class Engine:
                 self._fetcher.seek(request)
             owned.seeks.clear()
 
+    def _write_started(self, now: float) -> None:
+        """Queue the starts the workers noted, of deliveries still outstanding. Taken after the
+        step's events: a worker notes a start before user code can settle the delivery, so a settle
+        handled here comes before its start and the start is dropped (never written after SETTLED;
+        a NACKED op marks the start itself), and a later redelivery's release is queued after it."""
+        started = self._started
+        if not started:
+            return
+        outstanding, writer, take = self._leases.outstanding, self._writer, started.popleft
+        for _ in range(len(started)):
+            delivery = take()
+            record = delivery.record
+            out = outstanding.get((record.partition, record.offset))
+            if out is not None and out.delivery.token == delivery.token:
+                writer.add(record.partition, (OpKind.STARTED, record.offset, delivery.attempt), now)
+
     def _settle(self, kind: int, delivery: Delivery, epoch: int, seconds: float, error: str | None,
                 future: Future[AckResponse] | None, now: float) -> None:
         """Apply an ack, nack or deadline change of one delivery (the fields of a ``Settle``)."""
@@ -348,7 +435,9 @@ class Engine:
             state.nack(delivery.queue_key, offset, delivery.token, now, self.settings.retry_policy.backoff)
             if error:
                 record.last_error = error
-            writer.add(partition, (OpKind.NACKED, offset, 0), now)
+            # A nack comes from user code: it marks the attempt started (its start note may have
+            # been dropped with the nack in this step).
+            writer.add(partition, (OpKind.NACKED, offset, delivery.attempt), now)
             self._counts["nacked"] += 1
         leases.pop(key)
         writer.add_future(partition, future)
@@ -397,13 +486,15 @@ class Engine:
 
     def _admit(self, partition: int, batch: list[Delivery], now: float) -> None:
         """Released deliveries become outstanding; their attempts (and leases) are queued for Redis,
-        flushed before anyone sees them (DLQ-3)."""
+        flushed before anyone sees them (DLQ-3): as delivered for a pull, as released (in the pool,
+        not yet started) in callback mode."""
         self._leases.admit(partition, batch, now)
         ops: list[Op] = []
-        kind: OpLetter = OpKind.DELIVERED
+        pooled = self._on_messages is not None
+        kind: OpLetter = OpKind.RELEASED if pooled else OpKind.DELIVERED
         if self._leases.track:
             ops.append((OpKind.BATCH_LEASE, 0, wall_ms(self.settings.ack_deadline)))
-            kind = OpKind.BATCH_DELIVERED
+            kind = OpKind.BATCH_RELEASED if pooled else OpKind.BATCH_DELIVERED
         ops.extend([(kind, d.record.offset, d.attempt) for d in batch])
         self._writer.extend(partition, ops, now)
 

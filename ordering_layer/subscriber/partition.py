@@ -30,7 +30,9 @@ class Record:
     """A fetched Kafka record, as fetched, and the layer metadata read from it once.
 
     ``key`` is the ordering key as the record's bytes (None when absent or empty: unordered); keys
-    are compared as bytes, so a key of any producer is an ordering key (PUB-7).
+    are compared as bytes, so a key of any producer is an ordering key (PUB-7). ``suspect``: it was
+    handed out by an earlier owner of the partition and not settled (maybe it crashed that owner),
+    so a callback worker records the start of each of its deliveries in Redis before user code runs.
     """
 
     partition: int
@@ -43,6 +45,7 @@ class Record:
     timestamp_ms: int
     attempts: int = 0
     last_error: str | None = None
+    suspect: bool = False
 
 
 class OffsetTracker:
@@ -115,7 +118,8 @@ class PartitionState:
         epoch: owner epoch from the claim (ACK-5).
         ordered: ordering enabled on the subscription (SUB-1 vs SUB-6).
         settled_before: offsets settled above the committed offset, read at claim (recovery walk).
-        attempts_before: delivery attempts of unsettled records, read at claim (ACK-6).
+        attempts_before: delivery attempts charged to unsettled records handed out by earlier owners
+            (ACK-6, see ``partitions.charged_attempts``); those records are suspects.
         generation: the assignment generation it was claimed under: only records fetched under it
             belong to it (``AWAITING_SEEK``: none, until the consumer has sought to ``start_offset``).
         start_offset: where a seek (GRP-3) restarted the partition; None: at the committed offset.
@@ -171,7 +175,12 @@ class PartitionState:
             self._horizon = -1
             self._settled_before.clear()
             self._cascading.clear()
-        record.attempts = self._attempts_before.pop(record.offset, 0)
+        before = self._attempts_before
+        if before:
+            attempts = before.pop(record.offset, None)
+            if attempts is not None:
+                record.attempts = attempts
+                record.suspect = True
         queue = self.keys.get(qkey)
         if queue is None:
             queue = self.keys[qkey] = KeyQueue()

@@ -32,6 +32,31 @@ from ordering_layer.subscriber.requests import Fetched, SeekPartition
 _LOGGER = logging.getLogger(__name__)
 
 
+def charged_attempts(claimed: ClaimedPartition, max_attempts: int | None) -> dict[int, int]:
+    """The delivery attempts each unsettled offset of a claimed partition is charged with (ACK-6,
+    DLQ-3); its next delivery is the attempt after that.
+
+    An attempt that user code started (a pull handed it out, or a callback worker recorded its
+    start) counts in full: its owner may have crashed on it. An attempt still waiting in a callback
+    pool when its owner went may never have reached user code, or its start mark was lost with the
+    owner: it counts, but never up to ``max_attempts``, so that a message is dead-lettered only
+    after an attempt whose start is recorded. The new owner records the start of a suspect's every
+    delivery before user code runs (``Engine.begin``), so a message that crashes every process it
+    runs in is dead-lettered after exactly ``max_attempts`` deliveries, and one that merely waited
+    beside it is never dead-lettered for those crashes.
+
+    Args:
+        claimed: what the claim read.
+        max_attempts: the dead-letter policy's ``max_delivery_attempts``; None without a policy.
+    """
+    if max_attempts is None or not claimed.unstarted:
+        return dict(claimed.attempts)
+    unstarted, ceiling = claimed.unstarted, max_attempts - 1
+    # Beyond max_attempts the attempt was on its way to the dead-letter topic, not to user code.
+    return {offset: min(n, ceiling) if offset in unstarted and n <= max_attempts else n
+            for offset, n in claimed.attempts.items()}
+
+
 class Partitions:
     """The partitions one engine owns (used under the engine's lock).
 
@@ -78,17 +103,20 @@ class Partitions:
             for record in waiting:
                 state.add(record)
         sought = "" if claimed.seek_offset is None else f", seek {claimed.seek_generation} to {claimed.seek_offset}"
-        _LOGGER.info("%s: claimed partition %d (epoch %d, %d settled above the commit%s)",
-                     self._subscription, partition, claimed.epoch, len(claimed.settled), sought)
+        _LOGGER.info("%s: claimed partition %d (epoch %d, %d settled above the commit, %d handed out "
+                     "before, %d of them never seen started%s)", self._subscription, partition, claimed.epoch,
+                     len(claimed.settled), len(claimed.attempts), len(claimed.unstarted), sought)
         return True
 
     def _new_state(self, partition: int, claimed: ClaimedPartition, generation: int) -> PartitionState:
         if claimed.seek_offset is not None:
             self._unconfirmed[partition] = (claimed.epoch, claimed.seek_generation)
             self._committed.pop(partition, None)
+        policy = self._settings.dead_letter_policy
+        attempts = charged_attempts(claimed, policy.max_delivery_attempts if policy is not None else None)
         state = self.owned[partition] = PartitionState(
             partition, claimed.epoch, ordered=self._settings.enable_message_ordering,
-            settled_before=claimed.settled, attempts_before=claimed.attempts, generation=generation,
+            settled_before=claimed.settled, attempts_before=attempts, generation=generation,
             start_offset=claimed.seek_offset, seek_generation=claimed.seek_generation)
         return state
 

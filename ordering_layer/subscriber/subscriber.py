@@ -12,6 +12,7 @@ from ordering_layer.config import FlowControl, require_bootstrap
 from ordering_layer.errors import ConfigError
 from ordering_layer.scheduler.participant import Activation, join_activation
 from ordering_layer.state import StateStore
+from ordering_layer.subscriber.client_config import verify_credentials
 from ordering_layer.subscriber.consumer import redis_url_from
 from ordering_layer.subscriber.engine import Engine
 from ordering_layer.subscriber.handoff import CallbackPool
@@ -71,11 +72,18 @@ class Subscriber:
         redis_url: the Redis holding the subscriptions' state (default ``$ORDERING_LAYER_REDIS_URL``).
         metrics_port: serve Prometheus metrics of this subscriber's subscriptions on this port
             (``ordering_layer.metrics``); None: no endpoint.
+
+    Raises:
+        ConfigError: ``bootstrap.servers`` or the Redis URL is missing, or the metrics port cannot
+            be bound.
+        AuthenticationError: Kafka (``server="kafka"``) or Redis (``server="redis"``) refused the
+            credentials or the TLS handshake.
     """
 
     def __init__(self, kafka_config: Mapping[str, Any], *, redis_url: str | None = None,
                  metrics_port: int | None = None) -> None:
         require_bootstrap(kafka_config)
+        verify_credentials(kafka_config)
         self._kafka = dict(kafka_config)
         self._redis_url = redis_url_from(redis_url)
         self._store = StateStore(self._redis_url, kafka_config=self._kafka)
@@ -104,6 +112,8 @@ class Subscriber:
         settings = self._store.settings(subscription)
 
         def run(message: Message) -> None:
+            if not engine.begin(message):  # ACK-6: the start counts the attempt
+                return
             try:
                 callback(message)
             except Exception as exc:  # noqa: BLE001 - user code; its failure is a nack

@@ -29,6 +29,7 @@ def main() -> None:
     parser.add_argument("--log", required=True, help="JSON-lines file to append events to")
     parser.add_argument("--delay-ms", type=float, default=0.0, help="handler time per message")
     parser.add_argument("--crash-on", default=None, help="message data that makes the process os._exit(3)")
+    parser.add_argument("--workers", type=int, default=8, help="callback workers")
     parser.add_argument("--seconds", type=float, default=300.0)
     parser.add_argument("--session-ms", type=int, default=6000, help="Kafka session timeout")
     args = parser.parse_args()
@@ -57,7 +58,7 @@ def main() -> None:
     kafka = {**Endpoints(args.bootstrap, args.redis_url, args.kafka_config).kafka_config(),
              "session.timeout.ms": args.session_ms, "heartbeat.interval.ms": max(250, args.session_ms // 6)}
     subscriber = Subscriber(kafka, redis_url=args.redis_url)
-    handle = subscriber.subscribe(args.subscription, callback, max_workers=8)
+    handle = subscriber.subscribe(args.subscription, callback, max_workers=args.workers)
     print("subscribed", flush=True)
     try:
         handle.result(timeout=args.seconds)

@@ -8,13 +8,15 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from ordering_layer import Admin, DeadLetterPolicy, Message, RetryPolicy, Subscriber
+from ordering_layer.state import StateStore
+from ordering_layer.state.store import partition_keys
 from tests.checker import wait_until
 from tests.integration.conftest import publish_keys, pull_until, recording_callback
 from tests.kafka_helpers import headers_of, read_topic
@@ -145,9 +147,13 @@ def _events(log: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in log.read_text().splitlines() if line.endswith("}")]
 
 
-def _run_worker(args: list[str], log: Path, err: Path, done_id: str, budget: float) -> int | None:
-    """Run one subscriber process until it exits (its exit code) or until the message ``done_id``
-    is acked, which happens only after the poison message before it is settled (then None)."""
+def _acked(log: Path, ids: Collection[str]) -> bool:
+    return set(ids) <= {e["id"] for e in _events(log) if e["action"] == "ack"}
+
+
+def _run_worker(args: list[str], err: Path, done: Callable[[], bool], budget: float) -> int | None:
+    """Run one subscriber process until it exits (its exit code) or until ``done()``, which holds
+    only after the poison message is settled (then None)."""
     with err.open("w") as stderr:
         proc = subprocess.Popen([sys.executable, "-m", "tests.integration.subscriber_worker", *args],
                                 cwd=ROOT, stdout=subprocess.DEVNULL, stderr=stderr,
@@ -158,7 +164,7 @@ def _run_worker(args: list[str], log: Path, err: Path, done_id: str, budget: flo
                 try:
                     return proc.wait(0.2)
                 except subprocess.TimeoutExpired:
-                    if any(e["id"] == done_id and e["action"] == "ack" for e in _events(log)):
+                    if done():
                         return None
             return None
         finally:
@@ -188,7 +194,7 @@ def test_poison_message_crashing_the_process_is_dead_lettered(
             ["--bootstrap", endpoints.bootstrap, "--kafka-config", endpoints.kafka_config_file,
              "--redis-url", endpoints.redis_url, "--subscription", name,
              "--name", worker, "--log", str(log), "--crash-on", "key-0:1", "--session-ms", "2000",
-             "--seconds", "120"], log, tmp_path / f"{worker}.stderr", after, 120)
+             "--seconds", "120"], tmp_path / f"{worker}.stderr", lambda: _acked(log, {after}), 120)
         if exits[worker] != 3:
             break
     stderr = {w: (tmp_path / f"{w}.stderr").read_text()[-2000:] for w in exits}
@@ -199,6 +205,56 @@ def test_poison_message_crashing_the_process_is_dead_lettered(
     assert [(d.reason, d.delivery_attempts, d.message_id) for d in letters] == [
         ("MAX_DELIVERY_ATTEMPTS", 5, poison)]
     assert letters[0].value == b"key-0:1"
+
+
+def test_crashes_of_a_poison_dead_letter_no_message_that_waited_beside_it(
+        tmp_path: Path, admin: Admin, kafka_config: dict[str, Any], endpoints: Any,
+        subscription: Callable[..., tuple[str, str]], unique_name: Callable[[str], str]) -> None:
+    """DLQ-3, ACK-6: a poison message (offset 0) kills its process (os._exit) on every delivery; the
+    first messages of 39 other keys on its partition are released with it to a single callback
+    worker, which takes the poison first, so they wait in the pool, never started, each time a
+    process dies. Exactly the poison is dead-lettered, after exactly max_delivery_attempts (5)
+    crashing deliveries; every other message reaches the handler and is acked, at attempt 5 at most.
+    Before, each crash charged the waiting messages an attempt too: in the sixth process they came
+    as attempt 6 and all 39 were dead-lettered without ever reaching a handler (F3)."""
+    dlq = unique_name("dlq")
+    topic, name = subscription(partitions=1, dead_letter_policy=DeadLetterPolicy(dlq, max_delivery_attempts=5))
+    published = publish_keys(kafka_config, topic, keys=40, per_key=1).published
+    poison = published["key-0"][0]
+    others = {published[f"key-{k}"][0] for k in range(1, 40)}
+    attempts_key = partition_keys(name, 0)[2]
+    redis_client = StateStore(endpoints.redis_url).client
+    log = tmp_path / "events.jsonl"
+    exits: dict[str, int | None] = {}
+    waiting: dict[str, int] = {}
+
+    def settled() -> bool:  # the others acked and the poison dead-lettered, or more than it
+        letters = len(admin.list_dead_letters(name))
+        return letters > 1 or (letters == 1 and _acked(log, others))
+    for n in range(6):
+        worker = f"w{n}"
+        exits[worker] = _run_worker(
+            ["--bootstrap", endpoints.bootstrap, "--kafka-config", endpoints.kafka_config_file,
+             "--redis-url", endpoints.redis_url, "--subscription", name, "--workers", "1",
+             "--name", worker, "--log", str(log), "--crash-on", "key-0:0", "--session-ms", "2000",
+             "--seconds", "120"], tmp_path / f"{worker}.stderr",
+            settled, 120)
+        if exits[worker] != 3:
+            break
+        # Offsets 1..39 were released to the pool with the poison and left unsettled.
+        waiting[worker] = sum(1 for o in redis_client.hkeys(attempts_key) if int(o) != 0)
+    stderr = {w: (tmp_path / f"{w}.stderr").read_text()[-2000:] for w in exits}
+    events = _events(log)
+    deliveries = [(e["sub"], e["attempt"]) for e in events if e["id"] == poison and e["action"] == "deliver"]
+    assert deliveries == [(f"w{n}", n + 1) for n in range(5)], (exits, stderr)
+    assert exits == {**{f"w{n}": 3 for n in range(5)}, "w5": None}, (exits, stderr)
+    letters = admin.list_dead_letters(name)
+    assert [(d.reason, d.delivery_attempts, d.message_id) for d in letters] == [
+        ("MAX_DELIVERY_ATTEMPTS", 5, poison)], f"{len(letters)} dead letters"
+    assert {e["id"] for e in events if e["action"] == "ack"} == others
+    assert waiting == {f"w{n}": 39 for n in range(5)}
+    handled = [e for e in events if e["id"] in others and e["action"] == "deliver"]
+    assert {e["sub"] for e in handled} == {"w5"} and max(e["attempt"] for e in handled) <= 5
 
 
 def test_park_key_keeps_order_and_redrive_restores_it(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -9,10 +10,10 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ordering_layer import DeadLetterPolicy, Message, OrderedProducer, Subscriber, metrics
+from ordering_layer import DeadLetterPolicy, Message, OrderedConsumer, OrderedProducer, Subscriber, metrics
 from ordering_layer.subscriber.engine import Engine
 from tests.checker import DeliveryChecker, wait_until
-from tests.integration.conftest import recording_callback
+from tests.integration.conftest import publish_keys, recording_callback
 
 pytestmark = pytest.mark.integration
 
@@ -121,3 +122,35 @@ def test_subscriber_metrics_during_a_run_with_nacks_and_a_dead_letter(
             assert flushes is not None and flushes >= 1
         finally:
             metrics.unregister(streaming.engine)
+
+
+def test_ordered_consumer_serves_its_metrics(kafka_config: dict[str, Any], endpoints: Any,
+                                             subscription: Callable[..., tuple[str, str]],
+                                             endpoint: metrics.MetricsServer) -> None:
+    """SUB-1, ACK-4: ``OrderedConsumer(metrics_port=)`` exports its subscription like a ``Subscriber``:
+    after consuming 6 messages (acked by auto-commit at the next poll) the endpoint counts 6
+    deliveries and 6 acks, nothing outstanding; after close the counters stay in the totals."""
+    topic, name = subscription(partitions=2)
+    publish_keys(kafka_config, topic, keys=3, per_key=2)
+    labels = {"subscription": name, "topic": topic}
+    consumer = OrderedConsumer({**kafka_config, "group.id": name}, redis_url=endpoints.redis_url,
+                               metrics_port=endpoint.port)
+    try:
+        consumer.subscribe([topic])
+        got: list[Message] = []
+        deadline = time.monotonic() + 60
+        while len(got) < 6 and time.monotonic() < deadline:
+            got += consumer.consume(6, timeout=0.5)
+        assert len(got) == 6
+
+        def counted() -> bool:
+            consumer.poll(0)  # auto-commit acks what the last consume returned
+            samples = scrape(endpoint)
+            return (sample(samples, "ordering_layer_messages_delivered_total", **labels) == 6
+                    and sample(samples, "ordering_layer_messages_acked_total", **labels) == 6
+                    and sample(samples, "ordering_layer_outstanding_messages", **labels) == 0)
+
+        wait_until(counted, 30, "the consumer's deliveries and acks on the endpoint")
+    finally:
+        consumer.close()
+    assert sample(scrape(endpoint), "ordering_layer_messages_acked_total", **labels) == 6

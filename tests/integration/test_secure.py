@@ -150,6 +150,34 @@ def test_wrong_password_or_ca_fails_fast_naming_the_server(secure: Endpoints, ot
         assert time.monotonic() - started < 5, f"{server}: {raised.value} took {time.monotonic() - started:.1f} s"
 
 
+def test_subscriber_and_consumer_fail_fast_on_a_wrong_kafka_password(
+        secure: Endpoints, caplog: pytest.LogCaptureFixture, capfd: pytest.CaptureFixture[str]) -> None:
+    """A ``Subscriber`` and an ``OrderedConsumer`` given a wrong SASL password raise
+    ``AuthenticationError`` naming Kafka at construction, within seconds (before, they started and
+    retried the login forever); the wrong password and the right one reach no error and no log."""
+    caplog.set_level(logging.DEBUG)
+    kafka = secure.kafka_config()
+    wrong = f"wrong-{uuid.uuid4().hex}"
+    bad = {**kafka, "sasl.password": wrong}
+    constructors: list[Callable[[], object]] = [
+        lambda: Subscriber(bad, redis_url=secure.redis_url),
+        lambda: OrderedConsumer({**bad, "group.id": "never-joined"}, redis_url=secure.redis_url),
+    ]
+    seen: list[str] = []
+    for construct in constructors:
+        started = time.monotonic()
+        with pytest.raises(AuthenticationError) as raised:
+            construct()
+        assert time.monotonic() - started < 5, f"{raised.value} took {time.monotonic() - started:.1f} s"
+        assert raised.value.server == "kafka" and str(raised.value).startswith("Kafka refused the SASL credentials")
+        seen += [str(raised.value), repr(raised.value)]
+    captured = capfd.readouterr()
+    text = "\n".join([caplog.text, captured.out, captured.err, *seen])
+    assert "SASL authentication error" in text
+    for secret in (wrong, str(kafka["sasl.password"])):
+        assert secret not in text
+
+
 def test_secrets_never_reach_logs_output_errors_or_reprs(
         secure: Endpoints, passwords: list[str], unique_name: Callable[[str], str],
         caplog: pytest.LogCaptureFixture, capfd: pytest.CaptureFixture[str]) -> None:

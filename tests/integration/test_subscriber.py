@@ -308,13 +308,16 @@ def test_commit_on_get_and_batch_ack(admin: Admin, kafka_config: dict[str, Any],
 
 
 def test_batched_redis_writes_equal_one_by_one(endpoints: Any, unique_name: Callable[[str], str]) -> None:
-    """ACK-4, ACK-5: apply.lua sends runs of one command as one call; the state equals applying the
-    ops one by one (random op streams, long runs that need several calls, and the epoch fence)."""
+    """ACK-4, ACK-5, ACK-6: apply.lua sends runs of one command as one call; the state equals applying
+    the ops one by one (random op streams, long runs that need several calls, and the epoch fence),
+    and a claim reads attempts back with those never seen started apart."""
     store = StateStore(endpoints.redis_url)
     rng = random.Random(3)
     common: list[OpLetter] = [OpKind.DELIVERED, OpKind.LEASE, OpKind.SETTLED, OpKind.NACKED,
-                              OpKind.BATCH_DELIVERED, OpKind.BATCH_DELIVERED, OpKind.BATCH_LEASE]
-    rare: list[OpLetter] = [OpKind.DELIVERED, OpKind.LEASE, OpKind.SETTLED, OpKind.NACKED, OpKind.WATERMARK]
+                              OpKind.BATCH_DELIVERED, OpKind.BATCH_DELIVERED, OpKind.BATCH_LEASE,
+                              OpKind.BATCH_RELEASED, OpKind.STARTED]
+    rare: list[OpLetter] = [OpKind.DELIVERED, OpKind.LEASE, OpKind.SETTLED, OpKind.NACKED, OpKind.WATERMARK,
+                            OpKind.RELEASED]
     for trial in range(40):
         name = unique_name(f"lua{trial}")
         epoch = store.claim(name, 0).epoch
@@ -327,13 +330,20 @@ def test_batched_redis_writes_equal_one_by_one(endpoints: Any, unique_name: Call
             for _ in range(size):
                 kind = rng.choice(rare if rng.random() < 0.05 else common)
                 offset, value = rng.randrange(40), rng.randrange(1, 10**6)
+                if kind == OpKind.NACKED and rng.random() < 0.5:
+                    value = 0  # a lapsed lease: the attempt is not marked started
                 if kind == OpKind.BATCH_LEASE:
                     batch_lease = value
                 ops.append((kind, offset, value))
-                if kind == OpKind.DELIVERED:
+                if kind in (OpKind.DELIVERED, OpKind.STARTED):
                     attempts[offset] = value
+                elif kind == OpKind.RELEASED:
+                    attempts[offset] = -value
                 elif kind == OpKind.BATCH_DELIVERED:
                     attempts[offset] = value
+                    leases[offset] = batch_lease
+                elif kind == OpKind.BATCH_RELEASED:
+                    attempts[offset] = -value
                     leases[offset] = batch_lease
                 elif kind == OpKind.LEASE:
                     leases[offset] = value
@@ -343,6 +353,8 @@ def test_batched_redis_writes_equal_one_by_one(endpoints: Any, unique_name: Call
                     leases.pop(offset, None)
                 elif kind == OpKind.NACKED:
                     leases.pop(offset, None)
+                    if value:
+                        attempts[offset] = value
                 elif kind == OpKind.WATERMARK:
                     settled = {o for o in settled if o >= value}
             assert store.apply_many([(name, 0, epoch, ops)]) == [ApplyResult.APPLIED]
@@ -350,6 +362,9 @@ def test_batched_redis_writes_equal_one_by_one(endpoints: Any, unique_name: Call
         assert {int(o) for o in store.client.zrange(keys[1], 0, -1)} == settled
         assert {int(k): int(v) for k, v in store.client.hgetall(keys[2]).items()} == attempts
         assert {int(k): int(v) for k, v in store.client.hgetall(keys[3]).items()} == leases
+        claimed = store.claim(name, 0)  # ACK-6: a negative count is an attempt never seen started
+        assert claimed.attempts == {o: abs(n) for o, n in attempts.items()}
+        assert claimed.unstarted == {o for o, n in attempts.items() if n < 0}
     name = unique_name("lua-run")
     epoch = store.claim(name, 0).epoch
     run: list[Op] = [(OpKind.DELIVERED, o, 1) for o in range(5001)] + [(OpKind.LEASE, o, 7) for o in range(5001)]

@@ -2,7 +2,9 @@
 --
 -- KEYS[1]  epoch    string: owner epoch of the partition (INCR on each claim)
 -- KEYS[2]  settled  zset: offsets acked or dead-lettered above the committed offset (score = offset)
--- KEYS[3]  attempts hash: offset -> delivery attempts so far (unsettled messages only)
+-- KEYS[3]  attempts hash: offset -> n, the number of the offset's last attempt (unsettled messages
+--          only): n when user code has it (handed out by a pull, or started by a callback worker),
+--          -n while it waits in a callback pool (user code not yet seen to start it)
 -- KEYS[4]  leases   hash: offset -> lease deadline, epoch milliseconds
 -- ARGV[1]  the caller's epoch
 -- ARGV[2]  the ops, one string "kind,offset,value;" each (one argument keeps client-side encoding
@@ -10,10 +12,14 @@
 --          letters as ordering_layer.state.store.OpKind:
 --            DELIVERED       'd': attempts[offset] = value (the attempt number); lease by a later LEASE
 --            LEASE           'l': leases[offset] = value (deadline ms)
---            BATCH_LEASE     'b': the lease deadline (value, ms) of the BATCH_DELIVERED ops after it
+--            BATCH_LEASE     'b': the lease deadline (value, ms) of the BATCH_* ops after it
 --            BATCH_DELIVERED 'e': attempts[offset] = value; leases[offset] = the batch lease
+--            RELEASED        'r': attempts[offset] = -value (in a callback pool); lease by a later LEASE
+--            BATCH_RELEASED  'q': attempts[offset] = -value; leases[offset] = the batch lease
+--            STARTED         's': attempts[offset] = value (a callback worker started user code on it)
 --            SETTLED         'a': zadd settled offset; drop attempts and lease
---            NACKED          'n': drop lease (the message stays unsettled)
+--            NACKED          'n': drop lease (the message stays unsettled); a value above 0 is the
+--                                 attempt user code nacked: attempts[offset] = value (it started)
 --            WATERMARK       'w': committed offset is value: forget everything settled below it
 -- Returns 1 when applied, 0 when fenced (the stored epoch is higher: another owner claimed the
 -- partition since), 2 when the stored epoch was gone or lower (Redis lost its state): the caller's
@@ -27,6 +33,7 @@
 -- command), and different keys are independent, so the outcome is that of applying the ops one by
 -- one, with a fraction of the calls (and of the AOF entries they propagate).
 local DELIVERED, LEASE, BATCH_LEASE, BATCH_DELIVERED = 'd', 'l', 'b', 'e'
+local RELEASED, BATCH_RELEASED, STARTED = 'r', 'q', 's'
 local SETTLED, NACKED, WATERMARK = 'a', 'n', 'w'
 
 local result = 1
@@ -64,10 +71,17 @@ for kind, offset, value in string.gmatch(ARGV[2], '(%a),(%d+),(%d+);') do
   if kind == BATCH_DELIVERED then
     add(3, 'HSET', offset, value)
     add(4, 'HSET', offset, batch_lease)
+  elseif kind == BATCH_RELEASED then
+    add(3, 'HSET', offset, '-' .. value)
+    add(4, 'HSET', offset, batch_lease)
+  elseif kind == STARTED then
+    add(3, 'HSET', offset, value)
   elseif kind == BATCH_LEASE then
     batch_lease = value
   elseif kind == DELIVERED then
     add(3, 'HSET', offset, value)
+  elseif kind == RELEASED then
+    add(3, 'HSET', offset, '-' .. value)
   elseif kind == LEASE then
     add(4, 'HSET', offset, value)
   elseif kind == SETTLED then
@@ -76,6 +90,9 @@ for kind, offset, value in string.gmatch(ARGV[2], '(%a),(%d+),(%d+);') do
     add(4, 'HDEL', offset)
   elseif kind == NACKED then
     add(4, 'HDEL', offset)
+    if value ~= '0' then
+      add(3, 'HSET', offset, value)
+    end
   elseif kind == WATERMARK then
     send(2)
     command[2] = nil

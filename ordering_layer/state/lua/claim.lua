@@ -2,7 +2,8 @@
 --
 -- KEYS[1]  epoch    string: owner epoch, raised here
 -- KEYS[2]  settled  zset: settled offsets above the committed offset
--- KEYS[3]  attempts hash: offset -> delivery attempts of unsettled messages
+-- KEYS[3]  attempts hash: offset -> number of the last attempt of unsettled messages, negated while
+--          that attempt waited in a callback pool (see apply.lua)
 -- KEYS[4]  leases   hash: offset -> lease deadline (ms)
 -- KEYS[5]  seek     hash: the partition's latest seek (GRP-3): gen, offset (the target), settled
 --                   (comma-separated offsets above the target that count as settled), applied

@@ -1,0 +1,237 @@
+"""Attempts charged after crashes (ACK-6, DLQ-3): released is not started.
+
+The engine is driven without Kafka or Redis threads over a store that keeps the attempts and
+settled keys as ``apply.lua`` does and answers claims as ``claim.lua`` does (parsed by the real
+``parse_claim``). A "process" is an engine whose single callback worker takes the first message
+handed to it; a crash is the engine abandoned without another step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import cast
+
+from confluent_kafka import TopicPartition
+
+from ordering_layer.config import DeadLetterPolicy, FlowControl, RetryPolicy, SubscriptionSettings
+from ordering_layer.record import RecordMetadata
+from ordering_layer.state import ApplyResult, ClaimedPartition, StateStore
+from ordering_layer.state.store import Op, OpKind, parse_claim
+from ordering_layer.subscriber.engine import Engine
+from ordering_layer.subscriber.message import Message
+from ordering_layer.subscriber.partition import Delivery, Record
+from ordering_layer.subscriber.partitions import charged_attempts
+
+TOPIC = "orders"
+P0 = [TopicPartition(TOPIC, 0)]
+MAX_ATTEMPTS = 5
+POISON = 0
+KEYS = 12  # offset 0 is the poison (key k0); offsets 1..11 are the first messages of keys k1..k11
+
+
+class RedisLike:
+    """One partition's epoch, settled and attempts keys, written as apply.lua writes them."""
+
+    def __init__(self) -> None:
+        self.epoch = 0
+        self.settled: set[int] = set()
+        self.attempts: dict[int, int] = {}
+        self.ops: list[Op] = []
+
+    def claim(self, subscription: str, partition: int) -> ClaimedPartition:
+        self.epoch += 1
+        pairs = [str(v).encode() for item in self.attempts.items() for v in item]
+        return parse_claim([self.epoch, *(str(o).encode() for o in sorted(self.settled)), b"|", *pairs])
+
+    def apply_many(self, batches: Sequence[tuple[str, int, int, Sequence[Op]]]) -> list[ApplyResult]:
+        results = []
+        for _, _, epoch, ops in batches:
+            if epoch < self.epoch:
+                results.append(ApplyResult.FENCED)
+                continue
+            for kind, offset, value in ops:
+                self.ops.append((kind, offset, value))
+                if kind in (OpKind.DELIVERED, OpKind.BATCH_DELIVERED, OpKind.STARTED) or (
+                        kind == OpKind.NACKED and value):
+                    self.attempts[offset] = value
+                elif kind in (OpKind.RELEASED, OpKind.BATCH_RELEASED):
+                    self.attempts[offset] = -value
+                elif kind == OpKind.SETTLED:
+                    self.settled.add(offset)
+                    self.attempts.pop(offset, None)
+            results.append(ApplyResult.APPLIED)
+        return results
+
+    def parked_keys(self, subscription: str) -> set[bytes]:
+        return set()
+
+    def seek_announced(self, subscription: str) -> int:
+        return 0
+
+    def claim_for_seek(self, subscription: str, epochs: Mapping[int, int]) -> dict[int, ClaimedPartition | None]:
+        return {}
+
+
+def records() -> list[Record]:
+    return [Record(0, o, b"k%d" % o, b"x", [], RecordMetadata(None, 1, None), 1, 0) for o in range(KEYS)]
+
+
+class Process:
+    """One subscriber process in callback mode: an engine that owns partition 0."""
+
+    def __init__(self, store: RedisLike, *, pull: bool = False) -> None:
+        self.handed: list[Message] = []
+        settings = SubscriptionSettings(topic=TOPIC, retry_policy=RetryPolicy(minimum_backoff=0, maximum_backoff=0),
+                                        dead_letter_policy=DeadLetterPolicy("dlq", MAX_ATTEMPTS))
+        self.engine = Engine({"bootstrap.servers": "127.0.0.1:1"}, cast(StateStore, store), "sub", settings,
+                             flow_control=FlowControl(), on_messages=None if pull else self.handed.extend)
+        self.dead: list[tuple[int, int]] = []  # (offset, attempt) sent to the dead-letter topic
+
+        def write(delivery: Delivery, epoch: int, reason: str) -> None:
+            self.dead.append((delivery.record.offset, delivery.attempt))
+
+        self.engine._dead_letters.write = write  # type: ignore[method-assign]
+        self.engine._fetcher._on_assign(self.engine.consumer, P0)
+        self.engine._handle([self.engine._fetcher.fetched(records())], time.monotonic())
+
+    def step(self) -> None:
+        """One coordinator step, then a flush of what it queued (a step flushes only when due)."""
+        self.engine._step()
+        self.engine._flush()
+
+    def crash(self) -> None:
+        self.engine.consumer.close()
+
+
+def attempts_of(handed: list[Message]) -> dict[int, int]:
+    return {m.offset(): m.delivery_attempt for m in handed}
+
+
+def test_a_crashing_poison_is_dead_lettered_alone_after_exactly_max_attempts() -> None:
+    """DLQ-3, ACK-6: a poison that crashes the process on every start, released with 11 other keys'
+    first messages that wait in the pool (one worker), crashes exactly 5 processes (attempts 1..5),
+    then goes to the dead-letter topic as attempt 6 (5 attempts). The others were never started:
+    they are charged at most 4 attempts and all reach user code in the sixth process (attempt 5).
+    Before, every crash charged them in full: in the sixth process they came as attempt 6 and were
+    dead-lettered with the poison."""
+    store = RedisLike()
+    poison_attempts = []
+    for _ in range(MAX_ATTEMPTS):
+        process = Process(store)
+        process.step()
+        assert sorted(attempts_of(process.handed)) == list(range(KEYS))
+        first = process.handed[0]
+        assert first.offset() == POISON
+        poison_attempts.append(first.delivery_attempt)
+        assert process.engine.begin(first)  # the worker starts user code: it crashes the process
+        process.crash()
+    assert poison_attempts == [1, 2, 3, 4, 5]
+    # attempts 2..5 were suspects: their start reached Redis before user code ran.
+    assert [(k, v) for k, o, v in store.ops if k == OpKind.STARTED and o == POISON] == [
+        (OpKind.STARTED, n) for n in range(2, MAX_ATTEMPTS + 1)]
+
+    last = Process(store)
+    last.step()
+    assert last.dead == [(POISON, MAX_ATTEMPTS + 1)]
+    assert attempts_of(last.handed) == {o: MAX_ATTEMPTS for o in range(1, KEYS)}
+    for message in last.handed:
+        assert last.engine.begin(message)
+        message.ack()
+    last.step()
+    assert store.settled == set(range(1, KEYS))
+    last.crash()
+
+
+def test_an_unstarted_attempt_counts_but_never_reaches_the_limit() -> None:
+    """ACK-6, DLQ-3: at a claim a started attempt counts in full, an attempt never seen started counts
+    up to max_delivery_attempts - 1; beyond the limit (a dead letter in flight) it counts as it was."""
+    claimed = parse_claim([7, b"3", b"|", b"10", b"2", b"11", b"-2", b"12", b"-5", b"13", b"5", b"14", b"-6"])
+    assert (claimed.epoch, claimed.settled) == (7, frozenset({3}))
+    assert claimed.attempts == {10: 2, 11: 2, 12: 5, 13: 5, 14: 6}
+    assert claimed.unstarted == frozenset({11, 12, 14})
+    assert charged_attempts(claimed, 5) == {10: 2, 11: 2, 12: 4, 13: 5, 14: 6}
+    assert charged_attempts(claimed, None) == claimed.attempts
+
+
+def test_a_suspect_that_starts_and_crashes_is_charged_in_full() -> None:
+    """ACK-6: a message handed out before a crash records its start before user code runs, so a crash
+    while it runs counts even though the coordinator never flushed again; a message that started
+    at a process without being a suspect counts in full once its start note was flushed."""
+    store = RedisLike()
+    first = Process(store)
+    first.step()
+    assert first.engine.begin(first.handed[1])  # a note, written with the next flush
+    first.step()
+    first.crash()
+    assert store.attempts[1] == 1 and store.attempts[2] == -1
+
+    second = Process(store)
+    second.step()
+    assert attempts_of(second.handed)[1] == 2 and attempts_of(second.handed)[2] == 2
+    assert second.engine.begin(second.handed[2])  # a suspect: written at once
+    assert store.attempts[2] == 2
+    second.crash()
+
+    third = Process(store)
+    third.step()
+    assert attempts_of(third.handed)[2] == 3
+    third.crash()
+
+
+def test_a_start_is_not_written_after_the_settle_and_a_stale_suspect_does_not_run() -> None:
+    """ACK-5, ACK-6: a start noted for a delivery acked in the same step is dropped (no attempts entry
+    comes back after SETTLED); a suspect whose delivery was given back before a worker took it does
+    not run (its redelivery does)."""
+    store = RedisLike()
+    first = Process(store)
+    first.step()
+    first.crash()
+    second = Process(store)
+    second.step()
+    plain_before = len(store.ops)
+    message = second.handed[1]
+    assert second.engine.begin(message)
+    message.ack()
+    second.step()
+    assert 1 in store.settled and 1 not in store.attempts
+    assert [op for op in store.ops[plain_before:] if op[0] == OpKind.STARTED and op[1] == 1] == [
+        (OpKind.STARTED, 1, 2)]
+    given_back = second.handed[2]
+    given_back.nack()
+    second.step()
+    assert not second.engine.begin(given_back)
+    second.crash()
+
+
+def test_a_nack_marks_its_attempt_started() -> None:
+    """ACK-6: a nack comes from user code, so it marks its attempt started (NACKED carries it) even when
+    the worker's start note is dropped because the nack arrived in the same step."""
+    store = RedisLike()
+    process = Process(store)
+    process.step()
+    message = process.handed[1]
+    assert process.engine.begin(message)
+    message.nack()
+    process.step()
+    ops = [op for op in store.ops if op[1] == 1 and op[0] != OpKind.BATCH_LEASE]
+    assert ops == [(OpKind.BATCH_RELEASED, 1, 1), (OpKind.NACKED, 1, 1), (OpKind.BATCH_RELEASED, 1, 2)]
+    process.crash()
+
+
+def test_a_pull_counts_the_release_as_the_start() -> None:
+    """ACK-6: a pull hands messages to user code at release: a crash after a pull charges them in full."""
+    store = RedisLike()
+    process = Process(store, pull=True)
+    process.engine._worker.start()
+    try:
+        pulled = process.engine.pull(KEYS, 5.0)
+    finally:
+        process.engine._worker.stop()
+    assert len(pulled) == KEYS
+    assert store.attempts == {o: 1 for o in range(KEYS)}
+    process.crash()
+    again = Process(store, pull=True)
+    state = again.engine._partitions[0]
+    assert [r.attempts for queue in state.keys.values() for r in queue.records] == [1] * KEYS
+    again.crash()
