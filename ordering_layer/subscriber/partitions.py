@@ -156,7 +156,8 @@ class Partitions:
 
     def confirm(self, partition: int, seek_generation: int) -> None:
         """A commit tagged ``seek_generation`` reached Kafka: a seek of that generation applied here is
-        complete; mark it applied in Redis (retried at the next such report when Redis fails)."""
+        complete; mark it applied in Redis (when Redis fails, the commit point is sent again at the next
+        interval, and its report retries)."""
         entry = self._unconfirmed.get(partition)
         if entry is None or entry[1] != seek_generation:
             return
@@ -165,6 +166,7 @@ class Partitions:
         except redis.RedisError as exc:
             _LOGGER.warning("%s: marking seek %d applied in partition %d failed (%s); retrying", self._subscription,
                             seek_generation, partition, exc)
+            self._committed.pop(partition, None)
             return
         del self._unconfirmed[partition]
         if marked:

@@ -6,6 +6,7 @@ import time
 from collections.abc import Iterator, Mapping
 
 import pytest
+import redis
 
 from ordering_layer.state.store import ClaimedPartition
 from ordering_layer.subscriber.engine import Engine
@@ -24,6 +25,7 @@ class SeekStore(FakeStore):
         self.pending: dict[int, ClaimedPartition | None] = {}
         self.at_claim: ClaimedPartition | None = None
         self.applied: list[tuple[int, int, int]] = []
+        self.marks_failing = 0
 
     def claim(self, subscription: str, partition: int) -> ClaimedPartition:
         if self.at_claim is not None:
@@ -38,6 +40,9 @@ class SeekStore(FakeStore):
         return {p: c for p, c in pending.items() if p in epochs}
 
     def seek_applied(self, subscription: str, partition: int, epoch: int, generation: int) -> bool:
+        if self.marks_failing:
+            self.marks_failing -= 1
+            raise redis.ConnectionError("Redis is down")
         self.applied.append((partition, epoch, generation))
         return True
 
@@ -135,3 +140,19 @@ def test_a_fenced_owner_drops_the_partition_when_it_looks_for_seeks(engine: Engi
     store.pending = {0: None}
     _look_for_seeks(engine)
     assert 0 not in engine._partitions
+
+
+def test_a_failed_applied_mark_is_retried_with_the_commit_sent_again(engine: Engine, store: SeekStore) -> None:
+    """GRP-3: when Redis does not take the applied mark, the commit point is sent again at the next
+    interval (an idle partition's commit would not move), and its report marks the seek applied."""
+    store.at_claim = ClaimedPartition(5, frozenset(), {}, seek_generation=2, seek_offset=7)
+    engine.assigned([0], {0: 1})
+    assert [tp.offset for tp in engine._offsets(sync=False)] == [7]
+    store.marks_failing = 1
+    engine._handle([Committed([(0, 7, 2)])], time.monotonic())
+    assert store.applied == []
+    [again] = engine._offsets(sync=False)
+    assert (again.offset, again.metadata) == (7, "ol-seek:2")
+    engine._handle([Committed([(0, 7, 2)])], time.monotonic())
+    assert store.applied == [(0, 5, 2)]
+    assert engine._offsets(sync=False) == []
