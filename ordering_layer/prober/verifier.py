@@ -91,8 +91,8 @@ class Violation:
 
 class _Key:
     __slots__ = ("acked", "ahead_hi", "ahead_lo", "batch", "expected", "gen", "high", "holder", "last",
-                 "last_attempt", "nacked", "owed", "run_acked", "run_attempt", "run_first", "run_start",
-                 "runs", "unsettled")
+                 "last_attempt", "nacked", "owed", "run_acked", "run_attempt", "run_first", "run_gen",
+                 "run_start", "runs", "unsettled")
 
     def __init__(self, gen: int) -> None:
         self.last = self.high = self.acked = -1
@@ -107,6 +107,7 @@ class _Key:
         # The last few runs (subscriber, first delivery number, first seq): judge refused acks by.
         self.runs: deque[tuple[str, int, int]] = deque(maxlen=_RUNS_KEPT)
         self.gen = gen
+        self.run_gen = gen  # the fault generation the current run started in
         self.expected: int | None = None
 
 
@@ -246,7 +247,7 @@ class Verifier:
                                              f"no fault or lost subscriber)")
         if not fault and n == k.last and d.attempt <= k.last_attempt:
             self._violate("attempt", d, n, f"redelivered with attempt {d.attempt}, was {k.last_attempt}")
-        elif not fault and n == k.run_start and n != k.last and d.attempt <= k.run_attempt:
+        elif k.run_gen == self._gen and n == k.run_start and n != k.last and d.attempt <= k.run_attempt:
             self._violate("attempt", d, n, f"redelivered with attempt {d.attempt}, was {k.run_attempt}")
         self.counts["restarts"] += 1
         if handover:
@@ -257,8 +258,8 @@ class Verifier:
         self._new_run(k, d, n)
         return True
 
-    @staticmethod
-    def _new_run(k: _Key, d: Delivery, n: int) -> None:
+    def _new_run(self, k: _Key, d: Delivery, n: int) -> None:
+        k.run_gen = self._gen
         k.holder, k.run_start, k.run_first, k.run_attempt, k.unsettled = d.subscriber, n, d.delivery, d.attempt, 1
         k.run_acked = n - 1
         k.runs.append((d.subscriber, d.delivery, n))

@@ -458,3 +458,25 @@ def test_stale_ack_that_took_effect_is_a_fencing_violation() -> None:
         if outcome == ACK_OK:
             assert kinds(verdict) == {"stale_ack"} and verdict["examples"][0]["property"] == "ACK-5"
             assert verdict["acks_confirmed"] == 2
+
+
+def test_fault_during_a_run_excuses_attempts_restarting_at_its_start() -> None:
+    """ACK-6 after a fault: a run that began before a Redis FLUSHALL may be replayed from its start
+    with attempts counted again from 1, even when the key had deliveries after the fault; without the
+    fault the same stream breaks ACK-6."""
+    for fault in (True, False):
+        s = Stream()
+        s.expect(3)
+        s.handle(0, outcome=NACK)
+        s.handle(0, attempt=2)
+        s.handle(1)
+        if fault:
+            s.v.feed(Fault(10.0, "redis-flushall"))
+        s.handle(2)
+        for n in range(3):
+            s.handle(n, sub="s2")
+        verdict = s.finish()
+        if fault:
+            assert verdict["ok"], verdict["examples"]
+        else:
+            assert "attempt" in kinds(verdict)
