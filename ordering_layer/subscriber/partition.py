@@ -1,28 +1,24 @@
-"""Per-partition dispatch state: offset tracking, per-key hold queues, cascade bookkeeping.
+"""Per-partition dispatch state: routing to per-key hold queues, release, cascade bookkeeping.
 
 Pure logic, no I/O, one instance per owned partition, used under the engine's lock.
-
-* ``OffsetTracker`` knows the committed-offset candidate: the lowest fetched offset not settled.
-* ``KeyQueue`` holds the fetched records of one ordering key from its first unsettled one. The
-  first ``cursor`` records have been delivered since the key's last reset; a nack or expiry of one
-  of them rewinds the cursor to it, so it and every later delivered record go out again in order
-  (SUB-4), acked ones included.
-* ``PartitionState`` routes records to key queues, runs the recovery walk after a claim (records
-  settled before a crash are skipped unless their key is cascading), and releases what may go out.
+``PartitionState`` routes records to key queues (``key_queue.KeyQueue``), runs the recovery walk
+after a claim (records settled before a crash are skipped unless their key is cascading), releases
+what may go out, rewinds a key's cursor on a nack or lapse (SUB-4) and holds the key back
+(``key_queue.KeyBackoff``, DLQ-1); its commit point is kept by ``commit_point.OffsetTracker``.
 """
 
 from __future__ import annotations
 
-import heapq
 import itertools
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from ordering_layer.record import HeaderPairs, RecordMetadata
+from ordering_layer.subscriber.commit_point import OffsetTracker
+from ordering_layer.subscriber.key_queue import KeyBackoff, KeyQueue, QueueKey
 
-QueueKey = bytes | int
+__all__ = ["AWAITING_SEEK", "Delivery", "PartitionState", "QueueKey", "Record"]
 
 
 @dataclass(slots=True, eq=False)
@@ -46,54 +42,6 @@ class Record:
     attempts: int = 0
     last_error: str | None = None
     suspect: bool = False
-
-
-class OffsetTracker:
-    """The lowest fetched offset of a partition that is not settled (the commit point)."""
-
-    def __init__(self) -> None:
-        self._order: deque[int] = deque()
-        self._settled: set[int] = set()
-        self.next_offset: int | None = None
-
-    def add(self, offset: int) -> None:
-        """A fetched offset (offsets arrive in increasing order)."""
-        self._order.append(offset)
-        self.next_offset = offset + 1
-
-    def settle(self, offset: int) -> None:
-        """An offset acked or dead-lettered (or skipped as settled before)."""
-        self._settled.add(offset)
-        order, settled = self._order, self._settled
-        while order and order[0] in settled:
-            settled.discard(order.popleft())
-
-    @property
-    def watermark(self) -> int | None:
-        """The offset to commit: everything below it is settled. None before any fetch."""
-        return self._order[0] if self._order else self.next_offset
-
-
-class KeyQueue:
-    """Fetched records of one ordering key (or one unordered record) in offset order.
-
-    Made for nearly every message of a busy subscription (a key's queue goes when it empties), so
-    it is a plain slotted class: a dataclass with default factories costs twice as much to make.
-    """
-
-    __slots__ = ("acked", "cursor", "failures", "not_before", "outstanding", "records")
-
-    def __init__(self) -> None:
-        self.records: deque[Record] = deque()
-        self.cursor = 0
-        self.outstanding: dict[int, int] = {}
-        self.acked: set[int] = set()
-        self.failures = 0
-        self.not_before = 0.0
-
-    def releasable(self, now: float) -> bool:
-        """Nothing outstanding, not backing off, and something not yet delivered."""
-        return not self.outstanding and now >= self.not_before and self.cursor < len(self.records)
 
 
 class Delivery(NamedTuple):
@@ -141,9 +89,8 @@ class PartitionState:
         self.tracker.next_offset = start_offset
         self.keys: dict[QueueKey, KeyQueue] = {}
         self.ready: dict[QueueKey, None] = {}
-        self.backing_off: dict[QueueKey, None] = {}
-        self._wakes: list[tuple[float, int, QueueKey]] = []  # due-time heap of the backing-off keys
-        self._wake_seq = itertools.count()
+        self._backoff = KeyBackoff()
+        self.backing_off = self._backoff.held  # read per message: the dict itself, not the holder
         self.buffered = 0
         self.revoking = False
         self._settled_before = set(settled_before)
@@ -281,7 +228,7 @@ class PartitionState:
         if not records:
             del self.keys[qkey]
             self.ready.pop(qkey, None)
-            self.backing_off.pop(qkey, None)
+            self._backoff.cancel(qkey)
         elif not queue.outstanding and qkey not in self.backing_off:
             self.ready[qkey] = None
 
@@ -321,30 +268,24 @@ class PartitionState:
     def _hold(self, qkey: QueueKey, queue: KeyQueue, now: float, delay: float) -> None:
         queue.not_before = now + delay
         if delay > 0:
-            self.backing_off[qkey] = None
+            self._backoff.hold(qkey, queue.not_before)
             self.ready.pop(qkey, None)
-            heapq.heappush(self._wakes, (queue.not_before, next(self._wake_seq), qkey))
             return
-        self.backing_off.pop(qkey, None)
+        self._backoff.cancel(qkey)
         if not queue.outstanding:
             self.ready[qkey] = None
 
     def wake(self, now: float) -> None:
         """Move keys whose backoff has ended back to the ready set (due-time order, no scan)."""
-        wakes, keys, backing_off = self._wakes, self.keys, self.backing_off
-        while wakes and wakes[0][0] <= now:
-            due, _, qkey = heapq.heappop(wakes)
+        keys = self.keys
+        for qkey in self._backoff.ended(now):
             queue = keys.get(qkey)
-            if queue is None:
-                backing_off.pop(qkey, None)
-            elif qkey in backing_off and queue.not_before == due:  # else: held again since, a later entry
-                del backing_off[qkey]
-                if not queue.outstanding:
-                    self.ready[qkey] = None
+            if queue is not None and not queue.outstanding:
+                self.ready[qkey] = None
 
     def next_wake(self) -> float | None:
         """The earliest end of a backoff, if any key is backing off."""
-        return self._wakes[0][0] if self._wakes else None
+        return self._backoff.next_end()
 
     def held_keys(self) -> int:
         """Keys with something outstanding or backing off (a scan: for metrics, not the hot path)."""

@@ -1,10 +1,10 @@
-"""Pure dispatch logic: offset tracking, per-key hold queues, cascade bookkeeping, recovery walk."""
+"""Pure dispatch logic of a partition: per-key hold queues, cascade bookkeeping, recovery walk."""
 
 from __future__ import annotations
 
 from ordering_layer.config import RetryPolicy
 from ordering_layer.record import RecordMetadata
-from ordering_layer.subscriber.partition import OffsetTracker, PartitionState, Record
+from ordering_layer.subscriber.partition import PartitionState, Record
 
 NO_BACKOFF = RetryPolicy(0, 0).backoff
 
@@ -21,22 +21,6 @@ def fill(state: PartitionState, keys: list[bytes | None], start: int = 0) -> Non
 def release_all(state: PartitionState, limit: int = 1) -> list[tuple[bytes | int, int, int]]:
     """(queue key, offset, token) of everything releasable now."""
     return [(d.queue_key, d.record.offset, d.token) for d in state.release_ready(0.0, 10**9, limit, 10**9)]
-
-
-def test_offset_tracker_commits_lowest_unsettled() -> None:
-    """ACK-4: the committed offset is the lowest fetched offset not yet settled."""
-    tracker = OffsetTracker()
-    assert tracker.watermark is None
-    for offset in (5, 6, 7, 9):
-        tracker.add(offset)
-    assert tracker.watermark == 5
-    tracker.settle(6)
-    tracker.settle(9)
-    assert tracker.watermark == 5
-    tracker.settle(5)
-    assert tracker.watermark == 7
-    tracker.settle(7)
-    assert tracker.watermark == 10
 
 
 def test_one_outstanding_per_key_and_keys_independent() -> None:
