@@ -8,7 +8,7 @@ the same operation sequence, step for step, and must release the same offsets wi
 attempts and pack the same Redis ops (checked after each round):
 
 * Python: ``Partitions.take`` and ``Partitions.release`` over ``PartitionState`` (the library's own
-  code), the attempt and lease ops as ``Engine._admit`` builds them, ``PartitionState.ack`` with its
+  code), the attempt and lease ops as ``Dispatcher._admit`` builds them, ``PartitionState.ack`` with its
   settle op, and the packing of ``StateStore.apply_many``;
 * compiled: ``partition_runs`` + ``PartitionCore.add``, the same round-robin release over
   ``PartitionCore.release_ready`` (ops written by the core), the acks gathered per partition into
@@ -111,14 +111,14 @@ class PythonPath:
         return self.partitions.release(now, budget, 1, byte_budget)
 
     def admit(self, released: list[tuple[PartitionState, list[Delivery]]]) -> None:
-        for state, batch in released:  # Engine._admit's ops, into StateWriter.extend's lists
+        for state, batch in released:  # Dispatcher._admit's ops, into StateWriter.extend's lists
             ops: list[Op] = [("b", 0, LEASE_MS)]
             ops.extend([("e", d.record.offset, d.attempt) for d in batch])
             self.ops.setdefault(state.partition, []).extend(ops)
 
     def settle(self, acks: list[Delivery]) -> None:
         owned, writer = self.partitions.owned, self.ops
-        for delivery in acks:  # Engine._settle's state.ack and SETTLED op
+        for delivery in acks:  # Settlement.settle's state.ack and SETTLED op
             record = delivery.record
             owned[record.partition].ack(delivery.queue_key, record.offset, delivery.token)
             writer.setdefault(record.partition, []).append(("a", record.offset, 0))

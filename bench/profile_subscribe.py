@@ -34,8 +34,7 @@ from bench.common import bench_stack
 from ordering_layer import Admin, FlowControl, Message, RetryPolicy, Subscriber
 from ordering_layer.record import read_metadata
 from ordering_layer.stack import Endpoints
-from ordering_layer.subscriber import engine as engine_module
-from ordering_layer.subscriber import fetcher, partitions
+from ordering_layer.subscriber import commits, dispatch, fetcher, ownership, partitions, settlement
 from ordering_layer.subscriber.partition import Delivery
 
 _SAMPLE = 50_000
@@ -43,12 +42,12 @@ _SAMPLE = 50_000
 # (row, owner, method): engine steps that run once per batch, timed on the thread that runs them.
 PROBES: list[tuple[str, Any, str]] = [
     ("queueing (fetched batch -> partition key queues)", partitions.Partitions, "take"),
-    ("release (ready keys -> deliveries)", engine_module.Engine, "_release"),
-    ("admit (outstanding, attempt + lease ops, lease watch)", engine_module.Engine, "_admit"),
-    ("leases (expiry, extension)", engine_module.Engine, "_expire"),
-    ("Redis op encoding + flush (client side)", engine_module.Engine, "_flush"),
-    ("hand-off (Message objects, callback pool)", engine_module.Engine, "_dispatch"),
-    ("commit", engine_module.Engine, "_offsets"),
+    ("release (ready keys -> deliveries)", dispatch.Dispatcher, "release"),
+    ("admit (outstanding, attempt + lease ops, lease watch)", dispatch.Dispatcher, "_admit"),
+    ("leases (expiry, extension)", settlement.Settlement, "expire"),
+    ("Redis op encoding + flush (client side)", ownership.Ownership, "flush"),
+    ("hand-off (Message objects, callback pool)", dispatch.Dispatcher, "hand_out"),
+    ("commit", commits.Commits, "offsets"),
 ]
 NESTED = {"admit (outstanding, attempt + lease ops, lease watch)": "release (ready keys -> deliveries)"}
 

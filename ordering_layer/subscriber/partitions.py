@@ -31,6 +31,8 @@ from ordering_layer.subscriber.requests import Fetched, SeekPartition
 
 _LOGGER = logging.getLogger(__name__)
 
+Released = list[tuple[PartitionState, list[Delivery]]]  # released deliveries, by partition
+
 
 def charged_attempts(claimed: ClaimedPartition, max_attempts: int | None) -> dict[int, int]:
     """The delivery attempts each unsettled offset of a claimed partition is charged with (ACK-6,
@@ -215,8 +217,7 @@ class Partitions:
         """Fetched records not yet released, all partitions."""
         return sum(state.buffered for state in self.owned.values())
 
-    def release(self, now: float, budget: int, per_key: int,
-                byte_budget: int) -> list[tuple[PartitionState, list[Delivery]]]:
+    def release(self, now: float, budget: int, per_key: int, byte_budget: int) -> Released:
         """Release up to ``budget`` records and ``byte_budget`` bytes, ``per_key`` per ready key.
         Partitions take turns: each gets a fair share of the budget first, starting one further each
         call, then the rest goes round (so under flow control no partition gets freed budget first)."""
@@ -227,7 +228,7 @@ class Partitions:
         states = states[start:] + states[:start]
         for state in states:
             state.wake(now)
-        released: list[tuple[PartitionState, list[Delivery]]] = []
+        released: Released = []
         share = max(per_key, -(-budget // len(states)))
         for cap in (share, budget):
             for state in states:

@@ -73,7 +73,7 @@ def _queued_seeks(engine: Engine) -> list[SeekPartition]:
 
 
 def _look_for_seeks(engine: Engine) -> None:
-    engine._last_commit = 0.0  # the look comes with the next commit interval
+    engine._commits.last = 0.0  # the look comes with the next commit interval
     engine._step()
 
 
@@ -105,14 +105,14 @@ def test_a_running_engine_restarts_a_sought_partition_and_refuses_acks_of_before
     assert answer.result(1) is AckResponse.LEASE_LOST
     engine._handle([engine._fetcher.fetched([record(o) for o in range(2, 6)])], time.monotonic())
     assert state.buffered == 0  # fetched before the consumer sought: not this state's
-    assert [tp.offset for tp in engine._offsets(sync=True)] == [2]  # a purge would commit the target
+    assert [tp.offset for tp in engine._commits.offsets(sync=True)] == [2]  # a purge would commit the target
 
     engine._fetcher.generations[0] += 1  # what the fetch thread does when the consumer has sought
     engine._handle([Sought(0, engine._fetcher.generations[0], 1)], time.monotonic())
     engine._handle([engine._fetcher.fetched([record(o) for o in range(2, 6)])], time.monotonic())
     engine._step()
     assert [(m.offset(), m.delivery_attempt) for m in handed] == [(2, 1), (3, 1)]  # 4 settled, 5 waits for 2
-    [commit] = engine._offsets(sync=True)
+    [commit] = engine._commits.offsets(sync=True)
     assert (commit.offset, commit.metadata) == (2, "ol-seek:1")
 
     engine._handle([Committed([(0, 3, 0)])], time.monotonic())
@@ -126,7 +126,7 @@ def test_a_seek_pending_at_claim_starts_the_partition_at_its_target(engine: Engi
     """GRP-3: a claim that applied a pending seek starts the consumer at the target (the fetcher
     assigns it there) and the commit point is the target until records arrive."""
     store.at_claim = ClaimedPartition(5, frozenset({9}), {}, seek_generation=3, seek_offset=7)
-    assert engine.assigned([0], {0: 1}) == {0: 7}
+    assert engine._ownership.assigned([0], {0: 1}) == {0: 7}
     state = engine._partitions[0]
     assert (state.generation, state.seek_generation, state.tracker.watermark) == (1, 3, 7)
     engine._handle([Committed([(0, 7, 3)])], time.monotonic())
@@ -146,13 +146,13 @@ def test_a_failed_applied_mark_is_retried_with_the_commit_sent_again(engine: Eng
     """GRP-3: when Redis does not take the applied mark, the commit point is sent again at the next
     interval (an idle partition's commit would not move), and its report marks the seek applied."""
     store.at_claim = ClaimedPartition(5, frozenset(), {}, seek_generation=2, seek_offset=7)
-    engine.assigned([0], {0: 1})
-    assert [tp.offset for tp in engine._offsets(sync=False)] == [7]
+    engine._ownership.assigned([0], {0: 1})
+    assert [tp.offset for tp in engine._commits.offsets(sync=False)] == [7]
     store.marks_failing = 1
     engine._handle([Committed([(0, 7, 2)])], time.monotonic())
     assert store.applied == []
-    [again] = engine._offsets(sync=False)
+    [again] = engine._commits.offsets(sync=False)
     assert (again.offset, again.metadata) == (7, "ol-seek:2")
     engine._handle([Committed([(0, 7, 2)])], time.monotonic())
     assert store.applied == [(0, 5, 2)]
-    assert engine._offsets(sync=False) == []
+    assert engine._commits.offsets(sync=False) == []

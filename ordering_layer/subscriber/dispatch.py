@@ -1,0 +1,119 @@
+"""Release and hand-out: what may go out now, made outstanding, then handed to user code.
+
+``release`` takes from the partitions' ready keys within flow control (``FlowGate``: SUB-7), one
+per key in callback mode (SUB-1) or whole per-key batches up to the waiting pull's size in pull
+mode; each released batch becomes outstanding (``Leases``) and its attempts and lease are queued for
+Redis (``StateWriter``). The coordinator flushes those ops *before* ``hand_out`` (ACK-6, DLQ-3):
+a message no attempt of which Redis has taken never reaches user code. ``hand_out`` screens each
+delivery for dead-lettering (``DeadLetters``: DLQ-2, DLQ-3) and hands the rest to the callback pool
+or the oldest waiting pull (``handoff``). Used by the coordinator on its thread, under its lock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ordering_layer.config import SubscriptionSettings
+from ordering_layer.state.store import Op, OpKind, OpLetter
+from ordering_layer.subscriber.dead_letters import DeadLetters
+from ordering_layer.subscriber.flow import FlowGate
+from ordering_layer.subscriber.handoff import PullWaiters
+from ordering_layer.subscriber.leases import Leases, wall_ms
+from ordering_layer.subscriber.message import Message
+from ordering_layer.subscriber.partition import Delivery
+from ordering_layer.subscriber.partitions import Partitions, Released
+from ordering_layer.subscriber.state_writer import StateWriter
+
+
+class Dispatcher:
+    """The release and hand-out of one engine (coordinator thread only).
+
+    Args:
+        topic: the subscribed topic (named in each ``Message``).
+        settings: the subscription's settings (the ack deadline of a new lease).
+        owned: the owned partitions.
+        gate: flow control, giving the release budget.
+        leases: the outstanding deliveries.
+        writer: the queued Redis ops.
+        pulls: the waiting pulls (pull mode).
+        dead_letters: the dead-letter screen and writer.
+        counts: the engine's counters (``delivered``, ``redelivered`` are bumped here).
+        on_messages: callback mode: receives each handed-out batch; None for pull mode.
+        submit: where a ``Message`` posts its acks (the engine's inbox).
+    """
+
+    def __init__(self, topic: str, settings: SubscriptionSettings, owned: Partitions, gate: FlowGate,
+                 leases: Leases, writer: StateWriter, pulls: PullWaiters, dead_letters: DeadLetters,
+                 counts: dict[str, int], on_messages: Callable[[list[Message]], None] | None,
+                 submit: Callable[[Any], None]) -> None:
+        self._topic = topic
+        self._settings = settings
+        self._owned = owned
+        self._gate = gate
+        self._leases = leases
+        self._writer = writer
+        self._pulls = pulls
+        self._dead_letters = dead_letters
+        self._counts = counts
+        self._on_messages = on_messages
+        self._submit = submit
+
+    def release(self, now: float) -> Released:
+        """Release what may go out now, within flow control: callback mode one per key, pull mode
+        whole per-key batches up to the waiting pull's size."""
+        leases = self._leases
+        budget, byte_budget = self._gate.budget(len(leases.outstanding), leases.bytes)
+        per_key = 1
+        if self._on_messages is None:
+            per_key = self._pulls.wanted()
+            budget = min(budget, per_key)
+        released = self._owned.release(now, budget, per_key, byte_budget)
+        for state, batch in released:
+            self._admit(state.partition, batch, now)
+        return released
+
+    def _admit(self, partition: int, batch: list[Delivery], now: float) -> None:
+        """Released deliveries become outstanding; their attempts (and leases) are queued for Redis,
+        flushed before anyone sees them (DLQ-3): as delivered for a pull, as released (in the pool,
+        not yet started) in callback mode."""
+        self._leases.admit(partition, batch, now)
+        ops: list[Op] = []
+        pooled = self._on_messages is not None
+        kind: OpLetter = OpKind.RELEASED if pooled else OpKind.DELIVERED
+        if self._leases.track:
+            ops.append((OpKind.BATCH_LEASE, 0, wall_ms(self._settings.ack_deadline)))
+            kind = OpKind.BATCH_RELEASED if pooled else OpKind.BATCH_DELIVERED
+        ops.extend([(kind, d.record.offset, d.attempt) for d in batch])
+        self._writer.extend(partition, ops, now)
+
+    def hand_out(self, released: Released) -> None:
+        """Hand released deliveries, their attempts written, to user code; dead-letter those the
+        policy says (their write's report settles them later)."""
+        if not released:
+            return
+        messages: list[Message] = []
+        partitions, topic, submit, dead_letters = self._owned.owned, self._topic, self._submit, self._dead_letters
+        screen = dead_letters.max_attempts is not None or bool(dead_letters.parked)
+        redelivered = 0
+        for state, batch in released:
+            if partitions.get(state.partition) is not state:
+                continue  # fenced by the flush that recorded these deliveries: the new owner has them
+            epoch = state.epoch
+            for delivery in batch:
+                reason = dead_letters.verdict(delivery) if screen else None
+                if reason is not None:
+                    dead_letters.write(delivery, epoch, reason)
+                    continue
+                if delivery.attempt > 1:
+                    redelivered += 1
+                messages.append(Message(delivery, topic, epoch, submit))
+        counts = self._counts
+        counts["delivered"] += len(messages)
+        counts["redelivered"] += redelivered
+        if not messages:
+            return
+        if self._on_messages is not None:
+            self._on_messages(messages)
+        else:
+            self._pulls.answer(messages)

@@ -1,0 +1,134 @@
+"""Ownership of partitions at a running engine: assignment, revocation, loss and fencing.
+
+The fetch thread tells the coordinator of rebalances on its own thread (``fetcher.Ownership``), and
+this is the coordinator's side of them, under its lock: an assignment claims the partitions in Redis
+before their first fetch (``Partitions.claim``, ACK-5; a claim that applied a seek gives the offset
+to start at, GRP-3); a revocation lets the deliveries in progress finish first (affinity, SUB-5),
+writes what was decided and returns the commit points to commit before the partitions move; a loss
+lets go at once. A partition let go (``drop``) takes its queued ops (their ``ack_with_response``
+futures learn LEASE_LOST) and its outstanding deliveries with it (a later ack is refused).
+
+``flush`` writes every owned partition's queued ops in one round trip and applies Redis's verdicts:
+a partition a newer owner has fenced is dropped, one whose state Redis lost is adopted again. A seek
+(GRP-3) claims owned partitions again (``apply_seeks``): what they had outstanding is void.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping
+
+from confluent_kafka import TopicPartition
+
+from ordering_layer.config import SubscriptionSettings
+from ordering_layer.state import ApplyResult
+from ordering_layer.subscriber.commits import Commits
+from ordering_layer.subscriber.leases import Leases
+from ordering_layer.subscriber.partitions import Partitions
+from ordering_layer.subscriber.state_writer import StateWriter
+
+_LOGGER = logging.getLogger(__name__)
+
+_REVOKE_GRACE = 30.0  # the longest a revocation waits for deliveries in progress (seconds)
+
+
+class Ownership:
+    """Claims, revocations, losses and fencing of one engine's partitions.
+
+    Args:
+        subscription: subscription name (for logs).
+        settings: the subscription's settings (the ack deadline bounds a revocation's wait).
+        changed: the coordinator's lock, as the condition its thread notifies after each step.
+        owned: the owned partitions.
+        leases: the outstanding deliveries.
+        writer: the queued Redis ops.
+        commits: the commit points.
+    """
+
+    def __init__(self, subscription: str, settings: SubscriptionSettings, changed: threading.Condition,
+                 owned: Partitions, leases: Leases, writer: StateWriter, commits: Commits) -> None:
+        self._subscription = subscription
+        self._settings = settings
+        self._changed = changed
+        self._owned = owned
+        self._leases = leases
+        self._writer = writer
+        self._commits = commits
+
+    # -- fetch thread ------------------------------------------------------------------------------
+    def assigned(self, partitions: list[int], generations: Mapping[int, int]) -> Mapping[int, int]:
+        """Claim newly assigned partitions (before their first fetch); returns where a claim applied a
+        seek (GRP-3), to start there."""
+        starts = {}
+        owned = self._owned
+        with self._changed:
+            for number in partitions:
+                if owned.claim(number, generations[number], assigning=True):
+                    start = owned.owned[number].start_offset
+                    if start is not None:
+                        starts[number] = start
+        return starts
+
+    def revoking(self, partitions: list[int]) -> list[TopicPartition]:
+        """Let revoked partitions go after their deliveries in progress finish (SUB-5); returns the
+        offsets to commit."""
+        with self._changed:
+            for number in partitions:
+                state = self._owned.owned.get(number)
+                if state is not None:
+                    state.revoking = True
+            # Affinity (SUB-5): let the deliveries in progress finish before the keys can move.
+            deadline = time.monotonic() + min(self._settings.ack_deadline, _REVOKE_GRACE)
+            while any(key[0] in partitions for key in self._leases.outstanding) and time.monotonic() < deadline:
+                self._changed.wait(0.05)
+            self.flush()
+            offsets = self._commits.offsets(sync=True, only=partitions)
+            for number in partitions:
+                self.drop(number)
+            return offsets
+
+    def lost(self, partitions: list[int]) -> None:
+        """Drop lost partitions: another owner has them already."""
+        with self._changed:
+            for number in partitions:
+                self.drop(number)
+
+    # -- under the coordinator's lock ----------------------------------------------------------------
+    def drop(self, partition: int) -> None:
+        """Let go of a partition: its outstanding deliveries can no longer be acked here."""
+        self._owned.drop(partition)
+        self.void(partition)
+
+    def void(self, partition: int) -> None:
+        """Forget a partition's queued ops and outstanding deliveries (let go, or restarted by a seek)."""
+        self._writer.drop(partition)
+        self._leases.drop_partition(partition)
+
+    def fenced(self, partition: int) -> None:
+        """Redis refused a write of the partition: a newer owner has it."""
+        _LOGGER.warning("%s: partition %d fenced by a newer owner; dropping it", self._subscription, partition)
+        self.drop(partition)
+
+    def apply_seeks(self) -> None:
+        """Apply a newly announced seek (GRP-3, ``Commits.look_for_seek``): the partitions claimed
+        again lose their queued ops and outstanding deliveries; fenced ones are let go."""
+        restarted, fenced = self._commits.look_for_seek(self.flush)
+        for partition in fenced:
+            self.fenced(partition)
+        for partition in restarted:
+            self.void(partition)
+
+    def flush(self) -> bool:
+        """Write queued ops of every owned partition in one round trip; False when Redis failed."""
+        owned = self._owned
+        results = self._writer.flush({number: state.epoch for number, state in owned.owned.items()})
+        if results is None:
+            return False
+        for partition, result in results.items():
+            if result == ApplyResult.FENCED:
+                self.fenced(partition)
+            elif result == ApplyResult.ADOPTED:
+                owned.adopted(partition)
+        return True

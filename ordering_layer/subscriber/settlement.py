@@ -1,0 +1,158 @@
+"""What becomes of outstanding deliveries: acks, nacks, deadline changes, lapses, dead-letter reports.
+
+``Settlement`` applies each answer about a delivery handed out to the three places that keep its
+state: its partition's key queue (``PartitionState``: settle, or rewind and back off, SUB-4 and
+DLQ-1), its lease (``Leases``: forgotten, or a new deadline, ACK-1 to ACK-3) and the Redis ops
+queued for the next flush (``StateWriter``: SETTLED, NACKED, LEASE, STARTED, ACK-4). An answer
+under an epoch that is no longer the partition's, or for a delivery given back since, changes
+nothing; its ``ack_with_response`` future learns why (ACK-5). Used by the coordinator on its
+thread, under its lock; it decides nothing about ownership.
+
+Attempt counts (ACK-6, DLQ-3): in callback mode the workers note when user code starts on a
+delivery (``starts``, appended without a lock); the notes are written with the next flush, after the
+step's settles, so that a start is never written after its delivery's settle.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Mapping
+from concurrent.futures import Future
+
+from ordering_layer.config import SubscriptionSettings
+from ordering_layer.state.store import OpKind
+from ordering_layer.subscriber.leases import Leases
+from ordering_layer.subscriber.message import AckResponse
+from ordering_layer.subscriber.partition import Delivery, PartitionState
+from ordering_layer.subscriber.partitions import Released
+from ordering_layer.subscriber.requests import DeadLettered, SettleKind
+from ordering_layer.subscriber.state_writer import StateWriter, resolve
+
+_LOGGER = logging.getLogger(__name__)
+
+REQUEUE_DELAY = 1.0  # after a failed Redis or dead-letter write: the write is retried, no failure counted
+
+
+class Settlement:
+    """Answers about outstanding deliveries, applied to key queues, leases and queued ops.
+
+    Args:
+        subscription: subscription name (for logs).
+        settings: the subscription's settings (the retry policy's backoff).
+        owned: the owned partitions' states (the coordinator's live mapping).
+        leases: the outstanding deliveries.
+        writer: the queued Redis ops.
+        counts: the engine's counters (``acked``, ``nacked`` are bumped here).
+    """
+
+    def __init__(self, subscription: str, settings: SubscriptionSettings, owned: Mapping[int, PartitionState],
+                 leases: Leases, writer: StateWriter, counts: dict[str, int]) -> None:
+        self._subscription = subscription
+        self._settings = settings
+        self._owned = owned
+        self._leases = leases
+        self._writer = writer
+        self._counts = counts
+        # Callback mode: deliveries whose user code started, noted by the workers (deque appends
+        # and pops are thread-safe: the hot path takes no lock).
+        self.starts: deque[Delivery] = deque()
+
+    def settle(self, kind: int, delivery: Delivery, epoch: int, seconds: float, error: str | None,
+               future: Future[AckResponse] | None, now: float) -> None:
+        """Apply an ack, nack or deadline change of one delivery (the fields of a ``Settle``)."""
+        record = delivery.record
+        partition, offset = record.partition, record.offset
+        state = self._owned.get(partition)
+        if state is None or state.epoch != epoch:
+            resolve(future, AckResponse.LEASE_LOST)
+            return
+        key = (partition, offset)
+        leases = self._leases
+        out = leases.outstanding.get(key)
+        if out is None or out.delivery.token != delivery.token:
+            resolve(future, AckResponse.INVALID_ACK_ID)
+            return
+        writer = self._writer
+        if kind == SettleKind.ACK:
+            leases.acked(out, now)
+            state.ack(delivery.queue_key, offset, delivery.token)
+            writer.add(partition, (OpKind.SETTLED, offset, 0), now)
+            self._counts["acked"] += 1
+        elif kind == SettleKind.DEADLINE:
+            writer.add(partition, (OpKind.LEASE, offset, leases.set_deadline(key, out, seconds, now)), now)
+            writer.add_future(partition, future)
+            return
+        else:
+            state.nack(delivery.queue_key, offset, delivery.token, now, self._settings.retry_policy.backoff)
+            if error:
+                record.last_error = error
+            # A nack comes from user code: it marks the attempt started (its start note may have
+            # been dropped with the nack in this step).
+            writer.add(partition, (OpKind.NACKED, offset, delivery.attempt), now)
+            self._counts["nacked"] += 1
+        leases.pop(key)
+        writer.add_future(partition, future)
+
+    def write_starts(self, now: float) -> None:
+        """Queue the starts the workers noted, of deliveries still outstanding. Taken after the
+        step's events: a worker notes a start before user code can settle the delivery, so a settle
+        handled here comes before its start and the start is dropped (never written after SETTLED;
+        a NACKED op marks the start itself), and a later redelivery's release is queued after it."""
+        started = self.starts
+        if not started:
+            return
+        outstanding, writer, take = self._leases.outstanding, self._writer, started.popleft
+        for _ in range(len(started)):
+            delivery = take()
+            record = delivery.record
+            out = outstanding.get((record.partition, record.offset))
+            if out is not None and out.delivery.token == delivery.token:
+                writer.add(record.partition, (OpKind.STARTED, record.offset, delivery.attempt), now)
+
+    def expire(self, now: float) -> None:
+        """Leases: write the extensions (ACK-2); give back those that lapsed (ACK-1, SUB-4)."""
+        extended, lapsed = self._leases.expire(now)
+        writer = self._writer
+        for extension in extended:
+            writer.add(extension.partition, (OpKind.LEASE, extension.offset, extension.wall_ms), now)
+        for out in lapsed:
+            delivery = out.delivery
+            partition, offset = delivery.record.partition, delivery.record.offset
+            state = self._owned.get(partition)
+            if state is not None:
+                _LOGGER.info("%s: lease of %d:%d lapsed; redelivering", self._subscription, partition, offset)
+                state.nack(delivery.queue_key, offset, delivery.token, now, self._settings.retry_policy.backoff)
+                writer.add(partition, (OpKind.NACKED, offset, 0), now)
+
+    def dead_lettered(self, event: DeadLettered, now: float) -> bool:
+        """The dead-letter topic's answer about a delivery (DLQ-2): settled when it took the record,
+        given back without a failure when it refused it. True when a dead letter was written."""
+        state = self._owned.get(event.partition)
+        if state is None or state.epoch != event.epoch:
+            return False
+        out = self._leases.pop((event.partition, event.offset))
+        if event.error is None:
+            state.settle_dead_lettered(event.queue_key, event.offset)
+            self._writer.add(event.partition, (OpKind.SETTLED, event.offset, 0), now)
+            return True
+        if out is not None:
+            state.requeue(event.queue_key, event.offset, out.delivery.token, now, REQUEUE_DELAY)
+        return False
+
+    def holds(self, delivery: Delivery, epoch: int) -> bool:
+        """The delivery is still outstanding here under ``epoch`` (not given back, not moved)."""
+        record = delivery.record
+        state = self._owned.get(record.partition)
+        out = self._leases.outstanding.get((record.partition, record.offset))
+        return state is not None and state.epoch == epoch and out is not None and out.delivery.token == delivery.token
+
+    def give_back(self, released: Released, now: float) -> None:
+        """Redis did not take the attempt counts of released deliveries: give them back before anyone
+        sees them (not a failure of theirs: their keys' backoff does not grow, the attempt is taken back)."""
+        for state, batch in released:
+            for delivery in batch:
+                record = delivery.record
+                self._leases.pop((record.partition, record.offset))
+                record.attempts -= 1
+                state.requeue(delivery.queue_key, record.offset, delivery.token, now, REQUEUE_DELAY)
