@@ -1,0 +1,118 @@
+"""Release within flow control, admission and hand-out of one engine (``Dispatcher``), without Kafka."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, cast
+
+from ordering_layer.config import DeadLetterPolicy, FlowControl, SubscriptionSettings
+from ordering_layer.state import StateStore
+from ordering_layer.state.store import OpKind
+from ordering_layer.subscriber.dead_letters import MAX_DELIVERY_ATTEMPTS, DeadLetters
+from ordering_layer.subscriber.dispatch import Dispatcher
+from ordering_layer.subscriber.flow import FlowGate
+from ordering_layer.subscriber.handoff import PullWaiters
+from ordering_layer.subscriber.leases import Leases
+from ordering_layer.subscriber.message import Message
+from ordering_layer.subscriber.partition import Delivery, PartitionState
+from ordering_layer.subscriber.partitions import Partitions
+from ordering_layer.subscriber.requests import Pull
+from ordering_layer.subscriber.state_writer import StateWriter
+from tests.unit.test_engine import FakeStore
+from tests.unit.test_partition import record
+
+
+class HeldDeadLetters(DeadLetters):
+    """Dead letters kept here instead of produced."""
+
+    def __init__(self, settings: SubscriptionSettings) -> None:
+        super().__init__({"bootstrap.servers": "127.0.0.1:1"}, cast(StateStore, FakeStore()), "sub", settings,
+                         lambda report: None)
+        self.held: list[tuple[int, int, str]] = []
+
+    def write(self, delivery: Delivery, epoch: int, reason: str) -> None:
+        self.held.append((delivery.record.offset, epoch, reason))
+
+
+class Rig:
+    """Partition 0 owned with records 0..5 of keys a, b, a, b, c, c; callback mode unless ``pull``."""
+
+    def __init__(self, *, pull: bool = False, max_messages: int = 1000,
+                 settings: SubscriptionSettings | None = None) -> None:
+        self.settings = settings or SubscriptionSettings(topic="t")
+        store = cast(StateStore, FakeStore())
+        self.owned = Partitions(store, "sub", self.settings)
+        assert self.owned.claim(0, 1)
+        for offset, key in enumerate([b"a", b"b", b"a", b"b", b"c", b"c"]):
+            self.owned.owned[0].add(record(offset, key))
+        self.leases = Leases(self.settings)
+        self.writer = StateWriter(store, "sub")
+        self.pulls = PullWaiters()
+        self.dead_letters = HeldDeadLetters(self.settings)
+        self.counts = {"delivered": 0, "redelivered": 0}
+        self.handed: list[Message] = []
+        self.posted: list[Any] = []
+        on_messages: Callable[[list[Message]], None] | None = None if pull else self.handed.extend
+        self.dispatcher = Dispatcher("t", self.settings, self.owned, FlowGate(FlowControl(max_messages=max_messages)),
+                                     self.leases, self.writer, self.pulls, self.dead_letters, self.counts,
+                                     on_messages, self.posted.append)
+
+
+def test_callback_mode_releases_one_per_key_within_the_budget_and_queues_released_attempts() -> None:
+    """SUB-1, SUB-7, ACK-6: one record per ready key, no more than the flow-control budget; each becomes
+    outstanding and its attempt is queued as released (in the pool) under one batch lease."""
+    rig = Rig(max_messages=2)
+    released = rig.dispatcher.release(0.0)
+    [(state, batch)] = released
+    assert state is rig.owned.owned[0]
+    assert [d.record.offset for d in batch] == [0, 1]
+    assert sorted(rig.leases.outstanding) == [(0, 0), (0, 1)]
+    ops = rig.writer._ops[0]
+    assert ops[0][0] == OpKind.BATCH_LEASE and ops[1:] == [(OpKind.BATCH_RELEASED, 0, 1), (OpKind.BATCH_RELEASED, 1, 1)]
+    assert rig.dispatcher.release(0.0) == []  # the budget is used up
+    rig.dispatcher.hand_out(released)
+    assert [(m.offset(), m.ordering_key) for m in rig.handed] == [(0, "a"), (1, "b")]
+    assert rig.counts == {"delivered": 2, "redelivered": 0}
+    rig.handed[0].ack()
+    assert rig.posted == [rig.handed[0]]  # acks go to the engine's inbox
+
+
+def test_pull_mode_releases_per_key_batches_only_for_a_waiting_pull() -> None:
+    """SUB-1, GRP-5: nothing is released while no pull waits; then whole per-key batches up to the pull's
+    size, queued as delivered (user code has them), answer the oldest pull."""
+    rig = Rig(pull=True)
+    assert rig.dispatcher.release(0.0) == []
+    future: Future[list[Message]] = Future()
+    rig.pulls.add(Pull(3, time.monotonic() + 10, future))
+    released = rig.dispatcher.release(0.0)
+    assert [d.record.offset for _, batch in released for d in batch] == [0, 2, 1]
+    assert {op[0] for op in rig.writer._ops[0][1:]} == {OpKind.BATCH_DELIVERED}
+    rig.dispatcher.hand_out(released)
+    assert [m.offset() for m in future.result(0)] == [0, 2, 1]
+
+
+def test_hand_out_skips_a_partition_fenced_meanwhile_and_counts_redeliveries() -> None:
+    """ACK-5, SUB-4: deliveries of a partition state replaced since their release (fenced by the flush that
+    recorded them) are not handed out; attempts above 1 count as redeliveries."""
+    rig = Rig()
+    released = rig.dispatcher.release(0.0)
+    rig.owned.owned[0] = PartitionState(0, 2, ordered=True)
+    rig.dispatcher.hand_out(released)
+    assert rig.handed == [] and rig.counts["delivered"] == 0
+    rig.owned.owned[0] = released[0][0]
+    retried = Delivery(record(9, b"z"), b"z", 1, 2)
+    rig.dispatcher.hand_out([(released[0][0], [retried])])
+    assert [m.delivery_attempt for m in rig.handed] == [2] and rig.counts["redelivered"] == 1
+
+
+def test_deliveries_beyond_the_attempt_limit_are_dead_lettered_not_handed_out() -> None:
+    """DLQ-2, DLQ-3: a delivery whose attempt exceeds ``max_delivery_attempts`` goes to the dead-letter
+    writer under its epoch; the others reach user code."""
+    settings = SubscriptionSettings(topic="t", dead_letter_policy=DeadLetterPolicy("dlq", max_delivery_attempts=5))
+    rig = Rig(settings=settings)
+    state = rig.owned.owned[0]
+    rig.dispatcher.hand_out([(state, [Delivery(record(0, b"a"), b"a", 1, 6), Delivery(record(1, b"b"), b"b", 2, 5)])])
+    assert rig.dead_letters.held == [(0, 1, MAX_DELIVERY_ATTEMPTS)]
+    assert [m.offset() for m in rig.handed] == [1]

@@ -1,0 +1,135 @@
+"""Assignment, revocation, loss and fencing of one engine's partitions (``Ownership``), without Kafka."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import cast
+
+from ordering_layer.config import SubscriptionSettings
+from ordering_layer.state import ApplyResult, StateStore
+from ordering_layer.state.store import ClaimedPartition, Op, OpKind
+from ordering_layer.subscriber.commits import Commits
+from ordering_layer.subscriber.leases import Leases
+from ordering_layer.subscriber.message import AckResponse
+from ordering_layer.subscriber.ownership import Ownership
+from ordering_layer.subscriber.partitions import Partitions
+from ordering_layer.subscriber.state_writer import StateWriter
+from tests.unit.test_engine_seek import SeekStore
+from tests.unit.test_partition import record
+
+SETTINGS = SubscriptionSettings(topic="t")
+
+
+class VerdictStore(SeekStore):
+    """A seek store whose writes answer ``verdicts`` per partition (APPLIED otherwise)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.verdicts: dict[int, ApplyResult] = {}
+        self.settings_stored = 0
+
+    def apply_many(self, batches: Sequence[tuple[str, int, int, Sequence[Op]]]) -> list[ApplyResult]:
+        super().apply_many(batches)
+        return [self.verdicts.get(partition, ApplyResult.APPLIED) for _, partition, _, _ in batches]
+
+    def create_settings(self, subscription: str, settings: SubscriptionSettings) -> bool:
+        self.settings_stored += 1
+        return True
+
+
+class Rig:
+    def __init__(self) -> None:
+        self.store = VerdictStore()
+        store = cast(StateStore, self.store)
+        self.owned = Partitions(store, "sub", SETTINGS)
+        self.leases = Leases(SETTINGS)
+        self.writer = StateWriter(store, "sub")
+        self.changed = threading.Condition(threading.RLock())
+        self.commits = Commits(self.owned, self.writer, "t", "sub")
+        self.ownership = Ownership("sub", SETTINGS, self.changed, self.owned, self.leases, self.writer, self.commits)
+
+    def deliver(self, partition: int, offset: int) -> None:
+        """One record fetched and handed out in ``partition``."""
+        state = self.owned.owned[partition]
+        state.add(record(offset, b"k", partition))
+        self.leases.admit(partition, state.release_ready(0.0, 10, 1, 10**9), 0.0)
+
+
+def test_an_assignment_claims_and_reports_where_a_seek_starts() -> None:
+    """ACK-5, GRP-3: assigned partitions are claimed before their first fetch; a claim that applied a
+    pending seek gives its target as the partition's start."""
+    rig = Rig()
+    assert rig.ownership.assigned([0, 1], {0: 1, 1: 1}) == {}
+    assert sorted(rig.owned.owned) == [0, 1] and rig.owned.owned[1].generation == 1
+    rig.store.at_claim = ClaimedPartition(9, frozenset(), {}, seek_generation=2, seek_offset=40)
+    assert rig.ownership.assigned([2], {2: 3}) == {2: 40}
+
+
+def test_a_revocation_waits_for_deliveries_in_progress_then_commits_and_lets_go() -> None:
+    """SUB-5: a revoked partition stops releasing at once, but is let go only when its outstanding delivery
+    is settled (or the ack deadline passes); then its commit point is returned for a sync commit."""
+    rig = Rig()
+    rig.ownership.assigned([0, 1], {0: 1, 1: 1})
+    rig.deliver(0, 0)
+    rig.deliver(1, 0)
+    result: list[list[int]] = []
+    revoker = threading.Thread(target=lambda: result.append([tp.offset for tp in rig.ownership.revoking([0])]))
+    revoker.start()
+    deadline = time.monotonic() + 10
+    while not rig.owned.owned[0].revoking and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert rig.owned.owned[0].revoking and revoker.is_alive()
+    with rig.changed:
+        rig.owned.owned[0].ack(b"k", 0, rig.leases.outstanding[(0, 0)].delivery.token)
+        rig.leases.pop((0, 0))
+        rig.changed.notify_all()
+    revoker.join(SETTINGS.ack_deadline)
+    assert result == [[1]]
+    assert sorted(rig.owned.owned) == [1] and list(rig.leases.outstanding) == [(1, 0)]
+
+
+def test_a_loss_lets_go_at_once_and_voids_queued_answers() -> None:
+    """ACK-5: a lost partition is dropped with its outstanding deliveries; futures waiting on its queued
+    ops learn LEASE_LOST."""
+    rig = Rig()
+    rig.ownership.assigned([0], {0: 1})
+    rig.deliver(0, 0)
+    future: Future[AckResponse] = Future()
+    rig.writer.add(0, (OpKind.SETTLED, 0, 0), 0.0)
+    rig.writer.add_future(0, future)
+    rig.ownership.lost([0])
+    assert rig.owned.owned == {} and rig.leases.outstanding == {}
+    assert future.result(0) is AckResponse.LEASE_LOST
+
+
+def test_a_flush_drops_fenced_partitions_and_adopts_lost_state() -> None:
+    """ACK-5: Redis's verdicts of a flush apply: a partition fenced by a newer owner is dropped, one whose
+    state Redis lost is adopted again (the settings stored anew); a failed flush says so."""
+    rig = Rig()
+    rig.ownership.assigned([0, 1], {0: 1, 1: 1})
+    rig.deliver(0, 0)
+    rig.writer.add(0, (OpKind.SETTLED, 0, 0), 0.0)
+    rig.writer.add(1, (OpKind.SETTLED, 0, 0), 0.0)
+    rig.store.verdicts = {0: ApplyResult.FENCED, 1: ApplyResult.ADOPTED}
+    assert rig.ownership.flush()
+    assert sorted(rig.owned.owned) == [1] and rig.leases.outstanding == {}
+    assert rig.store.settings_stored == 1
+    rig.store.failing = True
+    rig.writer.add(1, (OpKind.SETTLED, 1, 0), 0.0)
+    assert not rig.ownership.flush()
+
+
+def test_a_seek_voids_the_deliveries_of_the_partitions_it_restarts() -> None:
+    """GRP-3: partitions claimed again for a seek lose what they had outstanding; fenced ones are let go."""
+    rig = Rig()
+    rig.ownership.assigned([0, 1], {0: 1, 1: 1})
+    rig.deliver(0, 0)
+    rig.deliver(1, 0)
+    rig.store.announced = 1
+    rig.store.pending = {0: ClaimedPartition(9, frozenset(), {}, seek_generation=1, seek_offset=0), 1: None}
+    rig.ownership.apply_seeks()
+    assert list(rig.owned.owned) == [0] and rig.owned.owned[0].epoch == 9
+    assert rig.leases.outstanding == {}
