@@ -228,7 +228,7 @@ class PartitionState:
         if not records:
             del self.keys[qkey]
             self.ready.pop(qkey, None)
-            self._backoff.cancel(qkey)
+            self.backing_off.pop(qkey, None)  # KeyBackoff.cancel, inlined: it runs per ack
         elif not queue.outstanding and qkey not in self.backing_off:
             self.ready[qkey] = None
 
