@@ -234,12 +234,12 @@ class Soak:
         """Wait until every message is acked or dead-lettered and the three poison messages are
         dead-lettered; then give the committed offsets a while to reach the end offsets."""
         def settled() -> bool:
-            acked = self.tally.acked("calm") + self.tally.acked("chaos")
-            if acked + self.figures.get("prober_dead_letters", 0) < self.plan.messages:
-                return False
+            # Messages count once whether acked, dead-lettered or both (a redelivery after a lost ack
+            # may end in the dead-letter topic); the dead letters are read on every poll.
+            done = self.tally.messages("calm") | self.tally.messages("chaos")
             poison, prober = self._letters()
-            self.figures["prober_dead_letters"] = prober
-            return acked + prober >= self.plan.messages and len(poison) == len(POISONS)
+            self.figures["prober_dead_letters"] = len(prober)
+            return len(done | prober) >= self.plan.messages and len(poison) == len(POISONS)
 
         drained = wait_for(settled, self.plan.settle_timeout, 2.0)
         self.figures["drained"] = drained
@@ -253,16 +253,17 @@ class Soak:
         wait_for(committed, 30, 1.0)
         self.timeline.note(f"committed offsets {self.figures['uncommitted_after_drain']} behind the end offsets")
 
-    def _letters(self) -> tuple[dict[str, int], int]:
-        """(poison kind -> delivery attempts, prober messages) of the dead-letter topic."""
+    def _letters(self) -> tuple[dict[str, int], set[tuple[str, str, int]]]:
+        """(poison kind -> delivery attempts, the prober messages as (run, key, seq)) of the
+        dead-letter topic."""
         found = {}
-        prober = 0
+        prober = set()
         for letter in self.admin.list_dead_letters(self.subscription):
             headers = {name: (value or b"").decode(errors="replace") for name, value in letter.headers}
             if ATTR_POISON in headers:
                 found[headers[ATTR_POISON]] = letter.delivery_attempts
-            else:
-                prober += 1
+            elif ATTR_RUN in headers and ATTR_SEQ in headers and letter.ordering_key:
+                prober.add((headers[ATTR_RUN], letter.ordering_key, int(headers[ATTR_SEQ])))
         return found, prober
 
     # -- judging -------------------------------------------------------------------------------------

@@ -284,6 +284,11 @@ class AckTally:
         self._read()
         return len(self._acked.get(run, ()))
 
+    def messages(self, run: str) -> set[tuple[str, str, int]]:
+        """The distinct messages of ``run`` acked so far, as (run, key, seq)."""
+        self._read()
+        return {(run, key, seq) for key, seq in self._acked.get(run, ())}
+
     def _read(self) -> None:
         for path in self._events.glob("sub*.jsonl"):
             with open(path, "rb") as file:

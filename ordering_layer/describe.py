@@ -42,6 +42,8 @@ class PartitionDescription:
     ordering keys with a leased (outstanding) message; it is a lower bound when ``held_keys_complete``
     is false (the leased messages lie more than ``SCAN_LIMIT`` records past the first unsettled one).
     ``parked_keys`` counts the subscription's parked keys that the layer's partitioner routes here.
+    ``pending_seek`` is the generation of a seek (GRP-3) recorded for the partition that no owner has
+    applied yet (0: none).
     """
 
     partition: int
@@ -57,6 +59,7 @@ class PartitionDescription:
     held_keys: int
     held_keys_complete: bool
     parked_keys: int
+    pending_seek: int = 0
 
 
 @dataclass(frozen=True)
@@ -135,6 +138,7 @@ def describe_subscription(admin: AdminClient, kafka_config: Mapping[str, Any], s
         count = len(metadata.partitions)
         offsets = partition_offsets(consumer, topic, list(range(count)), timeout)
         redis_state = _read_redis(store, name, count)
+        seeks = store.seek_status(name, list(range(count)))
         scans = _scan(consumer, topic, offsets, redis_state, timeout, scan_limit)
     finally:
         consumer.close()
@@ -154,7 +158,8 @@ def describe_subscription(admin: AdminClient, kafka_config: Mapping[str, Any], s
             epoch=state.epoch, committed=row.committed, log_end=row.end, backlog=row.backlog,
             outstanding=len(state.leased), oldest_unacked_age=age,
             held_keys=len(scan.keys) if scan else 0, held_keys_complete=scan.done if scan else True,
-            parked_keys=parked_in.count(row.partition)))
+            parked_keys=parked_in.count(row.partition),
+            pending_seek=seeks[row.partition].generation if seeks[row.partition].pending else 0))
     return SubscriptionDescription(name, settings, group_state, tuple(rows), tuple(display_key(k) for k in parked))
 
 

@@ -121,12 +121,14 @@ def test_a_seek_pending_when_a_partition_is_claimed_is_applied_at_claim(
     # a0 a1 a2 / b0 b1 b2 interleaved: a0=0 b0=1 a1=2 b1=3 a2=4 b2=5. Back to 1 with a1 and b2 settled.
     generation = store.post_seek(created.subscription, {0: (1, (2, 5))})
     assert store.seek_status(created.subscription, [0])[0].pending
+    assert [p.pending_seek for p in admin.describe_subscription(created.subscription).partitions] == [generation]
 
     got = replay(kafka_config, endpoints, created.subscription, 3)
 
     assert by_key(got) == {"a": ["a2"], "b": ["b0", "b1", "b2"]}
     assert {m.delivery_attempt for m in got} == {1}
     wait_until(lambda: store.seek_status(created.subscription, [0])[0].applied == generation, 30, "marked applied")
+    assert [p.pending_seek for p in admin.describe_subscription(created.subscription).partitions] == [0]
 
 
 def test_seek_to_a_snapshot_while_pulling(admin: Admin, kafka_config: dict[str, Any], endpoints: Endpoints,

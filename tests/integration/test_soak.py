@@ -16,9 +16,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.chaos]
 _LOGGER = logging.getLogger(__name__)
 
 
-@pytest.mark.xfail(strict=False, reason="messages acked before the FLUSHALL are replayed at attempt 1; the "
-                   "prober excuses that by the key's last delivery, not the replayed one's, so a key delivered "
-                   "again after the FLUSHALL shows 'attempt' (ACK-6) violations (F3's gaps are gone)")
 def test_short_soak_loses_nothing_and_keeps_every_key_in_order(kafka_cluster: LocalStack, tmp_path: Path) -> None:
     """SUB-1, SUB-3, SUB-4, SUB-5, ACK-5, ACK-6, DLQ-2, DLQ-3: 20,000 prober messages over 500 keys
     with 1 % random nacks, consumed by 3 subscriber processes while one of them is killed with
