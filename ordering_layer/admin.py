@@ -9,10 +9,10 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, TypeVar
+from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, ConfigResource, NewPartitions, NewTopic  # type: ignore[attr-defined]
@@ -31,6 +31,7 @@ from ordering_layer.config import (
 from ordering_layer.deadletter import DeadLetter, list_dead_letters, redrive
 from ordering_layer.describe import SubscriptionDescription, describe_subscription
 from ordering_layer.errors import ConfigError, SubscriptionExistsError, TopicError, TopicExistsError
+from ordering_layer.offsets import retrying
 from ordering_layer.seek.runner import Progress, SeekResult, SeekRunner
 from ordering_layer.seek.snapshots import Snapshot, SnapshotBook, check_name
 from ordering_layer.seek.targets import snapshot_targets
@@ -39,27 +40,6 @@ from ordering_layer.state import StateStore
 _LOGGER = logging.getLogger(__name__)
 
 _TIMEOUT = 30.0
-
-
-_RETRIABLE = {KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE,
-              KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError.NOT_COORDINATOR, KafkaError.COORDINATOR_NOT_AVAILABLE,
-              KafkaError.COORDINATOR_LOAD_IN_PROGRESS, KafkaError._TIMED_OUT}
-
-_T = TypeVar("_T")
-
-
-def _retrying(call: Callable[[], _T], timeout: float = _TIMEOUT) -> _T:
-    """Run a Kafka call, retrying errors that a new topic or a moving leader cause for a while."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return call()
-        except KafkaException as exc:
-            error = exc.args[0]
-            code = error.code() if isinstance(error, KafkaError) else None
-            if code not in _RETRIABLE or time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)
 
 
 @dataclass(frozen=True)
@@ -157,16 +137,16 @@ class Admin:
         try:
             offsets = []
             for partition in range(partitions):
-                low, high = _retrying(functools.partial(
+                low, high = retrying(functools.partial(
                     consumer.get_watermark_offsets, TopicPartition(topic, partition), timeout=_TIMEOUT))
                 offset = low if start.kind == "TRIM_HORIZON" else high
                 if start.timestamp_ms is not None:
-                    found = _retrying(functools.partial(
+                    found = retrying(functools.partial(
                         consumer.offsets_for_times, [TopicPartition(topic, partition, start.timestamp_ms)],
                         timeout=_TIMEOUT))[0]
                     offset = found.offset if found.offset >= 0 else high
                 offsets.append(TopicPartition(topic, partition, offset))
-            _retrying(lambda: consumer.commit(offsets=offsets, asynchronous=False))
+            retrying(lambda: consumer.commit(offsets=offsets, asynchronous=False))
         finally:
             consumer.close()
 

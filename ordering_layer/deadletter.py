@@ -20,6 +20,7 @@ from typing import Any
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, Producer, TopicPartition
 
 from ordering_layer.errors import ConfigError, PublishError, RecordFormatError
+from ordering_layer.offsets import retrying, watermarks
 from ordering_layer.publisher.partitioner import partition_for
 from ordering_layer.record import HEADER_MESSAGE_ID, HEADER_PARTITION_COUNT, decode, display_key
 
@@ -94,8 +95,8 @@ def _read(consumer: Consumer, topic: str, starts: dict[int, int], ends: dict[int
 
 
 def _ends(consumer: Consumer, topic: str) -> dict[int, int]:
-    partitions = consumer.list_topics(topic, timeout=_TIMEOUT).topics[topic].partitions
-    return {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=_TIMEOUT)[1] for p in partitions}
+    partitions = retrying(lambda: consumer.list_topics(topic, timeout=_TIMEOUT).topics[topic].partitions)
+    return {p: watermarks(consumer, topic, p, _TIMEOUT)[1] for p in partitions}
 
 
 def list_dead_letters(kafka_config: Mapping[str, Any], topic: str) -> list[DeadLetter]:
@@ -103,7 +104,7 @@ def list_dead_letters(kafka_config: Mapping[str, Any], topic: str) -> list[DeadL
     consumer = _consumer(kafka_config, f"ordering-layer-dlq-list-{uuid.uuid4().hex}")
     try:
         ends = _ends(consumer, topic)
-        lows = {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=_TIMEOUT)[0] for p in ends}
+        lows = {p: watermarks(consumer, topic, p, _TIMEOUT)[0] for p in ends}
         return _read(consumer, topic, lows, ends)
     finally:
         consumer.close()
@@ -125,8 +126,7 @@ def redrive(kafka_config: Mapping[str, Any], subscription: str, dead_letter_topi
         ends = _ends(consumer, dead_letter_topic)
         committed = consumer.committed([TopicPartition(dead_letter_topic, p) for p in ends], timeout=_TIMEOUT)
         starts = {tp.partition: tp.offset if tp.offset >= 0 else OFFSET_BEGINNING for tp in committed}
-        lows = {p: consumer.get_watermark_offsets(TopicPartition(dead_letter_topic, p), timeout=_TIMEOUT)[0]
-                for p in ends}
+        lows = {p: watermarks(consumer, dead_letter_topic, p, _TIMEOUT)[0] for p in ends}
         starts = {p: lows[p] if starts[p] < 0 else starts[p] for p in ends}
         letters = _read(consumer, dead_letter_topic, starts, ends)
         failures: list[str] = []
