@@ -1,7 +1,9 @@
-"""The per-key hold queues of one partition and the backoff of their keys (SUB-1, SUB-2, DLQ-1).
+"""The per-key hold queues of one partition, the backoff of their keys and the quarantine of suspects
+(SUB-1, SUB-2, DLQ-1, DLQ-3).
 
 Pure bookkeeping, used by ``PartitionState`` under the engine's lock.
 
+* ``Record`` is a fetched record as queued; ``Delivery`` one hand-off of it.
 * ``KeyQueue`` holds the fetched records of one ordering key from its first unsettled one. The
   first ``cursor`` records have been delivered since the key's last reset; a nack or expiry of one
   of them rewinds the cursor to it, so it and every later delivered record go out again in order
@@ -9,6 +11,8 @@ Pure bookkeeping, used by ``PartitionState`` under the engine's lock.
 * ``KeyBackoff`` knows the keys held back after a failure (DLQ-1) and when each hold ends, in a
   due-time heap, so that the keys whose backoff ended are found without a scan while every other
   key goes on (SUB-2).
+* ``Quarantine`` lets the suspects of a partition (records an earlier owner handed out and never
+  settled, ACK-6) go out one at a time, so that a poison's crash charges no innocent (DLQ-3).
 """
 
 from __future__ import annotations
@@ -16,12 +20,45 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import NamedTuple
 
-if TYPE_CHECKING:
-    from ordering_layer.subscriber.partition import Record
+from ordering_layer.record import HeaderPairs, RecordMetadata
 
 QueueKey = bytes | int
+
+
+@dataclass(slots=True, eq=False)
+class Record:
+    """A fetched Kafka record, as fetched, and the layer metadata read from it once.
+
+    ``key`` is the ordering key as the record's bytes (None when absent or empty: unordered); keys
+    are compared as bytes, so a key of any producer is an ordering key (PUB-7). ``suspect``: it was
+    handed out by an earlier owner of the partition and not settled (maybe it crashed that owner),
+    so a callback worker records the start of each of its deliveries in Redis before user code runs,
+    and it goes out alone (``Quarantine``).
+    """
+
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+    headers: HeaderPairs | None
+    metadata: RecordMetadata
+    size: int
+    timestamp_ms: int
+    attempts: int = 0
+    last_error: str | None = None
+    suspect: bool = False
+
+
+class Delivery(NamedTuple):
+    """One hand-off of a record; ``token`` identifies it for acks (stale tokens are refused)."""
+
+    record: Record
+    queue_key: QueueKey
+    token: int
+    attempt: int
 
 
 class KeyQueue:
@@ -84,3 +121,40 @@ class KeyBackoff:
     def next_end(self) -> float | None:
         """The earliest end of a hold (maybe of one replaced since), if any key was held."""
         return self._heap[0][0] if self._heap else None
+
+
+class Quarantine:
+    """At most one suspect of a partition outstanding at a time (ACK-6, DLQ-3).
+
+    A suspect may be what crashed the partition's earlier owner. Run beside other messages, a poison
+    would crash them again and again, each crash charging them an attempt, until they were
+    dead-lettered with it; run alone, its crashes charge only itself. So a key whose next record is
+    a suspect waits (``waiting``, oldest first) while another suspect of the partition is outstanding
+    (``offset``); once that one is settled in any way (ack, nack, lapse, dead letter, given back), the
+    oldest waiting key is ready again. A message that ran beside the poison as a non-suspect is
+    charged for that crash once, then waits its turn as a suspect. Other records are not held (SUB-2).
+    """
+
+    __slots__ = ("offset", "waiting")
+
+    def __init__(self) -> None:
+        self.offset: int | None = None
+        self.waiting: dict[QueueKey, None] = {}
+
+    def admit(self, qkey: QueueKey, offset: int) -> bool:
+        """Whether the suspect ``offset``, next of ``qkey``, may go out now; if not, ``qkey`` waits."""
+        if self.offset is not None:
+            self.waiting[qkey] = None
+            return False
+        self.offset = offset
+        self.waiting.pop(qkey, None)
+        return True
+
+    def settled(self, ready: dict[QueueKey, None]) -> None:
+        """The outstanding suspect is settled or given back: the oldest waiting key joins ``ready``."""
+        self.offset = None
+        waiting = self.waiting
+        if waiting:
+            qkey = next(iter(waiting))
+            del waiting[qkey]
+            ready[qkey] = None

@@ -4,53 +4,19 @@ Pure logic, no I/O, one instance per owned partition, used under the engine's lo
 ``PartitionState`` routes records to key queues (``key_queue.KeyQueue``), runs the recovery walk
 after a claim (records settled before a crash are skipped unless their key is cascading), releases
 what may go out, rewinds a key's cursor on a nack or lapse (SUB-4) and holds the key back
-(``key_queue.KeyBackoff``, DLQ-1); its commit point is kept by ``commit_point.OffsetTracker``.
+(``key_queue.KeyBackoff``, DLQ-1), and lets suspects out one at a time (``key_queue.Quarantine``,
+DLQ-3); its commit point is kept by ``commit_point.OffsetTracker``.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import NamedTuple
 
-from ordering_layer.record import HeaderPairs, RecordMetadata
 from ordering_layer.subscriber.commit_point import OffsetTracker
-from ordering_layer.subscriber.key_queue import KeyBackoff, KeyQueue, QueueKey
+from ordering_layer.subscriber.key_queue import Delivery, KeyBackoff, KeyQueue, Quarantine, QueueKey, Record
 
 __all__ = ["AWAITING_SEEK", "Delivery", "PartitionState", "QueueKey", "Record"]
-
-
-@dataclass(slots=True, eq=False)
-class Record:
-    """A fetched Kafka record, as fetched, and the layer metadata read from it once.
-
-    ``key`` is the ordering key as the record's bytes (None when absent or empty: unordered); keys
-    are compared as bytes, so a key of any producer is an ordering key (PUB-7). ``suspect``: it was
-    handed out by an earlier owner of the partition and not settled (maybe it crashed that owner),
-    so a callback worker records the start of each of its deliveries in Redis before user code runs.
-    """
-
-    partition: int
-    offset: int
-    key: bytes | None
-    value: bytes | None
-    headers: HeaderPairs | None
-    metadata: RecordMetadata
-    size: int
-    timestamp_ms: int
-    attempts: int = 0
-    last_error: str | None = None
-    suspect: bool = False
-
-
-class Delivery(NamedTuple):
-    """One hand-off of a record; ``token`` identifies it for acks (stale tokens are refused)."""
-
-    record: Record
-    queue_key: QueueKey
-    token: int
-    attempt: int
 
 
 _tokens = itertools.count(1)
@@ -97,6 +63,7 @@ class PartitionState:
         self._horizon = max(settled_before) if settled_before else -1
         self._cascading: set[QueueKey] = set()
         self._attempts_before = dict(attempts_before or {})
+        self.quarantine = Quarantine()
 
     # -- intake ----------------------------------------------------------------------------------
     def queue_key(self, record: Record) -> QueueKey:
@@ -139,22 +106,30 @@ class PartitionState:
 
     # -- release ---------------------------------------------------------------------------------
     def release(self, qkey: QueueKey, now: float, limit: int) -> list[Delivery]:
-        """Release up to ``limit`` records of one key (callback mode: 1; pull mode: a batch)."""
+        """Release up to ``limit`` records of one key (callback mode: 1; pull mode: a batch); a
+        suspect goes out alone, once no other suspect of the partition is out (``Quarantine``)."""
         queue = self.keys.get(qkey)
         if queue is None or not queue.releasable(now):
             return []
         cursor = queue.cursor
         records = queue.records
-        batch = [records[cursor]] if limit == 1 else list(itertools.islice(records, cursor, cursor + limit))
-        deliveries = []
+        head = records[cursor]
+        if head.suspect:
+            if not self.quarantine.admit(qkey, head.offset):
+                return []
+            limit = 1
+        batch = [head] if limit == 1 else list(itertools.islice(records, cursor, cursor + limit))
+        deliveries: list[Delivery] = []
         outstanding = queue.outstanding
         for record in batch:
+            if record.suspect and deliveries:
+                break
             token = next(_tokens)
             outstanding[record.offset] = token
             record.attempts += 1
             deliveries.append(Delivery(record, qkey, token, record.attempts))
-        queue.cursor = cursor + len(batch)
-        self.buffered -= len(batch)
+        queue.cursor = cursor + len(deliveries)
+        self.buffered -= len(deliveries)
         return deliveries
 
     def release_ready(self, now: float, budget: int, per_key: int, byte_budget: int) -> list[Delivery]:
@@ -179,7 +154,7 @@ class PartitionState:
     def _release_one_each(self, now: float, budget: int, byte_budget: int) -> list[Delivery]:
         """``release_ready`` of callback mode (one record per key), inlined: it runs per message."""
         released: list[Delivery] = []
-        ready, keys = self.ready, self.keys
+        ready, keys, quarantine = self.ready, self.keys, self.quarantine
         for qkey in list(itertools.islice(ready, budget)):
             if byte_budget <= 0:
                 break
@@ -188,6 +163,8 @@ class PartitionState:
             if queue is None or queue.outstanding or now < queue.not_before or queue.cursor >= len(queue.records):
                 continue
             record = queue.records[queue.cursor]
+            if record.suspect and not quarantine.admit(qkey, record.offset):
+                continue
             token = next(_tokens)
             queue.outstanding[record.offset] = token
             queue.cursor += 1
@@ -207,7 +184,7 @@ class PartitionState:
         queue.acked.add(offset)
         queue.failures = 0
         self.tracker.settle(offset)
-        self._pop_settled(qkey, queue)
+        self._pop_settled(qkey, queue, offset)
         return True
 
     def settle_dead_lettered(self, qkey: QueueKey, offset: int) -> None:
@@ -217,9 +194,12 @@ class PartitionState:
             queue.outstanding.pop(offset, None)
             queue.acked.add(offset)
             self.tracker.settle(offset)
-            self._pop_settled(qkey, queue)
+            self._pop_settled(qkey, queue, offset)
 
-    def _pop_settled(self, qkey: QueueKey, queue: KeyQueue) -> None:
+    def _pop_settled(self, qkey: QueueKey, queue: KeyQueue, offset: int) -> None:
+        quarantine = self.quarantine
+        if offset == quarantine.offset:
+            quarantine.settled(self.ready)
         records, acked = queue.records, queue.acked
         while queue.cursor > 0 and records and records[0].offset in acked and records[0].offset not in \
                 queue.outstanding:
@@ -263,6 +243,8 @@ class PartitionState:
             queue.acked.discard(record.offset)
         self.buffered += queue.cursor - index
         queue.cursor = index
+        if offset == self.quarantine.offset:  # a suspect goes out alone: its key has no other outstanding
+            self.quarantine.settled(self.ready)
         return queue
 
     def _hold(self, qkey: QueueKey, queue: KeyQueue, now: float, delay: float) -> None:

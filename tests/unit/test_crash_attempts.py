@@ -22,6 +22,7 @@ from ordering_layer.subscriber.engine import Engine
 from ordering_layer.subscriber.message import Message
 from ordering_layer.subscriber.partition import Delivery, Record
 from ordering_layer.subscriber.partitions import charged_attempts
+from ordering_layer.subscriber.requests import DeadLettered
 
 TOPIC = "orders"
 P0 = [TopicPartition(TOPIC, 0)]
@@ -90,6 +91,8 @@ class Process:
 
         def write(delivery: Delivery, epoch: int, reason: str) -> None:
             self.dead.append((delivery.record.offset, delivery.attempt))
+            record = delivery.record  # the dead-letter topic takes it at once
+            self.engine._inbox.put(DeadLettered(record.partition, epoch, delivery.queue_key, record.offset, None))
 
         self.engine._dead_letters.write = write  # type: ignore[method-assign]
         self.engine._fetcher._on_assign(self.engine.consumer, P0)
@@ -112,15 +115,14 @@ def test_a_crashing_poison_is_dead_lettered_alone_after_exactly_max_attempts() -
     """DLQ-3, ACK-6: a poison that crashes the process on every start, released with 11 other keys'
     first messages that wait in the pool (one worker), crashes exactly 5 processes (attempts 1..5),
     then goes to the dead-letter topic as attempt 6 (5 attempts). The others were never started:
-    they are charged at most 4 attempts and all reach user code in the sixth process (attempt 5).
-    Before, every crash charged them in full: in the sixth process they came as attempt 6 and were
-    dead-lettered with the poison."""
+    charged one attempt for the first crash, they wait as suspects while the poison, a suspect too,
+    goes out alone, and reach user code one at a time in the sixth process (attempt 2)."""
     store = RedisLike()
     poison_attempts = []
-    for _ in range(MAX_ATTEMPTS):
+    for n in range(MAX_ATTEMPTS):
         process = Process(store)
         process.step()
-        assert sorted(attempts_of(process.handed)) == list(range(KEYS))
+        assert sorted(attempts_of(process.handed)) == (list(range(KEYS)) if n == 0 else [POISON])
         first = process.handed[0]
         assert first.offset() == POISON
         poison_attempts.append(first.delivery_attempt)
@@ -134,12 +136,13 @@ def test_a_crashing_poison_is_dead_lettered_alone_after_exactly_max_attempts() -
     last = Process(store)
     last.step()
     assert last.dead == [(POISON, MAX_ATTEMPTS + 1)]
-    assert attempts_of(last.handed) == {o: MAX_ATTEMPTS for o in range(1, KEYS)}
-    for message in last.handed:
-        assert last.engine.begin(message)
-        message.ack()
+    for offset in range(1, KEYS):
+        last.step()
+        assert attempts_of(last.handed[offset - 1:]) == {offset: 2}
+        assert last.engine.begin(last.handed[-1])
+        last.handed[-1].ack()
     last.step()
-    assert store.settled == set(range(1, KEYS))
+    assert store.settled == set(range(KEYS)) and last.dead == [(POISON, MAX_ATTEMPTS + 1)]
     last.crash()
 
 
@@ -167,15 +170,17 @@ def test_a_suspect_that_starts_and_crashes_is_charged_in_full() -> None:
     assert store.attempts[1] == 1 and store.attempts[2] == -1
 
     second = Process(store)
+    charged = {r.offset: r.attempts for queue in second.engine._partitions[0].keys.values() for r in queue.records}
+    assert charged[1] == 1 and charged[2] == 1
     second.step()
-    assert attempts_of(second.handed)[1] == 2 and attempts_of(second.handed)[2] == 2
-    assert second.engine.begin(second.handed[2])  # a suspect: written at once
-    assert store.attempts[2] == 2
+    assert attempts_of(second.handed) == {0: 2}  # suspects go out one at a time
+    assert second.engine.begin(second.handed[0])  # a suspect: written at once
+    assert store.attempts[0] == 2
     second.crash()
 
     third = Process(store)
     third.step()
-    assert attempts_of(third.handed)[2] == 3
+    assert attempts_of(third.handed) == {0: 3}
     third.crash()
 
 
@@ -190,14 +195,14 @@ def test_a_start_is_not_written_after_the_settle_and_a_stale_suspect_does_not_ru
     second = Process(store)
     second.step()
     plain_before = len(store.ops)
-    message = second.handed[1]
+    message = second.handed[0]
     assert second.engine.begin(message)
     message.ack()
     second.step()
-    assert 1 in store.settled and 1 not in store.attempts
-    assert [op for op in store.ops[plain_before:] if op[0] == OpKind.STARTED and op[1] == 1] == [
-        (OpKind.STARTED, 1, 2)]
-    given_back = second.handed[2]
+    assert 0 in store.settled and 0 not in store.attempts
+    assert [op for op in store.ops[plain_before:] if op[0] == OpKind.STARTED and op[1] == 0] == [
+        (OpKind.STARTED, 0, 2)]
+    given_back = second.handed[1]
     given_back.nack()
     second.step()
     assert not second.engine.begin(given_back)
