@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ordering_layer.record import RecordMetadata
-from ordering_layer.subscriber.key_queue import KeyBackoff, KeyQueue
+from ordering_layer.subscriber.key_queue import KeyBackoff, KeyQueue, Quarantine, QueueKey
 from ordering_layer.subscriber.partition import Record
 
 
@@ -49,3 +49,19 @@ def test_a_key_held_again_ends_at_its_last_hold_and_a_cancelled_key_never_ends()
     assert b"a" in backoff.held and b"b" not in backoff.held
     assert backoff.ended(4.0) == [b"a"]
     assert backoff.next_end() is None
+
+
+def test_quarantine_admits_one_suspect_and_wakes_the_oldest_waiting_key() -> None:
+    """DLQ-3: one suspect out at a time; keys refused wait in order and come back one per settle; a
+    key admitted leaves the waiting keys."""
+    quarantine = Quarantine()
+    ready: dict[QueueKey, None] = {}
+    assert quarantine.admit(b"a", 0)
+    assert not quarantine.admit(b"b", 1) and not quarantine.admit(b"c", 2)
+    assert quarantine.offset == 0 and list(quarantine.waiting) == [b"b", b"c"]
+    quarantine.settled(ready)
+    assert quarantine.offset is None and list(ready) == [b"b"] and list(quarantine.waiting) == [b"c"]
+    assert quarantine.admit(b"c", 2)  # came back ready by another way (a new record of its key)
+    assert not quarantine.waiting
+    quarantine.settled(ready)
+    assert list(ready) == [b"b"]

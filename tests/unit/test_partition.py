@@ -156,3 +156,61 @@ def test_backoff_wakes_keys_in_due_time_order() -> None:
     assert state.held_keys() == 3  # a backing off, b and c outstanding
     state.wake(5.0)
     assert [d.queue_key for d in state.release_ready(5.0, 10, 1, 10**9)] == [b"a"]
+
+
+def released(state: PartitionState, limit: int = 1) -> dict[bytes | int, tuple[int, int]]:
+    """Queue key -> (offset, token) of everything releasable now (one per key)."""
+    return {d.queue_key: (d.record.offset, d.token) for d in state.release_ready(0.0, 10**9, limit, 10**9)}
+
+
+def test_suspects_go_out_one_at_a_time_while_other_keys_flow() -> None:
+    """DLQ-3, ACK-6, SUB-2: of three suspects (keys s1, s2, s3) one is outstanding at a time, while
+    keys a and b flow; an ack, a nack, a give-back (requeue) or a dead letter of the outstanding
+    suspect lets the next one out, oldest waiting first."""
+    state = PartitionState(0, 1, ordered=True, attempts_before={0: 1, 2: 1, 4: 1})
+    fill(state, [b"s1", b"a", b"s2", b"b", b"s3", b"a", b"b"])
+    first = released(state)
+    assert {k: o for k, (o, _) in first.items()} == {b"s1": 0, b"a": 1, b"b": 3}
+    assert list(state.quarantine.waiting) == [b"s2", b"s3"] and not state.ready
+    assert released(state) == {}
+    assert state.ack(b"a", 1, first[b"a"][1]) and state.ack(b"b", 3, first[b"b"][1])
+    assert {k: o for k, (o, _) in released(state).items()} == {b"a": 5, b"b": 6}  # not held by s1
+
+    assert state.ack(b"s1", 0, first[b"s1"][1])
+    (key, (offset, token)), = released(state).items()
+    assert (key, offset) == (b"s2", 2)
+    assert state.nack(key, offset, token, 0.0, NO_BACKOFF)
+    (key, (offset, token)), = released(state).items()
+    assert (key, offset) == (b"s3", 4)
+    assert list(state.quarantine.waiting) == [b"s2"]
+    assert state.requeue(key, offset, token, 0.0, 0.0)  # given back: Redis did not take its attempt
+    (key, (offset, token)), = released(state).items()
+    assert (key, offset) == (b"s2", 2)
+    state.settle_dead_lettered(key, offset)
+    deliveries = state.release_ready(0.0, 10, 1, 10**9)
+    assert [(d.queue_key, d.record.offset, d.attempt) for d in deliveries] == [(b"s3", 4, 3)]
+    assert state.ack(b"s3", 4, deliveries[0].token)
+    assert state.quarantine.offset is None and not state.quarantine.waiting
+    assert state.tracker.watermark == 5
+
+
+def test_a_suspect_goes_out_alone_in_pull_mode() -> None:
+    """DLQ-3, SUB-1 (pull): a key whose next record is a suspect is released as a batch of one, and
+    only while no other suspect is out; a batch of other records ends before a suspect."""
+    state = PartitionState(0, 1, ordered=True, attempts_before={0: 1, 1: 1, 2: 1, 6: 1})
+    fill(state, [b"s", b"s", b"t", b"a", b"a", b"n", b"n"])
+    batch = state.release_ready(0.0, 100, 10, 10**9)
+    assert [(d.queue_key, d.record.offset) for d in batch] == [(b"s", 0), (b"a", 3), (b"a", 4), (b"n", 5)]
+    assert list(state.quarantine.waiting) == [b"t"]
+    tokens = {d.record.offset: d.token for d in batch}
+    assert state.ack(b"s", 0, tokens[0])
+    (t2,) = state.release_ready(0.0, 100, 10, 10**9)
+    assert (t2.queue_key, t2.record.offset) == (b"t", 2)
+    assert state.ack(b"n", 5, tokens[5])
+    assert state.release_ready(0.0, 100, 10, 10**9) == []
+    assert list(state.quarantine.waiting) == [b"s", b"n"]
+    assert state.ack(b"t", 2, t2.token)
+    (s1,) = state.release_ready(0.0, 100, 10, 10**9)
+    assert (s1.queue_key, s1.record.offset, s1.attempt) == (b"s", 1, 2)
+    assert state.ack(b"s", 1, s1.token)
+    assert [(d.queue_key, d.record.offset) for d in state.release_ready(0.0, 100, 10, 10**9)] == [(b"n", 6)]
