@@ -32,10 +32,12 @@ Which module keeps which property of ``SEMANTICS.md``:
   ``settlement`` (stale epochs and tokens refused), ``state_writer`` (answers), ``state/lua/apply.lua``
 - ACK-6 delivery attempt survives crashes (counted before hand-off): ``dispatch`` (``_admit`` ops,
   flushed before ``hand_out``), ``settlement`` (start notes), ``engine`` (``begin`` of suspects),
-  ``partitions`` (claim, ``charged_attempts``)
+  ``partitions`` (claim, ``charged_attempts``); suspects go out one at a time per partition:
+  ``key_queue`` (``Quarantine``), ``partition`` (``release``)
 - DLQ-1 backoff per key: ``key_queue`` (``KeyBackoff``), ``partition`` (``_hold``, ``wake``)
 - DLQ-2 dead-lettering, ``park_key``; DLQ-3 poison messages: ``dead_letters``, screened by
-  ``dispatch`` (``hand_out``), settled by ``settlement`` (``dead_lettered``)
+  ``dispatch`` (``hand_out``), settled by ``settlement`` (``dead_lettered``); a poison crashes alone:
+  ``key_queue`` (``Quarantine`` of suspects)
 - DLQ-4 bad input (malformed ``ol-`` metadata ignored and counted): ``fetcher`` (``to_record``)
 - GRP-2 sharing (cooperative-sticky group, rebalance hooks): ``fetcher``, ``ownership``
 - GRP-3 seek: ``commits`` (seek generation looked up once a commit interval, commit reports told

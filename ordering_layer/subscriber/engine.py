@@ -14,8 +14,10 @@ live in modules handed the components they act on: ``dispatch`` (release, hand-o
 seeks, GRP-3) and ``ownership`` (claims, revocations, fencing verdicts of each flush).
 
 Attempt counts (ACK-6, DLQ-3): after a crash the next owner charges an attempt never seen started
-only up to one below the dead-letter limit; a worker records the start of each such suspect message
-in Redis, synchronously, before user code runs (``begin``); other starts are noted (``settlement``).
+only up to one below the dead-letter limit; the records it charges are suspects, which go out one at
+a time per partition (``key_queue.Quarantine``), so a poison's crashes charge no innocent; a worker
+records a suspect's start in Redis, synchronously, before user code runs (``begin``); other starts
+are noted (``settlement``).
 """
 
 from __future__ import annotations
