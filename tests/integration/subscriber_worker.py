@@ -17,6 +17,8 @@ from typing import IO
 from ordering_layer import AckResponse, Message, Subscriber
 from ordering_layer.stack import Endpoints
 
+CRASH_WAIT = 3.0  # seconds a crash waits at most for --crash-with other messages to start
+
 
 def main() -> None:
     """Subscribe until killed (or until ``--seconds`` pass)."""
@@ -29,6 +31,8 @@ def main() -> None:
     parser.add_argument("--log", required=True, help="JSON-lines file to append events to")
     parser.add_argument("--delay-ms", type=float, default=0.0, help="handler time per message")
     parser.add_argument("--crash-on", default=None, help="message data that makes the process os._exit(3)")
+    parser.add_argument("--crash-with", type=int, default=0,
+                        help=f"the crash waits (up to {CRASH_WAIT:.0f} s) until this many other messages started here")
     parser.add_argument("--workers", type=int, default=8, help="callback workers")
     parser.add_argument("--seconds", type=float, default=300.0)
     parser.add_argument("--session-ms", type=int, default=6000, help="Kafka session timeout")
@@ -36,6 +40,8 @@ def main() -> None:
     logging.basicConfig(filename=f"{args.log}.{args.name}.log", level=logging.INFO,
                         format="%(asctime)s %(threadName)s %(name)s %(levelname)s %(message)s")
     lock = threading.Lock()
+    started = threading.Condition()
+    others = [0]  # messages other than the crashing one whose handler started in this process
     out: IO[str] = open(args.log, "a", buffering=1)  # noqa: SIM115 - lives as long as the process
 
     def log(message: Message, action: str) -> None:
@@ -48,7 +54,12 @@ def main() -> None:
     def callback(message: Message) -> None:
         log(message, "deliver")
         if args.crash_on is not None and message.data.decode() == args.crash_on:
+            with started:
+                started.wait_for(lambda: others[0] >= args.crash_with, CRASH_WAIT)
             os._exit(3)
+        with started:
+            others[0] += 1
+            started.notify_all()
         if args.delay_ms:
             time.sleep(args.delay_ms / 1000)
         log(message, "release")

@@ -257,6 +257,52 @@ def test_crashes_of_a_poison_dead_letter_no_message_that_waited_beside_it(
     assert {e["sub"] for e in handled} == {"w5"} and max(e["attempt"] for e in handled) <= 5
 
 
+def test_crashes_of_a_poison_dead_letter_no_message_that_ran_beside_it(
+        tmp_path: Path, admin: Admin, kafka_config: dict[str, Any], endpoints: Any,
+        subscription: Callable[..., tuple[str, str]], unique_name: Callable[[str], str]) -> None:
+    """DLQ-3, ACK-6: a poison message (offset 0) kills its process (os._exit) on every delivery, once
+    at least 2 messages of other keys of its partition have started beside it in that process (8
+    callback workers; the others' handlers take 0.5 s). The first crash charges the 6 others an
+    attempt and makes them suspects, as the poison is; suspects go out one at a time per partition,
+    so the poison crashes alone in the next four processes and is dead-lettered after exactly
+    max_delivery_attempts (5) crashing deliveries, and every other message is acked, at attempt 2
+    at most. Before, the suspects went out together, ran beside the poison and died with it in
+    every process, and were dead-lettered with it, 5 attempts each (F4)."""
+    dlq = unique_name("dlq")
+    topic, name = subscription(partitions=1, dead_letter_policy=DeadLetterPolicy(dlq, max_delivery_attempts=5))
+    published = publish_keys(kafka_config, topic, keys=7, per_key=1).published
+    poison = published["key-0"][0]
+    others = {published[f"key-{k}"][0] for k in range(1, 7)}
+    log = tmp_path / "events.jsonl"
+    exits: dict[str, int | None] = {}
+
+    def settled() -> bool:  # the others acked and the poison dead-lettered, or more than it
+        letters = len(admin.list_dead_letters(name))
+        return letters > 1 or (letters == 1 and _acked(log, others))
+    for n in range(6):
+        worker = f"w{n}"
+        exits[worker] = _run_worker(
+            ["--bootstrap", endpoints.bootstrap, "--kafka-config", endpoints.kafka_config_file,
+             "--redis-url", endpoints.redis_url, "--subscription", name, "--workers", "8",
+             "--name", worker, "--log", str(log), "--crash-on", "key-0:0", "--crash-with", "2",
+             "--delay-ms", "500", "--session-ms", "2000", "--seconds", "120"], tmp_path / f"{worker}.stderr",
+            settled, 120)
+        if exits[worker] != 3:
+            break
+    stderr = {w: (tmp_path / f"{w}.stderr").read_text()[-2000:] for w in exits}
+    events = _events(log)
+    deliveries = [(e["sub"], e["attempt"]) for e in events if e["id"] == poison and e["action"] == "deliver"]
+    assert deliveries == [(f"w{n}", n + 1) for n in range(5)], (exits, stderr)
+    assert exits == {**{f"w{n}": 3 for n in range(5)}, "w5": None}, (exits, stderr)
+    beside = {e["id"] for e in events if e["sub"] == "w0" and e["action"] == "deliver"} & others
+    assert len(beside) >= 2, "the others ran beside the poison when it first crashed"
+    letters = admin.list_dead_letters(name)
+    assert [(d.reason, d.delivery_attempts, d.message_id) for d in letters] == [
+        ("MAX_DELIVERY_ATTEMPTS", 5, poison)], [(d.message_id, d.delivery_attempts) for d in letters]
+    assert {e["id"] for e in events if e["action"] == "ack"} == others
+    assert max(e["attempt"] for e in events if e["id"] in others and e["action"] == "deliver") <= 2
+
+
 def test_park_key_keeps_order_and_redrive_restores_it(
         admin: Admin, kafka_config: dict[str, Any], endpoints: Any,
         subscription: Callable[..., tuple[str, str]], unique_name: Callable[[str], str]) -> None:
