@@ -250,7 +250,7 @@ class Soak:
             self.figures["uncommitted_after_drain"] = end - done
             return done == end
 
-        wait_for(committed, 30, 1.0)
+        wait_for(committed, 60, 1.0)
         self.timeline.note(f"committed offsets {self.figures['uncommitted_after_drain']} behind the end offsets")
 
     def _letters(self) -> tuple[dict[str, int], set[tuple[str, str, int]]]:
@@ -321,7 +321,8 @@ class Soak:
 
     def _goals_met(self) -> bool:
         f = self.figures
-        return bool(f["drained"] and f["check"]["exit_status"] == 0 and f["lost"] == 0 and not f["violations"]
+        return bool(f["drained"] and f["uncommitted_after_drain"] == 0 and f["check"]["exit_status"] == 0
+                    and f["lost"] == 0 and not f["violations"]
                     and f["expected"] == f["published"] and f["poison_dead_lettered_exactly"] == len(POISONS))
 
 

@@ -271,8 +271,12 @@ def parse_json_file(path: Path) -> dict[str, Any]:
 
 
 class AckTally:
-    """Messages whose ack took effect (``ack_ok``) per prober run, read from the subscribers' event
-    files as they grow: what the harness waits on (committed offsets may lag, see the report)."""
+    """Messages acked per prober run, read from the subscribers' event files as they grow: what the
+    harness waits on. An ack counts when it is confirmed (``ack_ok``) or sent (``ack``), as the
+    checker counts it: a subscriber killed between sending an ack and logging its confirmation
+    leaves only the request, and a message whose ack took effect is never delivered again. An ack
+    that did not take effect is redelivered; the harness then also waits for the committed offsets
+    to reach the end offsets, which they cannot while a message is unsettled."""
 
     def __init__(self, events: Path) -> None:
         self._events = events
@@ -297,7 +301,7 @@ class AckTally:
             complete = chunk.rfind(b"\n") + 1
             self._offsets[path] = self._offsets.get(path, 0) + complete
             for line in chunk[:complete].splitlines():
-                if b'"ack_ok"' in line:
+                if b'"outcome":"ack"' in line or b'"outcome":"ack_ok"' in line:
                     event = json.loads(line)
                     if event["run"] is not None:
                         self._acked.setdefault(event["run"], set()).add((event["key"], event["seq"]))
