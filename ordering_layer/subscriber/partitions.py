@@ -46,17 +46,19 @@ def charged_attempts(claimed: ClaimedPartition, max_attempts: int | None) -> dic
     those of a partition out one at a time (``key_queue.Quarantine``) and records the start of each
     of their deliveries before user code runs (``Engine.begin``), so a message that crashes every
     process it runs in is dead-lettered after exactly ``max_attempts`` deliveries, and one that
-    waited or ran beside it is charged for one crash at most and never dead-lettered for them.
+    waited or ran beside it is charged for one crash at most and never dead-lettered for them. A
+    message whose dead letter was being written when its owner went is charged ``max_attempts``.
 
     Args:
         claimed: what the claim read.
         max_attempts: the dead-letter policy's ``max_delivery_attempts``; None without a policy.
     """
-    if max_attempts is None or not claimed.unstarted:
+    if max_attempts is None:
         return dict(claimed.attempts)
     unstarted, ceiling = claimed.unstarted, max_attempts - 1
-    # Beyond max_attempts the attempt was on its way to the dead-letter topic, not to user code.
-    return {offset: min(n, ceiling) if offset in unstarted and n <= max_attempts else n
+    # An attempt beyond max_attempts was on its way to the dead-letter topic, not to user code: the
+    # message had max_attempts deliveries, and a dead letter written again says so.
+    return {offset: max_attempts if n > max_attempts else min(n, ceiling) if offset in unstarted else n
             for offset, n in claimed.attempts.items()}
 
 

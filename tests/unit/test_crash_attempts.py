@@ -148,13 +148,17 @@ def test_a_crashing_poison_is_dead_lettered_alone_after_exactly_max_attempts() -
 
 def test_an_unstarted_attempt_counts_but_never_reaches_the_limit() -> None:
     """ACK-6, DLQ-3: at a claim a started attempt counts in full, an attempt never seen started counts
-    up to max_delivery_attempts - 1; beyond the limit (a dead letter in flight) it counts as it was."""
-    claimed = parse_claim([7, b"3", b"|", b"10", b"2", b"11", b"-2", b"12", b"-5", b"13", b"5", b"14", b"-6"])
+    up to max_delivery_attempts - 1; beyond the limit (a dead letter in flight, written again by the
+    next owner) it counts as the limit, started or not."""
+    claimed = parse_claim([7, b"3", b"|", b"10", b"2", b"11", b"-2", b"12", b"-5", b"13", b"5", b"14", b"-6",
+                           b"15", b"7"])
     assert (claimed.epoch, claimed.settled) == (7, frozenset({3}))
-    assert claimed.attempts == {10: 2, 11: 2, 12: 5, 13: 5, 14: 6}
+    assert claimed.attempts == {10: 2, 11: 2, 12: 5, 13: 5, 14: 6, 15: 7}
     assert claimed.unstarted == frozenset({11, 12, 14})
-    assert charged_attempts(claimed, 5) == {10: 2, 11: 2, 12: 4, 13: 5, 14: 6}
+    assert charged_attempts(claimed, 5) == {10: 2, 11: 2, 12: 4, 13: 5, 14: 5, 15: 5}
     assert charged_attempts(claimed, None) == claimed.attempts
+    started_only = parse_claim([8, b"|", b"20", b"6"])
+    assert charged_attempts(started_only, 5) == {20: 5}
 
 
 def test_a_suspect_that_starts_and_crashes_is_charged_in_full() -> None:
