@@ -151,6 +151,30 @@ def _acked(log: Path, ids: Collection[str]) -> bool:
     return set(ids) <= {e["id"] for e in _events(log) if e["action"] == "ack"}
 
 
+def _crash_rounds(tmp_path: Path, admin: Admin, endpoints: Any, name: str, log: Path, others: Collection[str],
+                  worker_args: list[str], after_crash: Callable[[str], None] | None = None) -> dict[str, int | None]:
+    """Start up to six subscriber processes in turn, each until it exits (the poison killed it: exit
+    3) or until the poison is dead-lettered and ``others`` are acked (or more than the poison is
+    dead-lettered); returns each worker's exit code (None: stopped when settled)."""
+    exits: dict[str, int | None] = {}
+
+    def settled() -> bool:
+        letters = len(admin.list_dead_letters(name))
+        return letters > 1 or (letters == 1 and _acked(log, others))
+    for n in range(6):
+        worker = f"w{n}"
+        exits[worker] = _run_worker(
+            ["--bootstrap", endpoints.bootstrap, "--kafka-config", endpoints.kafka_config_file,
+             "--redis-url", endpoints.redis_url, "--subscription", name, "--name", worker, "--log", str(log),
+             "--crash-on", "key-0:0", "--session-ms", "2000", "--seconds", "120", *worker_args],
+            tmp_path / f"{worker}.stderr", settled, 120)
+        if exits[worker] != 3:
+            break
+        if after_crash is not None:
+            after_crash(worker)
+    return exits
+
+
 def _run_worker(args: list[str], err: Path, done: Callable[[], bool], budget: float) -> int | None:
     """Run one subscriber process until it exits (its exit code) or until ``done()``, which holds
     only after the poison message is settled (then None)."""
@@ -214,9 +238,8 @@ def test_crashes_of_a_poison_dead_letter_no_message_that_waited_beside_it(
     first messages of 39 other keys on its partition are released with it to a single callback
     worker, which takes the poison first, so they wait in the pool, never started, each time a
     process dies. Exactly the poison is dead-lettered, after exactly max_delivery_attempts (5)
-    crashing deliveries; every other message reaches the handler and is acked, at attempt 5 at most.
-    Before, each crash charged the waiting messages an attempt too: in the sixth process they came
-    as attempt 6 and all 39 were dead-lettered without ever reaching a handler (F3)."""
+    crashing deliveries; every other message reaches the handler and is acked, at attempt 5 at most:
+    an attempt never seen started is charged only below the dead-letter limit."""
     dlq = unique_name("dlq")
     topic, name = subscription(partitions=1, dead_letter_policy=DeadLetterPolicy(dlq, max_delivery_attempts=5))
     published = publish_keys(kafka_config, topic, keys=40, per_key=1).published
@@ -225,24 +248,11 @@ def test_crashes_of_a_poison_dead_letter_no_message_that_waited_beside_it(
     attempts_key = partition_keys(name, 0)[2]
     redis_client = StateStore(endpoints.redis_url).client
     log = tmp_path / "events.jsonl"
-    exits: dict[str, int | None] = {}
     waiting: dict[str, int] = {}
 
-    def settled() -> bool:  # the others acked and the poison dead-lettered, or more than it
-        letters = len(admin.list_dead_letters(name))
-        return letters > 1 or (letters == 1 and _acked(log, others))
-    for n in range(6):
-        worker = f"w{n}"
-        exits[worker] = _run_worker(
-            ["--bootstrap", endpoints.bootstrap, "--kafka-config", endpoints.kafka_config_file,
-             "--redis-url", endpoints.redis_url, "--subscription", name, "--workers", "1",
-             "--name", worker, "--log", str(log), "--crash-on", "key-0:0", "--session-ms", "2000",
-             "--seconds", "120"], tmp_path / f"{worker}.stderr",
-            settled, 120)
-        if exits[worker] != 3:
-            break
-        # Offsets 1..39 were released to the pool with the poison and left unsettled.
+    def count_waiting(worker: str) -> None:  # offsets 1..39 were released with the poison, unsettled
         waiting[worker] = sum(1 for o in redis_client.hkeys(attempts_key) if int(o) != 0)
+    exits = _crash_rounds(tmp_path, admin, endpoints, name, log, others, ["--workers", "1"], count_waiting)
     stderr = {w: (tmp_path / f"{w}.stderr").read_text()[-2000:] for w in exits}
     events = _events(log)
     deliveries = [(e["sub"], e["attempt"]) for e in events if e["id"] == poison and e["action"] == "deliver"]
@@ -266,29 +276,15 @@ def test_crashes_of_a_poison_dead_letter_no_message_that_ran_beside_it(
     attempt and makes them suspects, as the poison is; suspects go out one at a time per partition,
     so the poison crashes alone in the next four processes and is dead-lettered after exactly
     max_delivery_attempts (5) crashing deliveries, and every other message is acked, at attempt 2
-    at most. Before, the suspects went out together, ran beside the poison and died with it in
-    every process, and were dead-lettered with it, 5 attempts each (F4)."""
+    at most."""
     dlq = unique_name("dlq")
     topic, name = subscription(partitions=1, dead_letter_policy=DeadLetterPolicy(dlq, max_delivery_attempts=5))
     published = publish_keys(kafka_config, topic, keys=7, per_key=1).published
     poison = published["key-0"][0]
     others = {published[f"key-{k}"][0] for k in range(1, 7)}
     log = tmp_path / "events.jsonl"
-    exits: dict[str, int | None] = {}
-
-    def settled() -> bool:  # the others acked and the poison dead-lettered, or more than it
-        letters = len(admin.list_dead_letters(name))
-        return letters > 1 or (letters == 1 and _acked(log, others))
-    for n in range(6):
-        worker = f"w{n}"
-        exits[worker] = _run_worker(
-            ["--bootstrap", endpoints.bootstrap, "--kafka-config", endpoints.kafka_config_file,
-             "--redis-url", endpoints.redis_url, "--subscription", name, "--workers", "8",
-             "--name", worker, "--log", str(log), "--crash-on", "key-0:0", "--crash-with", "2",
-             "--delay-ms", "500", "--session-ms", "2000", "--seconds", "120"], tmp_path / f"{worker}.stderr",
-            settled, 120)
-        if exits[worker] != 3:
-            break
+    exits = _crash_rounds(tmp_path, admin, endpoints, name, log, others,
+                          ["--workers", "8", "--crash-with", "2", "--delay-ms", "500"])
     stderr = {w: (tmp_path / f"{w}.stderr").read_text()[-2000:] for w in exits}
     events = _events(log)
     deliveries = [(e["sub"], e["attempt"]) for e in events if e["id"] == poison and e["action"] == "deliver"]
