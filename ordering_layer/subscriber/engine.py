@@ -98,7 +98,7 @@ class Engine:
         self._writer = StateWriter(store, subscription)
         self._dead_letters = DeadLetters(kafka_config, store, subscription, settings, self._inbox.put)
         self._pulls = PullWaiters()
-        self._owned = Partitions(store, subscription, settings)
+        self._owned = Partitions(store, subscription, settings, suspects=on_messages is not None)
         self._partitions = self._owned.owned
         self._closing = False
         self._counts = {"delivered": 0, "acked": 0, "nacked": 0, "redelivered": 0}

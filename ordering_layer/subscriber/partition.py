@@ -33,7 +33,11 @@ class PartitionState:
         ordered: ordering enabled on the subscription (SUB-1 vs SUB-6).
         settled_before: offsets settled above the committed offset, read at claim (recovery walk).
         attempts_before: delivery attempts charged to unsettled records handed out by earlier owners
-            (ACK-6, see ``partitions.charged_attempts``); those records are suspects.
+            (ACK-6, see ``partitions.charged_attempts``); those records are suspects when ``suspects``.
+        suspects: callback mode. A suspect's every start is written before user code runs and the
+            suspects go out one at a time (``Quarantine``). Pull mode has none: a pull hands a batch
+            to user code at once, which may hold it while it pulls again, so a quarantine would
+            stall it.
         generation: the assignment generation it was claimed under: only records fetched under it
             belong to it (``AWAITING_SEEK``: none, until the consumer has sought to ``start_offset``).
         start_offset: where a seek (GRP-3) restarted the partition; None: at the committed offset.
@@ -42,7 +46,7 @@ class PartitionState:
 
     def __init__(self, partition: int, epoch: int, *, ordered: bool,
                  settled_before: frozenset[int] = frozenset(),
-                 attempts_before: dict[int, int] | None = None, generation: int = 0,
+                 attempts_before: dict[int, int] | None = None, suspects: bool = True, generation: int = 0,
                  start_offset: int | None = None, seek_generation: int = 0) -> None:
         self.partition = partition
         self.epoch = epoch
@@ -63,6 +67,7 @@ class PartitionState:
         self._horizon = max(settled_before) if settled_before else -1
         self._cascading: set[QueueKey] = set()
         self._attempts_before = dict(attempts_before or {})
+        self._suspects = suspects
         self.quarantine = Quarantine()
 
     # -- intake ----------------------------------------------------------------------------------
@@ -94,7 +99,7 @@ class PartitionState:
             attempts = before.pop(record.offset, None)
             if attempts is not None:
                 record.attempts = attempts
-                record.suspect = True
+                record.suspect = self._suspects
         queue = self.keys.get(qkey)
         if queue is None:
             queue = self.keys[qkey] = KeyQueue()

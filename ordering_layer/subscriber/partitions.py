@@ -69,10 +69,13 @@ class Partitions:
         store: the Redis state store (claims).
         subscription: subscription name.
         settings: the subscription's settings (ordering on or off; stored again after a Redis loss).
+        suspects: callback mode: records charged at a claim are suspects (``PartitionState``).
     """
 
-    def __init__(self, store: StateStore, subscription: str, settings: SubscriptionSettings) -> None:
+    def __init__(self, store: StateStore, subscription: str, settings: SubscriptionSettings, *,
+                 suspects: bool = True) -> None:
         self._store = store
+        self._suspects = suspects
         self._subscription = subscription
         self._settings = settings
         self.owned: dict[int, PartitionState] = {}
@@ -121,8 +124,8 @@ class Partitions:
         attempts = charged_attempts(claimed, policy.max_delivery_attempts if policy is not None else None)
         state = self.owned[partition] = PartitionState(
             partition, claimed.epoch, ordered=self._settings.enable_message_ordering,
-            settled_before=claimed.settled, attempts_before=attempts, generation=generation,
-            start_offset=claimed.seek_offset, seek_generation=claimed.seek_generation)
+            settled_before=claimed.settled, attempts_before=attempts, suspects=self._suspects,
+            generation=generation, start_offset=claimed.seek_offset, seek_generation=claimed.seek_generation)
         return state
 
     def _restart(self, partition: int, claimed: ClaimedPartition) -> None:

@@ -214,3 +214,15 @@ def test_a_suspect_goes_out_alone_in_pull_mode() -> None:
     assert (s1.queue_key, s1.record.offset, s1.attempt) == (b"s", 1, 2)
     assert state.ack(b"s", 1, s1.token)
     assert [(d.queue_key, d.record.offset) for d in state.release_ready(0.0, 100, 10, 10**9)] == [(b"n", 6)]
+
+
+def test_pull_mode_has_no_suspects() -> None:
+    """ACK-6, SUB-2 (pull): records charged at a claim keep their attempts but are not suspects when
+    the partition serves pulls: they go out together, as a pull may hold a batch while it pulls again."""
+    state = PartitionState(0, 1, ordered=True, attempts_before={0: 1, 1: 1, 2: 1}, suspects=False)
+    fill(state, [b"s", b"t", b"u", b"a"])
+    batch = state.release_ready(0.0, 100, 10, 10**9)
+    assert [(d.queue_key, d.record.offset, d.attempt) for d in batch] == [
+        (b"s", 0, 2), (b"t", 1, 2), (b"u", 2, 2), (b"a", 3, 1)]
+    assert not any(d.record.suspect for d in batch)
+
