@@ -14,8 +14,9 @@ live in modules handed the components they act on: ``dispatch`` (release, hand-o
 seeks, GRP-3) and ``ownership`` (claims, revocations, fencing verdicts of each flush).
 
 Attempt counts (ACK-6, DLQ-3): after a crash the next owner charges an attempt never seen started
-only up to one below the dead-letter limit; the records it charges are suspects, which go out one at
-a time per partition (``key_queue.Quarantine``), so a poison's crashes charge no innocent; a worker
+only up to one below the dead-letter limit; in callback mode the records it charges are suspects,
+which go out one at a time per partition (``key_queue.Quarantine``), so a poison's crashes charge no
+innocent (a pull may hold its batch while pulling again, so pulls have none); a worker
 records a suspect's start in Redis, synchronously, before user code runs (``begin``); other starts
 are noted (``settlement``).
 """

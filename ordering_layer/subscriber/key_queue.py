@@ -12,7 +12,8 @@ Pure bookkeeping, used by ``PartitionState`` under the engine's lock.
   due-time heap, so that the keys whose backoff ended are found without a scan while every other
   key goes on (SUB-2).
 * ``Quarantine`` lets the suspects of a partition (records an earlier owner handed out and never
-  settled, ACK-6) go out one at a time, so that a poison's crash charges no innocent (DLQ-3).
+  settled, ACK-6; callback mode only) go out one at a time, so that a poison's crash charges no
+  innocent (DLQ-3).
 """
 
 from __future__ import annotations
