@@ -74,6 +74,27 @@ impl PartitionCore {
         Ok(skipped)
     }
 
+    /// Take confluent-kafka `Message`s `messages[start:stop]` as they come from `consume()`: the
+    /// core calls `offset()`, `key()` and `value()` itself, so no `Record` is made per message.
+    /// Returns the offsets skipped, as `add` does.
+    #[pyo3(signature = (messages, start = 0, stop = None))]
+    fn add_kafka(&mut self, messages: &Bound<'_, PyList>, start: usize, stop: Option<usize>) -> PyResult<Vec<i64>> {
+        let py = messages.py();
+        let stop = stop.unwrap_or(usize::MAX).min(messages.len());
+        let mut skipped = Vec::new();
+        for index in start..stop {
+            let message = messages.get_item(index)?;
+            let offset: i64 = message.call_method0(intern!(py, "offset"))?.extract()?;
+            let value = message.call_method0(intern!(py, "value"))?;
+            let size = if value.is_none() { 0 } else { value.len()? as i64 };
+            let key = message.call_method0(intern!(py, "key"))?;
+            if !self.core.add(offset, key_bytes(&key)?, size, message.unbind()) {
+                skipped.push(offset);
+            }
+        }
+        Ok(skipped)
+    }
+
     /// Release from the ready keys, oldest first: up to `per_key` records of each, `budget` in all,
     /// no further key once `byte_budget` bytes are used up. Returns (records, tokens, attempts,
     /// payload bytes). With `lease_ms` the attempts are queued as one batch lease and
@@ -212,9 +233,25 @@ fn partition_runs(records: &Bound<'_, PyList>) -> PyResult<Vec<(i64, usize, usiz
     Ok(runs)
 }
 
+/// `partition_runs` for confluent-kafka `Message`s (`partition()` is a method there).
+#[pyfunction]
+fn kafka_partition_runs(messages: &Bound<'_, PyList>) -> PyResult<Vec<(i64, usize, usize)>> {
+    let py = messages.py();
+    let mut runs: Vec<(i64, usize, usize)> = Vec::new();
+    for (index, message) in messages.iter().enumerate() {
+        let partition: i64 = message.call_method0(intern!(py, "partition"))?.extract()?;
+        match runs.last_mut() {
+            Some(run) if run.0 == partition => run.2 = index + 1,
+            _ => runs.push((partition, index, index + 1)),
+        }
+    }
+    Ok(runs)
+}
+
 #[pymodule]
 fn ordering_layer_core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<PartitionCore>()?;
     module.add_function(wrap_pyfunction!(partition_runs, module)?)?;
+    module.add_function(wrap_pyfunction!(kafka_partition_runs, module)?)?;
     Ok(())
 }

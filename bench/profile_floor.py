@@ -1,0 +1,355 @@
+"""How fast can a per-key ordered, per-message acked subscriber go in this process model? (issue 11)
+
+The subscriber's CPU table (``bench/RESULTS.md``) says the pure-Python engine cannot reach 0.25x of
+the raw consume loop, and a projection said that even the compiled core leaves it short. This
+script measures instead of projecting: bench (a)'s workload (100 B, 10,000 keys, 6 partitions) on a
+real broker, each reader its own group from the earliest offset, rounds interleaved, read by
+
+* ``raw``: bench_subscribe's raw loop (``consume(500)``, count, async commit per batch);
+* ``python-floor``: the raw loop plus what any per-message Python API must do and nothing else: a
+  slotted ``Message`` per record, the user's no-op callback, ``Message.ack`` appending to a list;
+  no ordering, no bookkeeping: the ceiling of every design that keeps confluent-kafka's ``consume``;
+* ``core-inline``: per-key ordered dispatch with the compiled core, one thread: the core reads the
+  confluent messages itself (``kafka_partition_runs``, ``PartitionCore.add_kafka``), releases
+  ready keys (one message per key at a time, 1,000 outstanding at most, leases as batch ops), the
+  callback runs inline, acks go back into the core per partition, the packed Redis ops go out in
+  one round trip per step (a ``SET`` of the same string: the client-side cost of the real flush,
+  not the Lua), commits per batch at the core's commit point;
+* ``core-threaded N``: the same with the callbacks on N threads: the fetch thread hands released
+  runs over a queue in chunks, callbacks ack by appending to a deque the fetch thread drains: the
+  process model of the subscriber (fetch and bookkeeping on one thread, user code on a pool);
+* ``library-threaded 16``: ``core-threaded 16`` with the library's own per-message objects around
+  the core (``to_record``, ``Delivery``, ``Message``, ``Leases``): what remains of the engine's
+  Python per message if only the bookkeeping is compiled.
+
+Printed: msg/s per reader and round, the median of the per-round ratios to ``raw``, and the process
+CPU per message (all threads, librdkafka's included; from the first ``consume`` to ``close``), which
+bounds a reader whose Python threads share one GIL whatever the broker's fetch pace.
+
+``--fetch-queue-backoff-ms`` sets librdkafka's ``fetch.queue.backoff.ms`` in every reader: at its
+default (1 s) a reader that spends time between ``consume`` calls (a Redis round trip per batch is
+enough) meets a 1 s fetch stall in most runs, which caps a 200,000-message run at ~150-175k msg/s.
+
+    PYTHONPATH=. .venv/bin/python bench/profile_floor.py [--messages 200000] [--rounds 3]
+        [--fetch-queue-backoff-ms 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import queue
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from confluent_kafka import Consumer, TopicPartition
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from ordering_layer_core import PartitionCore, kafka_partition_runs, partition_runs
+
+from bench.bench_subscribe import publish, raw_consume
+from bench.common import bench_stack
+from ordering_layer import Admin, Message
+from ordering_layer.config import SubscriptionSettings
+from ordering_layer.stack import Endpoints
+from ordering_layer.state.client import redis_client
+from ordering_layer.subscriber.fetcher import to_record
+from ordering_layer.subscriber.key_queue import Delivery
+from ordering_layer.subscriber.leases import Leases
+
+MAX_OUTSTANDING = 1000
+MAX_BYTES = 100 * 1024 * 1024
+LEASE_MS = 60_000
+CHUNK = 64
+
+
+class FloorMessage:
+    """The least a delivered message can be: its record, token and attempt, and an ack."""
+
+    __slots__ = ("_acks", "data", "delivery_attempt", "partition", "record", "token")
+
+    def __init__(self, record: Any, partition: int, token: int, attempt: int, acks: Any) -> None:
+        self.record = record
+        self.partition = partition
+        self.token = token
+        self.delivery_attempt = attempt
+        self.data = record.value()
+        self._acks = acks
+
+    def ack(self) -> None:
+        self._acks.append(self)
+
+
+def noop(message: Any) -> None:
+    message.ack()
+
+
+def _consumer(endpoints: Endpoints, topic: str) -> Consumer:
+    consumer = Consumer({**endpoints.kafka_config(), "group.id": f"floor-{uuid.uuid4().hex}",
+                         "enable.auto.commit": False, "auto.offset.reset": "earliest"})
+    consumer.subscribe([topic])
+    return consumer
+
+
+def python_floor(endpoints: Endpoints, topic: str, count: int) -> float:
+    consumer = _consumer(endpoints, topic)
+    acks: list[FloorMessage] = []
+    seen = 0
+    start = 0.0
+    while seen < count:
+        batch = consumer.consume(500, 1.0)
+        if not batch:
+            continue
+        start = start or time.perf_counter()
+        for record in batch:
+            if record.error() is None:
+                noop(FloorMessage(record, 0, 0, 1, acks))
+        seen += len(acks)
+        acks.clear()
+        consumer.commit(asynchronous=True)
+    elapsed = time.perf_counter() - start
+    consumer.close()
+    return count / elapsed
+
+
+class CoreReader:
+    """Ordered dispatch through the compiled core on the fetch thread (see the module's text)."""
+
+    def __init__(self, endpoints: Endpoints, topic: str, workers: int) -> None:
+        self.topic = topic
+        self.consumer = _consumer(endpoints, topic)
+        self.redis = redis_client(endpoints.redis_url)
+        self.scratch = f"floor-ops-{uuid.uuid4().hex}"
+        self.cores: dict[int, PartitionCore[Any]] = {}
+        self.outstanding = 0
+        self.settled = 0
+        self.acks: collections.deque[FloorMessage] = collections.deque()
+        self.workers = workers
+        self.work: queue.SimpleQueue[list[FloorMessage] | None] = queue.SimpleQueue()
+
+    def core(self, partition: int) -> PartitionCore[Any]:
+        core = self.cores.get(partition)
+        if core is None:
+            core = self.cores[partition] = PartitionCore(ordered=True)
+        return core
+
+    def release(self, deliver: Callable[[list[Any]], None]) -> None:
+        now = time.monotonic()
+        for partition, core in self.cores.items():
+            budget = MAX_OUTSTANDING - self.outstanding
+            if budget <= 0:
+                return
+            records, tokens, attempts, _bytes = core.release_ready(now, budget, 1, MAX_BYTES, LEASE_MS)
+            if not records:
+                continue
+            self.outstanding += len(records)
+            acks = self.acks
+            deliver([FloorMessage(record, partition, token, attempt, acks)
+                     for record, token, attempt in zip(records, tokens, attempts, strict=True)])
+
+    def settle(self) -> None:
+        acks = self.acks
+        per_partition: dict[int, tuple[list[int], list[int]]] = {}
+        while acks:
+            message = acks.popleft()
+            offsets, tokens = per_partition.setdefault(message.partition, ([], []))
+            offsets.append(message.record.offset())
+            tokens.append(message.token)
+        commits = []
+        for partition, (offsets, tokens) in per_partition.items():
+            refused, watermark = self.cores[partition].ack(offsets, tokens)
+            assert not refused
+            self.outstanding -= len(offsets)
+            self.settled += len(offsets)
+            if watermark is not None:
+                commits.append(TopicPartition(self.topic, partition, watermark))
+        if commits:
+            self.consumer.commit(offsets=commits, asynchronous=True)
+
+    def flush_ops(self) -> None:
+        ops = "".join(core.take_ops() for core in self.cores.values() if core.ops_count)
+        if ops:
+            self.redis.set(self.scratch, ops)
+
+    def take(self, batch: list[Any]) -> None:
+        for partition, begin, end in kafka_partition_runs(batch):
+            self.core(partition).add_kafka(batch, begin, end)
+
+    def inline(self, count: int) -> float:
+        start = 0.0
+
+        def deliver(messages: list[FloorMessage]) -> None:
+            for message in messages:
+                noop(message)
+
+        while self.settled < count:
+            batch = self.consumer.consume(500, 0.1)
+            if batch:
+                start = start or time.perf_counter()
+                self.take(batch)
+            while True:  # release until no key is ready: every callback acks inline
+                self.release(deliver)
+                if not self.acks:
+                    break
+                self.settle()
+            self.flush_ops()
+        return self._finish(count, start)
+
+    def threaded(self, count: int) -> float:
+        start = 0.0
+        work = self.work
+
+        def deliver(messages: list[FloorMessage]) -> None:
+            for begin in range(0, len(messages), CHUNK):
+                work.put(messages[begin:begin + CHUNK])
+
+        def run() -> None:
+            while (chunk := work.get()) is not None:
+                for message in chunk:
+                    noop(message)
+
+        threads = [threading.Thread(target=run, daemon=True) for _ in range(self.workers)]
+        for thread in threads:
+            thread.start()
+        while self.settled < count:
+            full = self.outstanding >= MAX_OUTSTANDING
+            batch = [] if full else self.consumer.consume(500, 0.0 if self.outstanding else 0.1)
+            if batch:
+                start = start or time.perf_counter()
+                self.take(batch)
+            self.settle()
+            self.release(deliver)
+            self.flush_ops()
+            if full and self.waiting():
+                time.sleep(0.0005)  # the pool works; the real engine waits on its inbox instead
+        for _ in threads:
+            work.put(None)
+        return self._finish(count, start)
+
+    def waiting(self) -> bool:
+        """Nothing to settle yet."""
+        return not self.acks
+
+    def _finish(self, count: int, start: float) -> float:
+        elapsed = time.perf_counter() - start
+        self.consumer.close()
+        self.redis.delete(self.scratch)
+        return count / elapsed
+
+
+class LibraryReader(CoreReader):
+    """``CoreReader`` with the library's per-message objects around the core: ``to_record`` at the
+    fetch (ol- metadata read), ``Delivery`` and the library's ``Message`` at the hand-off (its
+    ``ack`` posts the message itself), ``Leases`` in Python (admit per released run, pop and
+    ack latency per settled message): what the engine keeps if only its bookkeeping is compiled."""
+
+    def __init__(self, endpoints: Endpoints, topic: str, workers: int) -> None:
+        super().__init__(endpoints, topic, workers)
+        self.leases = Leases(SubscriptionSettings(topic=topic))
+        self.library_acks: collections.deque[Any] = collections.deque()  # plain acks post the Message
+
+    def take(self, batch: list[Any]) -> None:
+        records = [to_record(msg) for msg in batch if msg.error() is None]
+        for partition, begin, end in partition_runs(records):
+            self.core(partition).add(records, begin, end)
+
+    def release(self, deliver: Callable[[list[Any]], None]) -> None:
+        now = time.monotonic()
+        post = self.library_acks.append
+        for partition, core in self.cores.items():
+            budget = MAX_OUTSTANDING - self.outstanding
+            if budget <= 0:
+                return
+            records, tokens, attempts, _bytes = core.release_ready(now, budget, 1, MAX_BYTES, LEASE_MS)
+            if not records:
+                continue
+            self.outstanding += len(records)
+            deliveries = [Delivery(record, record.key, token, attempt)
+                          for record, token, attempt in zip(records, tokens, attempts, strict=True)]
+            self.leases.admit(partition, deliveries, now)
+            deliver([Message(delivery, self.topic, 1, post) for delivery in deliveries])
+
+    def settle(self) -> None:
+        acks = self.library_acks
+        leases = self.leases
+        now = time.monotonic()
+        per_partition: dict[int, tuple[list[int], list[int]]] = {}
+        while acks:
+            delivery = acks.popleft()._delivery
+            record = delivery.record
+            out = leases.pop((record.partition, record.offset))
+            assert out is not None
+            leases.acked(out, now)
+            offsets, tokens = per_partition.setdefault(record.partition, ([], []))
+            offsets.append(record.offset)
+            tokens.append(delivery.token)
+        leases.take_latencies()
+        commits = []
+        for partition, (offsets, tokens) in per_partition.items():
+            refused, watermark = self.cores[partition].ack(offsets, tokens)
+            assert not refused
+            self.outstanding -= len(offsets)
+            self.settled += len(offsets)
+            if watermark is not None:
+                commits.append(TopicPartition(self.topic, partition, watermark))
+        if commits:
+            self.consumer.commit(offsets=commits, asynchronous=True)
+
+    def waiting(self) -> bool:
+        return not self.library_acks
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--messages", type=int, default=200_000)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--fetch-queue-backoff-ms", type=int, default=None,
+                        help="set librdkafka's fetch.queue.backoff.ms (default 1000) in every reader, raw included")
+    args = parser.parse_args()
+    readers: dict[str, Callable[[Endpoints, str, int], float]] = {
+        "raw": raw_consume,
+        "python-floor": python_floor,
+        "core-inline": lambda e, t, n: CoreReader(e, t, 1).inline(n),
+        "core-threaded 1": lambda e, t, n: CoreReader(e, t, 1).threaded(n),
+        "core-threaded 16": lambda e, t, n: CoreReader(e, t, 16).threaded(n),
+        "library-threaded 16": lambda e, t, n: LibraryReader(e, t, 16).threaded(n),
+    }
+    with bench_stack() as stack, tempfile.TemporaryDirectory() as scratch:
+        endpoints = stack
+        if args.fetch_queue_backoff_ms is not None:
+            properties = Path(scratch) / "client.properties"
+            properties.write_text(f"fetch.queue.backoff.ms={args.fetch_queue_backoff_ms}\n")
+            endpoints = dataclasses.replace(stack, kafka_config_file=str(properties))
+        admin = Admin(endpoints.kafka_config(), redis_url=endpoints.redis_url)
+        topic = f"bench-floor-{uuid.uuid4().hex[:8]}"
+        admin.create_topic(topic, partitions=6)
+        publish(endpoints, topic, [f"key-{i}" for i in range(10_000)], args.messages)
+        runs: dict[str, list[float]] = {name: [] for name in readers}
+        cpu: dict[str, list[float]] = {name: [] for name in readers}
+        for round_ in range(args.rounds):
+            for name, read in readers.items():
+                before = time.process_time()
+                runs[name].append(read(endpoints, topic, args.messages))
+                cpu[name].append((time.process_time() - before) / args.messages * 1e6)
+            print(f"round {round_ + 1}: " + ", ".join(f"{name} {rates[-1]:,.0f}" for name, rates in runs.items())
+                  + " msg/s", flush=True)
+        print(f"\n{args.messages:,} x 100 B, 10,000 keys, 6 partitions; median of {args.rounds} rounds")
+        print(f"{'reader':<18} {'msg/s':>10} {'ratio to raw':>13} {'CPU us/msg':>11} {'raw/this CPU':>13}")
+        for name, rates in runs.items():
+            ratio = statistics.median(a / b for a, b in zip(rates, runs["raw"], strict=True))
+            per_message = statistics.median(cpu[name])
+            print(f"{name:<18} {statistics.median(rates):>10,.0f} {ratio:>13.3f} {per_message:>11.2f}"
+                  f" {statistics.median(cpu['raw']) / per_message:>13.3f}")
+
+
+if __name__ == "__main__":
+    main()
