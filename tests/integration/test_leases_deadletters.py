@@ -273,10 +273,11 @@ def test_crashes_of_a_poison_dead_letter_no_message_that_ran_beside_it(
     """DLQ-3, ACK-6: a poison message (offset 0) kills its process (os._exit) on every delivery, once
     at least 2 messages of other keys of its partition have started beside it in that process (8
     callback workers; the others' handlers take 0.5 s). The first crash charges the 6 others an
-    attempt and makes them suspects, as the poison is; suspects go out one at a time per partition,
-    so the poison crashes alone in the next four processes and is dead-lettered after exactly
-    max_delivery_attempts (5) crashing deliveries, and every other message is acked, at attempt 2
-    at most."""
+    attempt and makes them suspects, as the poison is; the suspects of one crash go out together,
+    so the poison crashes the second process beside them too; charged two attempts, they are
+    quarantined, one out at a time per partition, so the poison crashes alone in the next three
+    processes and is dead-lettered after exactly max_delivery_attempts (5) crashing deliveries, and
+    every other message is acked, at attempt 3 at most."""
     dlq = unique_name("dlq")
     topic, name = subscription(partitions=1, dead_letter_policy=DeadLetterPolicy(dlq, max_delivery_attempts=5))
     published = publish_keys(kafka_config, topic, keys=7, per_key=1).published
@@ -290,13 +291,16 @@ def test_crashes_of_a_poison_dead_letter_no_message_that_ran_beside_it(
     deliveries = [(e["sub"], e["attempt"]) for e in events if e["id"] == poison and e["action"] == "deliver"]
     assert deliveries == [(f"w{n}", n + 1) for n in range(5)], (exits, stderr)
     assert exits == {**{f"w{n}": 3 for n in range(5)}, "w5": None}, (exits, stderr)
-    beside = {e["id"] for e in events if e["sub"] == "w0" and e["action"] == "deliver"} & others
-    assert len(beside) >= 2, "the others ran beside the poison when it first crashed"
+    def ran_beside(worker: str) -> set[str]:
+        return {e["id"] for e in events if e["sub"] == worker and e["action"] == "deliver"} & others
+    assert len(ran_beside("w0")) >= 2, "the others ran beside the poison when it first crashed"
+    assert len(ran_beside("w1")) >= 2, "one crash's suspects went out together"
+    assert not ran_beside("w2") | ran_beside("w3") | ran_beside("w4"), "quarantined from the second crash"
     letters = admin.list_dead_letters(name)
     assert [(d.reason, d.delivery_attempts, d.message_id) for d in letters] == [
         ("MAX_DELIVERY_ATTEMPTS", 5, poison)], [(d.message_id, d.delivery_attempts) for d in letters]
     assert {e["id"] for e in events if e["action"] == "ack"} == others
-    assert max(e["attempt"] for e in events if e["id"] in others and e["action"] == "deliver") <= 2
+    assert max(e["attempt"] for e in events if e["id"] in others and e["action"] == "deliver") <= 3
 
 
 def test_park_key_keeps_order_and_redrive_restores_it(
