@@ -32,7 +32,7 @@ Which module keeps which property of ``SEMANTICS.md``:
   ``settlement`` (stale epochs and tokens refused), ``state_writer`` (answers), ``state/lua/apply.lua``
 - ACK-6 delivery attempt survives crashes (counted before hand-off): ``dispatch`` (``_admit`` ops,
   flushed before ``hand_out``), ``settlement`` (start notes), ``engine`` (``begin`` of suspects),
-  ``partitions`` (claim, ``charged_attempts``); suspects go out one at a time per partition:
+  ``partitions`` (claim, ``charged_attempts``); suspects of repeated crashes go out one at a time:
   ``key_queue`` (``Quarantine``), ``partition`` (``release``)
 - DLQ-1 backoff per key: ``key_queue`` (``KeyBackoff``), ``partition`` (``_hold``, ``wake``)
 - DLQ-2 dead-lettering, ``park_key``; DLQ-3 poison messages: ``dead_letters``, screened by

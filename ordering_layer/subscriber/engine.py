@@ -15,8 +15,9 @@ seeks, GRP-3) and ``ownership`` (claims, revocations, fencing verdicts of each f
 
 Attempt counts (ACK-6, DLQ-3): after a crash the next owner charges an attempt never seen started
 only up to one below the dead-letter limit; in callback mode the records it charges are suspects,
-which go out one at a time per partition (``key_queue.Quarantine``), so a poison's crashes charge no
-innocent (a pull may hold its batch while pulling again, so pulls have none); a worker
+and those charged two attempts or more go out one at a time per partition
+(``key_queue.Quarantine``), so a poison's crashes charge no innocent up to the limit (a pull may
+hold its batch while pulling again, so pulls have none); a worker
 records a suspect's start in Redis, synchronously, before user code runs (``begin``); other starts
 are noted (``settlement``).
 """

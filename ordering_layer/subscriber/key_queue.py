@@ -11,9 +11,10 @@ Pure bookkeeping, used by ``PartitionState`` under the engine's lock.
 * ``KeyBackoff`` knows the keys held back after a failure (DLQ-1) and when each hold ends, in a
   due-time heap, so that the keys whose backoff ended are found without a scan while every other
   key goes on (SUB-2).
-* ``Quarantine`` lets the suspects of a partition (records an earlier owner handed out and never
-  settled, ACK-6; callback mode only) go out one at a time, so that a poison's crash charges no
-  innocent (DLQ-3).
+* ``Quarantine`` lets the quarantined suspects of a partition (records earlier owners handed out
+  and never settled, charged ``QUARANTINE_FROM`` attempts or more, ACK-6; callback mode only) go
+  out one at a time, so that a poison's crashes charge no innocent up to the dead-letter limit
+  (DLQ-3).
 """
 
 from __future__ import annotations
@@ -28,6 +29,13 @@ from ordering_layer.record import HeaderPairs, RecordMetadata
 
 QueueKey = bytes | int
 
+# Suspects charged this many attempts or more go out one at a time. One crash charges what was out
+# one attempt: those suspects go out together, so that the next owner recovers from a single crash
+# at full speed. A poison crashes that owner too, which charges whatever ran beside it a second
+# attempt; from then on each goes out alone, so an innocent is charged for two crashes at most,
+# below any dead-letter limit (5 at least), and the poison for every crash.
+QUARANTINE_FROM = 2
+
 
 @dataclass(slots=True, eq=False)
 class Record:
@@ -36,8 +44,9 @@ class Record:
     ``key`` is the ordering key as the record's bytes (None when absent or empty: unordered); keys
     are compared as bytes, so a key of any producer is an ordering key (PUB-7). ``suspect``: it was
     handed out by an earlier owner of the partition and not settled (maybe it crashed that owner),
-    so a callback worker records the start of each of its deliveries in Redis before user code runs,
-    and it goes out alone (``Quarantine``).
+    so a callback worker records the start of each of its deliveries in Redis before user code runs.
+    ``quarantined``: a suspect charged ``QUARANTINE_FROM`` attempts or more; it goes out alone
+    (``Quarantine``).
     """
 
     partition: int
@@ -51,6 +60,7 @@ class Record:
     attempts: int = 0
     last_error: str | None = None
     suspect: bool = False
+    quarantined: bool = False
 
 
 class Delivery(NamedTuple):
@@ -125,15 +135,16 @@ class KeyBackoff:
 
 
 class Quarantine:
-    """At most one suspect of a partition outstanding at a time (ACK-6, DLQ-3).
+    """At most one quarantined suspect of a partition outstanding at a time (ACK-6, DLQ-3).
 
     A suspect may be what crashed the partition's earlier owner. Run beside other messages, a poison
     would crash them again and again, each crash charging them an attempt, until they were
     dead-lettered with it; run alone, its crashes charge only itself. So a key whose next record is
-    a suspect waits (``waiting``, oldest first) while another suspect of the partition is outstanding
-    (``offset``); once that one is settled in any way (ack, nack, lapse, dead letter, given back), the
-    oldest waiting key is ready again. A message that ran beside the poison as a non-suspect is
-    charged for that crash once, then waits its turn as a suspect. Other records are not held (SUB-2).
+    quarantined waits (``waiting``, oldest first) while another quarantined record of the partition
+    is outstanding (``offset``); once that one is settled in any way (ack, nack, lapse, dead letter,
+    given back), the oldest waiting key is ready again. Suspects of a single crash are not
+    quarantined (``QUARANTINE_FROM``): a message that ran beside the poison in two crashes is charged
+    for both, then waits its turn. Other records are not held (SUB-2).
     """
 
     __slots__ = ("offset", "waiting")

@@ -4,8 +4,8 @@ Pure logic, no I/O, one instance per owned partition, used under the engine's lo
 ``PartitionState`` routes records to key queues (``key_queue.KeyQueue``), runs the recovery walk
 after a claim (records settled before a crash are skipped unless their key is cascading), releases
 what may go out, rewinds a key's cursor on a nack or lapse (SUB-4) and holds the key back
-(``key_queue.KeyBackoff``, DLQ-1), and lets suspects out one at a time (``key_queue.Quarantine``,
-DLQ-3); its commit point is kept by ``commit_point.OffsetTracker``.
+(``key_queue.KeyBackoff``, DLQ-1), and lets quarantined suspects out one at a time
+(``key_queue.Quarantine``, DLQ-3); its commit point is kept by ``commit_point.OffsetTracker``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,15 @@ import itertools
 from collections.abc import Callable
 
 from ordering_layer.subscriber.commit_point import OffsetTracker
-from ordering_layer.subscriber.key_queue import Delivery, KeyBackoff, KeyQueue, Quarantine, QueueKey, Record
+from ordering_layer.subscriber.key_queue import (
+    QUARANTINE_FROM,
+    Delivery,
+    KeyBackoff,
+    KeyQueue,
+    Quarantine,
+    QueueKey,
+    Record,
+)
 
 __all__ = ["AWAITING_SEEK", "Delivery", "PartitionState", "QueueKey", "Record"]
 
@@ -34,10 +42,10 @@ class PartitionState:
         settled_before: offsets settled above the committed offset, read at claim (recovery walk).
         attempts_before: delivery attempts charged to unsettled records handed out by earlier owners
             (ACK-6, see ``partitions.charged_attempts``); those records are suspects when ``suspects``.
-        suspects: callback mode. A suspect's every start is written before user code runs and the
-            suspects go out one at a time (``Quarantine``). Pull mode has none: a pull hands a batch
-            to user code at once, which may hold it while it pulls again, so a quarantine would
-            stall it.
+        suspects: callback mode. A suspect's every start is written before user code runs, and the
+            suspects charged ``QUARANTINE_FROM`` attempts or more go out one at a time
+            (``Quarantine``). Pull mode has none: a pull hands a batch to user code at once, which
+            may hold it while it pulls again, so a quarantine would stall it.
         generation: the assignment generation it was claimed under: only records fetched under it
             belong to it (``AWAITING_SEEK``: none, until the consumer has sought to ``start_offset``).
         start_offset: where a seek (GRP-3) restarted the partition; None: at the committed offset.
@@ -100,6 +108,7 @@ class PartitionState:
             if attempts is not None:
                 record.attempts = attempts
                 record.suspect = self._suspects
+                record.quarantined = self._suspects and attempts >= QUARANTINE_FROM
         queue = self.keys.get(qkey)
         if queue is None:
             queue = self.keys[qkey] = KeyQueue()
@@ -112,14 +121,14 @@ class PartitionState:
     # -- release ---------------------------------------------------------------------------------
     def release(self, qkey: QueueKey, now: float, limit: int) -> list[Delivery]:
         """Release up to ``limit`` records of one key (callback mode: 1; pull mode: a batch); a
-        suspect goes out alone, once no other suspect of the partition is out (``Quarantine``)."""
+        quarantined record goes out alone, once no other of the partition is out (``Quarantine``)."""
         queue = self.keys.get(qkey)
         if queue is None or not queue.releasable(now):
             return []
         cursor = queue.cursor
         records = queue.records
         head = records[cursor]
-        if head.suspect:
+        if head.quarantined:
             if not self.quarantine.admit(qkey, head.offset):
                 return []
             limit = 1
@@ -127,7 +136,7 @@ class PartitionState:
         deliveries: list[Delivery] = []
         outstanding = queue.outstanding
         for record in batch:
-            if record.suspect and deliveries:
+            if record.quarantined and deliveries:
                 break
             token = next(_tokens)
             outstanding[record.offset] = token
@@ -168,7 +177,7 @@ class PartitionState:
             if queue is None or queue.outstanding or now < queue.not_before or queue.cursor >= len(queue.records):
                 continue
             record = queue.records[queue.cursor]
-            if record.suspect and not quarantine.admit(qkey, record.offset):
+            if record.quarantined and not quarantine.admit(qkey, record.offset):
                 continue
             token = next(_tokens)
             queue.outstanding[record.offset] = token
@@ -248,7 +257,7 @@ class PartitionState:
             queue.acked.discard(record.offset)
         self.buffered += queue.cursor - index
         queue.cursor = index
-        if offset == self.quarantine.offset:  # a suspect goes out alone: its key has no other outstanding
+        if offset == self.quarantine.offset:  # it went out alone: its key has no other outstanding
             self.quarantine.settled(self.ready)
         return queue
 

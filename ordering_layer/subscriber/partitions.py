@@ -42,12 +42,13 @@ def charged_attempts(claimed: ClaimedPartition, max_attempts: int | None) -> dic
     start) counts in full: its owner may have crashed on it. An attempt still waiting in a callback
     pool when its owner went may never have reached user code, or its start mark was lost with the
     owner: it counts, but never up to ``max_attempts``, so that a message is dead-lettered only
-    after an attempt whose start is recorded. The records charged are suspects: the new owner lets
-    those of a partition out one at a time (``key_queue.Quarantine``) and records the start of each
-    of their deliveries before user code runs (``Engine.begin``), so a message that crashes every
-    process it runs in is dead-lettered after exactly ``max_attempts`` deliveries, and one that
-    waited or ran beside it is charged for one crash at most and never dead-lettered for them. A
-    message whose dead letter was being written when its owner went is charged ``max_attempts``.
+    after an attempt whose start is recorded. The records charged are suspects: the new owner
+    records the start of each of their deliveries before user code runs (``Engine.begin``), and lets
+    those charged two attempts or more out one at a time per partition (``key_queue.Quarantine``),
+    so a message that crashes every process it runs in is dead-lettered after exactly
+    ``max_attempts`` deliveries, and one that waited or ran beside it is charged for two crashes at
+    most and never dead-lettered for them. A message whose dead letter was being written when its
+    owner went is charged ``max_attempts``.
 
     Args:
         claimed: what the claim read.

@@ -1,6 +1,7 @@
 """A subscriber process for crash tests: logs every delivery and ack as JSON lines, flushed at once.
 
-Run as ``python -m tests.integration.subscriber_worker --help``. The test kills it with SIGKILL.
+Run as ``python -m tests.integration.subscriber_worker --help``. The test kills it with SIGKILL;
+SIGTERM stops it gracefully (outstanding deliveries finish, offsets are committed).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -70,11 +72,17 @@ def main() -> None:
              "session.timeout.ms": args.session_ms, "heartbeat.interval.ms": max(250, args.session_ms // 6)}
     subscriber = Subscriber(kafka, redis_url=args.redis_url)
     handle = subscriber.subscribe(args.subscription, callback, max_workers=args.workers)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda _signum, _frame: stop.set())  # SIGTERM: a graceful stop
     print("subscribed", flush=True)
-    try:
-        handle.result(timeout=args.seconds)
-    except TimeoutError:
-        handle.cancel()
+    deadline = time.monotonic() + args.seconds
+    while not stop.is_set() and time.monotonic() < deadline:
+        try:
+            handle.result(timeout=min(0.2, max(0.0, deadline - time.monotonic())))
+            break
+        except TimeoutError:
+            continue
+    handle.cancel()
     sys.exit(0)
 
 

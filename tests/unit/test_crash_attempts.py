@@ -115,14 +115,15 @@ def test_a_crashing_poison_is_dead_lettered_alone_after_exactly_max_attempts() -
     """DLQ-3, ACK-6: a poison that crashes the process on every start, released with 11 other keys'
     first messages that wait in the pool (one worker), crashes exactly 5 processes (attempts 1..5),
     then goes to the dead-letter topic as attempt 6 (5 attempts). The others were never started:
-    charged one attempt for the first crash, they wait as suspects while the poison, a suspect too,
-    goes out alone, and reach user code one at a time in the sixth process (attempt 2)."""
+    after the first crash they go out again with the poison (suspects of one crash go out
+    together); charged for two crashes, they wait, quarantined, while the poison, quarantined too,
+    goes out alone, and reach user code one at a time in the sixth process (attempt 3)."""
     store = RedisLike()
     poison_attempts = []
     for n in range(MAX_ATTEMPTS):
         process = Process(store)
         process.step()
-        assert sorted(attempts_of(process.handed)) == (list(range(KEYS)) if n == 0 else [POISON])
+        assert sorted(attempts_of(process.handed)) == (list(range(KEYS)) if n < 2 else [POISON])
         first = process.handed[0]
         assert first.offset() == POISON
         poison_attempts.append(first.delivery_attempt)
@@ -138,7 +139,7 @@ def test_a_crashing_poison_is_dead_lettered_alone_after_exactly_max_attempts() -
     assert last.dead == [(POISON, MAX_ATTEMPTS + 1)]
     for offset in range(1, KEYS):
         last.step()
-        assert attempts_of(last.handed[offset - 1:]) == {offset: 2}
+        assert attempts_of(last.handed[offset - 1:]) == {offset: 3}
         assert last.engine.begin(last.handed[-1])
         last.handed[-1].ack()
     last.step()
@@ -177,14 +178,14 @@ def test_a_suspect_that_starts_and_crashes_is_charged_in_full() -> None:
     charged = {r.offset: r.attempts for queue in second.engine._partitions[0].keys.values() for r in queue.records}
     assert charged[1] == 1 and charged[2] == 1
     second.step()
-    assert attempts_of(second.handed) == {0: 2}  # suspects go out one at a time
+    assert attempts_of(second.handed) == dict.fromkeys(range(KEYS), 2)  # one crash's suspects: together
     assert second.engine.begin(second.handed[0])  # a suspect: written at once
     assert store.attempts[0] == 2
     second.crash()
 
     third = Process(store)
     third.step()
-    assert attempts_of(third.handed) == {0: 3}
+    assert attempts_of(third.handed) == {0: 3}  # charged for two crashes: one at a time
     third.crash()
 
 

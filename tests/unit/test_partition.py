@@ -163,11 +163,25 @@ def released(state: PartitionState, limit: int = 1) -> dict[bytes | int, tuple[i
     return {d.queue_key: (d.record.offset, d.token) for d in state.release_ready(0.0, 10**9, limit, 10**9)}
 
 
-def test_suspects_go_out_one_at_a_time_while_other_keys_flow() -> None:
-    """DLQ-3, ACK-6, SUB-2: of three suspects (keys s1, s2, s3) one is outstanding at a time, while
-    keys a and b flow; an ack, a nack, a give-back (requeue) or a dead letter of the outstanding
-    suspect lets the next one out, oldest waiting first."""
-    state = PartitionState(0, 1, ordered=True, attempts_before={0: 1, 2: 1, 4: 1})
+def test_suspects_of_one_crash_go_out_together() -> None:
+    """ACK-6, SUB-2: records charged one attempt (out when one owner crashed) are suspects, not
+    quarantined: they go out together, each start to be written before user code runs; a record
+    charged two attempts is quarantined and goes out alone beside them."""
+    state = PartitionState(0, 1, ordered=True, attempts_before={0: 1, 1: 1, 2: 1, 3: 2, 4: 2})
+    fill(state, [b"s1", b"s2", b"s3", b"q1", b"q2", b"a"])
+    deliveries = state.release_ready(0.0, 100, 1, 10**9)
+    assert [(d.queue_key, d.record.offset, d.attempt) for d in deliveries] == [
+        (b"s1", 0, 2), (b"s2", 1, 2), (b"s3", 2, 2), (b"q1", 3, 3), (b"a", 5, 1)]
+    assert [d.record.suspect for d in deliveries] == [True, True, True, True, False]
+    assert [d.record.quarantined for d in deliveries] == [False, False, False, True, False]
+    assert list(state.quarantine.waiting) == [b"q2"]
+
+
+def test_quarantined_suspects_go_out_one_at_a_time_while_other_keys_flow() -> None:
+    """DLQ-3, ACK-6, SUB-2: of three suspects charged for two crashes (keys s1, s2, s3) one is
+    outstanding at a time, while keys a and b flow; an ack, a nack, a give-back (requeue) or a dead
+    letter of the outstanding suspect lets the next one out, oldest waiting first."""
+    state = PartitionState(0, 1, ordered=True, attempts_before={0: 2, 2: 2, 4: 2})
     fill(state, [b"s1", b"a", b"s2", b"b", b"s3", b"a", b"b"])
     first = released(state)
     assert {k: o for k, (o, _) in first.items()} == {b"s1": 0, b"a": 1, b"b": 3}
@@ -188,16 +202,17 @@ def test_suspects_go_out_one_at_a_time_while_other_keys_flow() -> None:
     assert (key, offset) == (b"s2", 2)
     state.settle_dead_lettered(key, offset)
     deliveries = state.release_ready(0.0, 10, 1, 10**9)
-    assert [(d.queue_key, d.record.offset, d.attempt) for d in deliveries] == [(b"s3", 4, 3)]
+    assert [(d.queue_key, d.record.offset, d.attempt) for d in deliveries] == [(b"s3", 4, 4)]
     assert state.ack(b"s3", 4, deliveries[0].token)
     assert state.quarantine.offset is None and not state.quarantine.waiting
     assert state.tracker.watermark == 5
 
 
-def test_a_suspect_goes_out_alone_in_pull_mode() -> None:
-    """DLQ-3, SUB-1 (pull): a key whose next record is a suspect is released as a batch of one, and
-    only while no other suspect is out; a batch of other records ends before a suspect."""
-    state = PartitionState(0, 1, ordered=True, attempts_before={0: 1, 1: 1, 2: 1, 6: 1})
+def test_a_quarantined_suspect_goes_out_alone_in_batches() -> None:
+    """DLQ-3, SUB-1 (batches of one key): a key whose next record is quarantined is released as a
+    batch of one, and only while no other quarantined record is out; a batch of other records ends
+    before a quarantined one."""
+    state = PartitionState(0, 1, ordered=True, attempts_before={0: 2, 1: 2, 2: 2, 6: 2})
     fill(state, [b"s", b"s", b"t", b"a", b"a", b"n", b"n"])
     batch = state.release_ready(0.0, 100, 10, 10**9)
     assert [(d.queue_key, d.record.offset) for d in batch] == [(b"s", 0), (b"a", 3), (b"a", 4), (b"n", 5)]
@@ -211,7 +226,7 @@ def test_a_suspect_goes_out_alone_in_pull_mode() -> None:
     assert list(state.quarantine.waiting) == [b"s", b"n"]
     assert state.ack(b"t", 2, t2.token)
     (s1,) = state.release_ready(0.0, 100, 10, 10**9)
-    assert (s1.queue_key, s1.record.offset, s1.attempt) == (b"s", 1, 2)
+    assert (s1.queue_key, s1.record.offset, s1.attempt) == (b"s", 1, 3)
     assert state.ack(b"s", 1, s1.token)
     assert [(d.queue_key, d.record.offset) for d in state.release_ready(0.0, 100, 10, 10**9)] == [(b"n", 6)]
 
