@@ -1,5 +1,6 @@
 //! The per-key hold queues of one partition, the due times of their keys' backoffs and the
-//! quarantine of suspects (SUB-1, SUB-2, DLQ-1, DLQ-3), as `ordering_layer/subscriber/key_queue.py`.
+//! quarantine of suspects of repeated crashes (SUB-1, SUB-2, DLQ-1, DLQ-3), as
+//! `ordering_layer/subscriber/key_queue.py`.
 //!
 //! Queues live in the partition's slab and are named by slot; the ready list and the quarantine's
 //! waiting list are queues of (slot, stamp) pairs where a pair whose stamp is no longer its queue's
@@ -7,6 +8,11 @@
 
 use std::cmp::Ordering;
 use std::collections::VecDeque;
+
+/// Suspects charged this many attempts or more are quarantined (`key_queue.QUARANTINE_FROM`): one
+/// crash charges what was out one attempt, and those suspects go out together; from a second crash
+/// on each goes out alone, so an innocent is charged for two crashes at most.
+pub const QUARANTINE_FROM: u32 = 2;
 
 /// What a record queues under.
 #[derive(Clone, PartialEq, Eq, Hash, Debug)]
@@ -16,12 +22,15 @@ pub enum QueueKey {
 }
 
 /// One fetched record of a key's queue; `item` is the caller's (the Python record object).
-/// `suspect`: an earlier owner handed it out and never settled it (ACK-6); it goes out alone.
+/// `suspect`: an earlier owner handed it out and never settled it (ACK-6), so each start of it is
+/// to be written before user code runs; `quarantined`: a suspect charged `QUARANTINE_FROM`
+/// attempts or more, which goes out alone (`Quarantine`).
 pub struct Entry<T> {
     pub offset: i64,
     pub size: i64,
     pub attempts: u32,
     pub suspect: bool,
+    pub quarantined: bool,
     pub token: u64, // 0: not outstanding
     pub acked: bool,
     pub item: T,
@@ -89,13 +98,13 @@ impl Ord for Wake {
     }
 }
 
-/// At most one suspect of a partition outstanding at a time (ACK-6, DLQ-3).
+/// At most one quarantined record of a partition outstanding at a time (ACK-6, DLQ-3).
 ///
-/// A suspect may be what crashed the partition's earlier owner; run alone, its crashes charge only
-/// itself. A queue whose next record is a suspect waits (oldest first) while another suspect is
-/// outstanding (`offset`); once that one is settled in any way (ack, nack, lapse, dead letter,
-/// given back), the oldest waiting queue is ready again. A queue keeps its place in the waiting
-/// list when it is looked at again while it waits.
+/// A suspect may be what crashed the partition's earlier owners; run alone, its crashes charge only
+/// itself. A queue whose next record is quarantined waits (oldest first) while another quarantined
+/// record is outstanding (`offset`); once that one is settled in any way (ack, nack, lapse, dead
+/// letter, given back), the oldest waiting queue is ready again. A queue keeps its place in the
+/// waiting list when it is looked at again while it waits.
 #[derive(Default)]
 pub struct Quarantine {
     pub offset: Option<i64>,
@@ -104,8 +113,8 @@ pub struct Quarantine {
 }
 
 impl Quarantine {
-    /// Whether the suspect `offset`, next of `queue` (in `slot`), may go out now; if not, the
-    /// queue waits.
+    /// Whether the quarantined record `offset`, next of `queue` (in `slot`), may go out now; if
+    /// not, the queue waits.
     pub fn admit<T>(&mut self, slot: u32, queue: &mut KeyQueue<T>, offset: i64) -> bool {
         if self.offset.is_some() {
             if queue.waiting_stamp == 0 {
@@ -120,7 +129,7 @@ impl Quarantine {
         true
     }
 
-    /// The outstanding suspect is settled or given back: the slot of the oldest waiting queue, no
+    /// The outstanding quarantined record is settled or given back: the slot of the oldest waiting queue, no
     /// longer waiting, for the caller to make ready.
     pub fn settled<T>(&mut self, slots: &mut [Option<KeyQueue<T>>]) -> Option<u32> {
         self.offset = None;

@@ -4,7 +4,7 @@
 //! (see `partition.rs`). Python crosses into it once per batch: a fetched batch in, a release of up
 //! to a budget of ready keys out as parallel lists, a batch of acks in with the new commit point
 //! out. Records stay Python objects: the core keeps a reference to each and hands it back on
-//! release, reading only `offset`, `key` and `size`; which of them is a suspect (ACK-6, DLQ-3) it
+//! release, reading only `offset`, `key` and `size`; which of them are suspects (ACK-6, DLQ-3) it
 //! says with the release. The ops for Redis (`apply.lua`'s packed argument) are written as the
 //! decisions are made. Assignment generations, epochs, leases, start notes and dead-letter policy
 //! stay in Python.
@@ -24,8 +24,8 @@ use pyo3::types::{PyBytes, PyList};
 use partition::{Admission, PartitionCore as Core, QueueKey};
 
 /// What `release_ready` returns: records, tokens, attempts (parallel lists), payload bytes, and
-/// the position of the suspect released, if any (at most one is out per partition).
-type Released<'py> = (Bound<'py, PyList>, Bound<'py, PyList>, Bound<'py, PyList>, i64, Option<usize>);
+/// the positions of the suspects among them (rare: after a crash).
+type Released<'py> = (Bound<'py, PyList>, Bound<'py, PyList>, Bound<'py, PyList>, i64, Vec<usize>);
 
 /// Dispatch state of one owned partition (see the module's documentation).
 #[pyclass(module = "ordering_layer_core", name = "PartitionCore")]
@@ -101,9 +101,9 @@ impl PartitionCore {
     }
 
     /// Release from the ready keys, oldest first: up to `per_key` records of each, `budget` in all,
-    /// no further key once `byte_budget` bytes are used up; a suspect goes out alone, one at a time
-    /// per partition. Returns (records, tokens, attempts, payload bytes, position of the suspect
-    /// released or None). The attempts are queued as `DELIVERED` ops (pull mode), or `RELEASED`
+    /// no further key once `byte_budget` bytes are used up; a quarantined suspect goes out alone, one
+    /// at a time per partition. Returns (records, tokens, attempts, payload bytes, positions of the
+    /// suspects among the records: their starts are to be written before user code runs). The attempts are queued as `DELIVERED` ops (pull mode), or `RELEASED`
     /// when `pooled` (callback mode); with `lease_ms`, as one batch lease and `BATCH_DELIVERED` or
     /// `BATCH_RELEASED` ops.
     #[pyo3(signature = (now, budget, per_key, byte_budget, lease_ms = None, *, pooled = false))]
@@ -121,18 +121,18 @@ impl PartitionCore {
         let mut items = Vec::new();
         let mut tokens = Vec::new();
         let mut attempts = Vec::new();
-        let mut suspect = None;
+        let mut suspects = Vec::new();
         let written = Admission { lease_ms, pooled };
         let totals = self.core.release_ready(now, budget, per_key, byte_budget, written, |entry, token| {
             if entry.suspect {
-                suspect = Some(items.len());
+                suspects.push(items.len());
             }
             items.push(entry.item.clone_ref(py));
             tokens.push(token);
             attempts.push(entry.attempts);
         });
         let (items, tokens, attempts) = (PyList::new(py, items)?, PyList::new(py, tokens)?, PyList::new(py, attempts)?);
-        Ok((items, tokens, attempts, totals.bytes, suspect))
+        Ok((items, tokens, attempts, totals.bytes, suspects))
     }
 
     /// Settle deliveries (acks): returns the positions of the refused ones (stale tokens) and the
@@ -192,12 +192,12 @@ impl PartitionCore {
         qkey_list(py, self.core.ready_keys())
     }
 
-    /// The keys whose next record is a suspect waiting for the outstanding one, oldest first (a scan).
+    /// The keys whose next record is quarantined, waiting for the outstanding one, oldest first (a scan).
     fn waiting_keys<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         qkey_list(py, self.core.waiting_keys())
     }
 
-    /// The offset of the outstanding suspect; None when none is out.
+    /// The offset of the outstanding quarantined suspect; None when none is out.
     #[getter]
     fn quarantined(&self) -> Option<i64> {
         self.core.quarantined()

@@ -12,8 +12,9 @@
 //!   leaves the ready set when looked at and comes back on an ack, a nack or the end of a backoff;
 //! * records settled before a crash are skipped at intake unless their key cascades (SUB-3);
 //! * records an earlier owner handed out and never settled get the attempts charged to them
-//!   (ACK-6) and, with `suspects` (callback mode), go out alone and one at a time per partition
-//!   (`Quarantine`, DLQ-3): a batch stops before a suspect that is not its first record.
+//!   (ACK-6) and, with `suspects` (callback mode), are suspects; those charged `QUARANTINE_FROM`
+//!   attempts or more go out alone and one at a time per partition (`Quarantine`, DLQ-3): a batch
+//!   stops before a quarantined record that is not its first.
 //!
 //! Queues live in a slab (`slots`) so that the ready list, the quarantine's waiting list and the
 //! outstanding offsets refer to them by index (see `key_queue`).
@@ -24,7 +25,7 @@ use std::sync::atomic::{AtomicU64, Ordering as AtomicOrdering};
 use foldhash::{HashMap, HashMapExt, HashSet, HashSetExt};
 
 pub use crate::key_queue::{Entry, QueueKey};
-use crate::key_queue::{KeyQueue, Quarantine, Wake};
+use crate::key_queue::{KeyQueue, Quarantine, Wake, QUARANTINE_FROM};
 use crate::ops::{self, OpBuffer};
 use crate::tracker::OffsetTracker;
 
@@ -72,7 +73,7 @@ pub struct PartitionCore<T> {
 
 impl<T> PartitionCore<T> {
     /// `settled_before` and `attempts_before` come from the claim (the recovery walk, ACK-6); with
-    /// `suspects` the records charged attempts are suspects.
+    /// `suspects` the records charged attempts are suspects, quarantined from `QUARANTINE_FROM`.
     pub fn new(ordered: bool, settled_before: HashSet<i64>, attempts_before: HashMap<i64, u32>,
                suspects: bool) -> Self {
         let horizon = settled_before.iter().copied().max().unwrap_or(-1);
@@ -197,9 +198,10 @@ impl<T> PartitionCore<T> {
             Some(charged) => (charged, self.suspects),
             None => (0, false),
         };
+        let quarantined = suspect && attempts >= QUARANTINE_FROM;
         let slot = self.slot_for(offset, key);
         let queue = self.queue(slot);
-        queue.records.push_back(Entry { offset, size, attempts, suspect, token: 0, acked: false, item });
+        queue.records.push_back(Entry { offset, size, attempts, suspect, quarantined, token: 0, acked: false, item });
         let idle = queue.outstanding == 0 && !queue.backing_off;
         self.buffered += 1;
         if idle {
@@ -212,8 +214,8 @@ impl<T> PartitionCore<T> {
 
     /// Release from the ready keys, oldest first: up to `per_key` records of each, `budget` records
     /// in all, and no further key once `byte_budget` payload bytes are used up. The keys looked at
-    /// leave the ready set. A suspect goes out alone once no other suspect is out (else its key
-    /// waits in the quarantine), and a batch stops before a suspect. `emit` sees each released
+    /// leave the ready set. A quarantined record goes out alone once no other is out (else its key
+    /// waits in the quarantine), and a batch stops before one. `emit` sees each released
     /// record with its token; the attempts are queued as `written` says.
     pub fn release_ready(
         &mut self,
@@ -257,7 +259,7 @@ impl<T> PartitionCore<T> {
             }
             let start = queue.cursor;
             let head = &queue.records[start];
-            if head.suspect {
+            if head.quarantined {
                 let offset = head.offset;
                 if !self.quarantine.admit(slot, queue, offset) {
                     continue;
@@ -267,7 +269,7 @@ impl<T> PartitionCore<T> {
             let end = (start + limit).min(queue.records.len());
             let mut stop = start;
             for entry in queue.records.range_mut(start..end) {
-                if entry.suspect && stop > start {
+                if entry.quarantined && stop > start {
                     break;
                 }
                 stop += 1;
@@ -342,7 +344,8 @@ impl<T> PartitionCore<T> {
         self.pop_settled(slot, offset);
     }
 
-    /// The outstanding suspect is settled or given back: the oldest key waiting is ready again.
+    /// The outstanding quarantined record is settled or given back: the oldest key waiting is
+    /// ready again.
     fn end_quarantine(&mut self, offset: i64) {
         if self.quarantine.offset == Some(offset) {
             if let Some(slot) = self.quarantine.settled(&mut self.slots) {
@@ -416,7 +419,7 @@ impl<T> PartitionCore<T> {
         }
         self.buffered += (queue.cursor - index) as i64;
         queue.cursor = index;
-        // A suspect goes out alone: its key has nothing else outstanding to rewind.
+        // A quarantined record goes out alone: its key has nothing else outstanding to rewind.
         self.end_quarantine(offset);
         Some((slot, index))
     }
@@ -473,13 +476,13 @@ impl<T> PartitionCore<T> {
             .collect()
     }
 
-    /// The keys whose next record is a suspect waiting for the outstanding one, oldest first (a
-    /// scan: for tests and metrics).
+    /// The keys whose next record is quarantined, waiting for the outstanding one, oldest first
+    /// (a scan: for tests and metrics).
     pub fn waiting_keys(&self) -> Vec<&QueueKey> {
         self.quarantine.waiting(&self.slots).map(|slot| self.qkey_of(slot)).collect()
     }
 
-    /// The offset of the outstanding suspect, if one is out.
+    /// The offset of the outstanding quarantined record, if one is out.
     pub fn quarantined(&self) -> Option<i64> {
         self.quarantine.offset
     }
@@ -567,8 +570,8 @@ mod tests {
     }
 
     #[test]
-    fn suspects_go_out_one_at_a_time_and_hand_over_oldest_first() {
-        let mut core = claimed(true, &[b"a", b"b", b"c", b"d"], &[(0, 2), (1, 1), (2, 0)], true);
+    fn quarantined_suspects_go_out_one_at_a_time_and_hand_over_oldest_first() {
+        let mut core = claimed(true, &[b"a", b"b", b"c", b"d"], &[(0, 2), (1, 3), (2, 2)], true);
         let first = release(&mut core, 1);
         assert_eq!(first.iter().map(|d| (d.0, d.2, d.3)).collect::<Vec<_>>(), vec![(0, 3, true), (3, 1, false)]);
         assert_eq!((core.quarantined(), named(core.waiting_keys())), (Some(0), vec![&b"b"[..], b"c"]));
@@ -578,7 +581,7 @@ mod tests {
         assert!(core.ack(0, first[0].1));
         assert_eq!(named(core.ready_keys()), vec![&b"b"[..]]);
         let b = release(&mut core, 1);
-        assert_eq!(b.iter().map(|d| (d.0, d.2, d.3)).collect::<Vec<_>>(), vec![(1, 2, true)]);
+        assert_eq!(b.iter().map(|d| (d.0, d.2, d.3)).collect::<Vec<_>>(), vec![(1, 4, true)]);
         assert!(core.nack(1, b[0].1, 0.0, true, no_backoff).unwrap());
         assert_eq!(named(core.ready_keys()), vec![&b"c"[..], b"b"], "the waiting key first, then the rewound one");
         let c = release(&mut core, 1);
@@ -587,22 +590,32 @@ mod tests {
         assert!(core.requeue(2, c[0].1, 0.0, 0.0, true));
         assert_eq!(named(core.ready_keys()), vec![&b"b"[..], b"c"]);
         let again = release(&mut core, 1);
-        assert_eq!(again.iter().map(|d| (d.0, d.2)).collect::<Vec<_>>(), vec![(1, 3)]);
+        assert_eq!(again.iter().map(|d| (d.0, d.2)).collect::<Vec<_>>(), vec![(1, 5)]);
         core.settle_dead_lettered(1, Some(b"b"));
         assert_eq!((core.quarantined(), named(core.ready_keys())), (None, vec![&b"c"[..]]));
-        assert_eq!(core.ops.take(), "d,0,3;d,3,1;a,0,0;d,1,2;n,1,0;d,2,1;d,1,3;a,1,0;");
+        assert_eq!(core.ops.take(), "d,0,3;d,3,1;a,0,0;d,1,4;n,1,0;d,2,3;d,1,5;a,1,0;");
     }
 
     #[test]
-    fn a_batch_stops_before_a_suspect() {
-        let mut core = claimed(true, &[&b"k"[..]; 5], &[(2, 1)], true);
+    fn a_batch_stops_before_a_quarantined_suspect() {
+        let mut core = claimed(true, &[&b"k"[..]; 5], &[(2, 2)], true);
         let head = release(&mut core, 10);
         assert_eq!(offsets(&head), vec![0, 1]);
         assert!(core.ack(0, head[0].1) && core.ack(1, head[1].1));
         let suspect = release(&mut core, 10);
-        assert_eq!(suspect.iter().map(|d| (d.0, d.2, d.3)).collect::<Vec<_>>(), vec![(2, 2, true)]);
+        assert_eq!(suspect.iter().map(|d| (d.0, d.2, d.3)).collect::<Vec<_>>(), vec![(2, 3, true)]);
         assert!(core.ack(2, suspect[0].1));
         assert_eq!(offsets(&release(&mut core, 10)), vec![3, 4]);
+    }
+
+    #[test]
+    fn suspects_of_one_crash_go_out_together() {
+        let charged = [(0, 1), (1, 0), (2, 1), (3, 2), (4, 2)];
+        let mut core = claimed(true, &[b"k", b"k", b"k", b"j", b"i"], &charged, true);
+        let out = release(&mut core, 10);
+        assert_eq!(out.iter().map(|d| (d.0, d.2, d.3)).collect::<Vec<_>>(),
+                   vec![(0, 2, true), (1, 1, true), (2, 2, true), (3, 3, true)]);
+        assert_eq!((core.quarantined(), named(core.waiting_keys())), (Some(3), vec![&b"i"[..]]));
     }
 
     #[test]

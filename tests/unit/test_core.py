@@ -8,8 +8,8 @@ without a batch lease, acks in batches, nacks and lapses with and without backof
 the attempt taken back, as the engine's give-back does), dead-letter settlements, stale tokens and
 wakes. After every operation the two must agree on what went out (offset, queue key, attempt,
 suspect or not), on every verdict, and on the commit point, the ready keys in order, the buffered
-count, the held keys, the next wake, the outstanding suspect and the keys waiting for it in order
-(``key_queue.Quarantine``, DLQ-3). The Redis ops the core packs are checked against the engine's
+count, the held keys, the next wake, the outstanding quarantined suspect and the keys waiting for it
+in order (``key_queue.Quarantine``, DLQ-3). The Redis ops the core packs are checked against the engine's
 (``Dispatcher._admit``, ``Settlement``).
 """
 
@@ -62,8 +62,8 @@ class Twin:
         assert core.held_keys() == py.held_keys()
         assert core.quarantined == py.quarantine.offset
         assert core.waiting_keys() == list(py.quarantine.waiting)
-        out = [r.offset for q in py.keys.values() for r in q.records if r.suspect and r.offset in q.outstanding]
-        assert out == ([] if py.quarantine.offset is None else [py.quarantine.offset])  # one suspect out at most
+        out = [r.offset for q in py.keys.values() for r in q.records if r.quarantined and r.offset in q.outstanding]
+        assert out == ([] if py.quarantine.offset is None else [py.quarantine.offset])  # one out at most
         assert core.take_ops() == "".join(self.ops)
         self.ops.clear()
 
@@ -83,13 +83,13 @@ class Twin:
         queues it."""
         lease_ms = 99 if lease else None
         expected = self.py.release_ready(self.now, budget, per_key, byte_budget)
-        items, tokens, attempts, size, suspect = self.core.release_ready(
+        items, tokens, attempts, size, suspects = self.core.release_ready(
             self.now, budget, per_key, byte_budget, lease_ms, pooled=pooled)
         assert [r.offset for r in items] == [d.record.offset for d in expected]
         assert all(item is d.record for item, d in zip(items, expected, strict=True))
         assert attempts == [d.attempt for d in expected]
         assert size == sum(d.record.size for d in expected)
-        assert [suspect] == ([i for i, d in enumerate(expected) if d.record.suspect] or [None])
+        assert suspects == [i for i, d in enumerate(expected) if d.record.suspect]
         for delivery, token in zip(expected, tokens, strict=True):
             r = delivery.record
             self.deliveries.append((r.offset, delivery.token, token, delivery.queue_key, r.key, delivery.attempt))
@@ -192,8 +192,8 @@ def test_core_decides_as_partition_state(ordered: bool, settled: frozenset[int],
     sequence of fetches, releases, acks, nacks, lapses, requeues, dead-letter settlements and wakes,
     the compiled core releases the same records in the same order with the same attempts and suspect
     flags, gives the same verdicts and keeps the same commit point, ready keys, buffered count,
-    backoffs and quarantine (the outstanding suspect, the keys waiting for it in order) as
-    ``PartitionState``, and packs the engine's Redis ops."""
+    backoffs and quarantine (the outstanding quarantined suspect, the keys waiting for it in order)
+    as ``PartitionState``, and packs the engine's Redis ops."""
     twin = Twin(PartitionState(0, 1, ordered=ordered, settled_before=settled, attempts_before=charged,
                                suspects=suspects),
                 PartitionCore(ordered=ordered, settled_before=settled, attempts_before=charged, suspects=suspects),
@@ -309,11 +309,11 @@ def test_a_key_held_again_wakes_at_its_last_backoff() -> None:
 
 
 def test_the_quarantine_hands_over_to_the_oldest_waiting_key() -> None:
-    """DLQ-3, ACK-6: suspects go out one at a time; the keys whose next record is a suspect wait in
-    the order they were first turned away (a key looked at again keeps its place), and each
-    settlement of the outstanding suspect (ack, lapse, give-back, dead letter) makes the oldest
-    waiting key ready before the settled key itself; both states agree at every step."""
-    charged = {0: 2, 1: 1, 2: 0}  # a, b, c: suspects; d (offset 3) is not
+    """DLQ-3, ACK-6: suspects of repeated crashes go out one at a time; the keys whose next record
+    is quarantined wait in the order they were first turned away (a key looked at again keeps its
+    place), and each settlement of the outstanding one (ack, lapse, give-back, dead letter) makes
+    the oldest waiting key ready before the settled key itself; both states agree at every step."""
+    charged = {0: 2, 1: 3, 2: 2}  # a, b, c: quarantined suspects; d (offset 3) is not a suspect
     twin = Twin(PartitionState(0, 1, ordered=True, attempts_before=charged),
                 PartitionCore(ordered=True, attempts_before=charged), True)
     core = twin.core
@@ -340,17 +340,17 @@ def test_the_quarantine_hands_over_to_the_oldest_waiting_key() -> None:
     step("requeue", twin.out(2), 0.0, uncount=True)
     assert core.ready_keys() == [b"b", b"c"]
     step("release", 10, 5, 100, lease=True, pooled=True)
-    assert (twin.deliveries[-1][0], twin.deliveries[-1][5], core.waiting_keys()) == (1, 3, [b"c"])
+    assert (twin.deliveries[-1][0], twin.deliveries[-1][5], core.waiting_keys()) == (1, 5, [b"c"])
     step("dead_lettered", twin.out(1))
     assert (core.quarantined, core.ready_keys()) == (None, [b"c"])
     made = len(twin.deliveries)
     step("release", 10, 5, 100, lease=False, pooled=False)  # c's suspect alone, not with offset 4
-    assert ([(d[0], d[5]) for d in twin.deliveries[made:]], core.quarantined) == ([(2, 1)], 2)
+    assert ([(d[0], d[5]) for d in twin.deliveries[made:]], core.quarantined) == ([(2, 3)], 2)
 
 
-def test_a_batch_stops_before_a_suspect_and_pull_mode_has_none() -> None:
-    """DLQ-3, ACK-6: in callback mode a per-key batch goes out up to the first suspect that is not
-    its head, and the suspect then goes out alone; without suspects (pull mode) the charged record
+def test_a_batch_stops_before_a_quarantined_suspect_and_pull_mode_has_none() -> None:
+    """DLQ-3, ACK-6: in callback mode a per-key batch goes out up to the first quarantined suspect
+    that is not its head, which then goes out alone; without suspects (pull mode) the charged record
     keeps its attempts and goes out with the rest."""
     for suspects, batches in ((True, [[0, 1], [2], [3, 4]]), (False, [[0, 1, 2, 3, 4]])):
         charged = {2: 3}
@@ -364,3 +364,22 @@ def test_a_batch_stops_before_a_suspect_and_pull_mode_has_none() -> None:
             assert [(d[0], d[5]) for d in released] == [(o, 4 if o == 2 else 1) for o in batch]
             twin.ack([twin.out(o) for o in batch])
             twin.check()
+
+
+def test_suspects_of_one_crash_go_out_together() -> None:
+    """ACK-6, SUB-2: records charged fewer than ``QUARANTINE_FROM`` attempts are suspects that are not
+    quarantined: they go out together, and the core names them (their starts are written before user
+    code runs) as ``PartitionState`` flags them; a quarantined one goes out alone beside them."""
+    charged = {0: 1, 1: 0, 2: 1, 3: 2, 4: 2}
+    twin = Twin(PartitionState(0, 1, ordered=True, attempts_before=charged),
+                PartitionCore(ordered=True, attempts_before=charged), True)
+    twin.add([(0, 2, 1), (0, 2, 1), (0, 3, 1), (0, 4, 1), (0, 5, 1), (0, 6, 1)])
+    records = [r for q in twin.py.keys.values() for r in q.records]
+    _, _, attempts, _, suspects = twin.core.release_ready(0.0, 100, 10, 100)
+    expected = twin.py.release_ready(0.0, 100, 10, 100)
+    assert [(d.record.offset, d.attempt) for d in expected] == [(0, 2), (1, 1), (2, 2), (3, 3), (5, 1)]
+    assert attempts == [2, 1, 2, 3, 1]
+    assert suspects == [0, 1, 2, 3]
+    assert [r.quarantined for r in records] == [False, False, False, True, True, False]
+    assert (twin.core.quarantined, twin.core.waiting_keys()) == (3, [b"d"])
+    assert twin.py.quarantine.offset == 3 and list(twin.py.quarantine.waiting) == [b"d"]
