@@ -111,9 +111,9 @@ class PythonPath:
         return self.partitions.release(now, budget, 1, byte_budget)
 
     def admit(self, released: list[tuple[PartitionState, list[Delivery]]]) -> None:
-        for state, batch in released:  # Dispatcher._admit's ops, into StateWriter.extend's lists
+        for state, batch in released:  # Dispatcher._admit's ops in callback mode, into StateWriter.extend's lists
             ops: list[Op] = [("b", 0, LEASE_MS)]
-            ops.extend([("e", d.record.offset, d.attempt) for d in batch])
+            ops.extend([("q", d.record.offset, d.attempt) for d in batch])
             self.ops.setdefault(state.partition, []).extend(ops)
 
     def settle(self, acks: list[Delivery]) -> None:
@@ -182,7 +182,8 @@ class CompiledPath:
             for core in cores:
                 if budget <= 0 or byte_budget <= 0:
                     return released
-                records, tokens, attempts, size = core.release_ready(now, min(cap, budget), 1, byte_budget, LEASE_MS)
+                records, tokens, attempts, size, _suspect = core.release_ready(
+                    now, min(cap, budget), 1, byte_budget, LEASE_MS, pooled=True)
                 if records:
                     byte_budget -= size
                     budget -= len(records)

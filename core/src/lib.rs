@@ -4,10 +4,12 @@
 //! (see `partition.rs`). Python crosses into it once per batch: a fetched batch in, a release of up
 //! to a budget of ready keys out as parallel lists, a batch of acks in with the new commit point
 //! out. Records stay Python objects: the core keeps a reference to each and hands it back on
-//! release, reading only `offset`, `key` and `size`. The ops for Redis (`apply.lua`'s packed
-//! argument) are written as the decisions are made. Assignment generations, epochs, leases and
-//! dead-letter policy stay in Python.
+//! release, reading only `offset`, `key` and `size`; which of them are suspects (ACK-6, DLQ-3) it
+//! says with the release. The ops for Redis (`apply.lua`'s packed argument) are written as the
+//! decisions are made. Assignment generations, epochs, leases, start notes and dead-letter policy
+//! stay in Python.
 
+mod key_queue;
 mod ops;
 mod partition;
 mod tracker;
@@ -19,10 +21,11 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList};
 
-use partition::{PartitionCore as Core, QueueKey};
+use partition::{Admission, PartitionCore as Core, QueueKey};
 
-/// What `release_ready` returns: records, tokens, attempts (parallel lists) and payload bytes.
-type Released<'py> = (Bound<'py, PyList>, Bound<'py, PyList>, Bound<'py, PyList>, i64);
+/// What `release_ready` returns: records, tokens, attempts (parallel lists), payload bytes, and
+/// the positions of the suspects among them (rare: after a crash).
+type Released<'py> = (Bound<'py, PyList>, Bound<'py, PyList>, Bound<'py, PyList>, i64, Vec<usize>);
 
 /// Dispatch state of one owned partition (see the module's documentation).
 #[pyclass(module = "ordering_layer_core", name = "PartitionCore")]
@@ -40,17 +43,19 @@ fn key_bytes<'a>(key: &'a Bound<'_, PyAny>) -> PyResult<Option<&'a [u8]>> {
 #[pymethods]
 impl PartitionCore {
     #[new]
-    #[pyo3(signature = (*, ordered, settled_before = None, attempts_before = None))]
+    #[pyo3(signature = (*, ordered, settled_before = None, attempts_before = None, suspects = true))]
     fn new(
         ordered: bool,
         settled_before: Option<StdHashSet<i64>>,
         attempts_before: Option<StdHashMap<i64, u32>>,
+        suspects: bool,
     ) -> Self {
         PartitionCore {
             core: Core::new(
                 ordered,
                 settled_before.unwrap_or_default().into_iter().collect(),
                 attempts_before.unwrap_or_default().into_iter().collect(),
+                suspects,
             ),
         }
     }
@@ -96,10 +101,13 @@ impl PartitionCore {
     }
 
     /// Release from the ready keys, oldest first: up to `per_key` records of each, `budget` in all,
-    /// no further key once `byte_budget` bytes are used up. Returns (records, tokens, attempts,
-    /// payload bytes). With `lease_ms` the attempts are queued as one batch lease and
-    /// `BATCH_DELIVERED` ops, else as `DELIVERED` ops.
-    #[pyo3(signature = (now, budget, per_key, byte_budget, lease_ms = None))]
+    /// no further key once `byte_budget` bytes are used up; a quarantined suspect goes out alone, one
+    /// at a time per partition. Returns (records, tokens, attempts, payload bytes, positions of the
+    /// suspects among the records: their starts are to be written before user code runs). The attempts are queued as `DELIVERED` ops (pull mode), or `RELEASED`
+    /// when `pooled` (callback mode); with `lease_ms`, as one batch lease and `BATCH_DELIVERED` or
+    /// `BATCH_RELEASED` ops.
+    #[pyo3(signature = (now, budget, per_key, byte_budget, lease_ms = None, *, pooled = false))]
+    #[allow(clippy::too_many_arguments)] // the arguments of the Python method, plus `py`
     fn release_ready<'py>(
         &mut self,
         py: Python<'py>,
@@ -108,16 +116,23 @@ impl PartitionCore {
         per_key: i64,
         byte_budget: i64,
         lease_ms: Option<i64>,
+        pooled: bool,
     ) -> PyResult<Released<'py>> {
         let mut items = Vec::new();
         let mut tokens = Vec::new();
         let mut attempts = Vec::new();
-        let totals = self.core.release_ready(now, budget, per_key, byte_budget, lease_ms, |entry, token| {
+        let mut suspects = Vec::new();
+        let written = Admission { lease_ms, pooled };
+        let totals = self.core.release_ready(now, budget, per_key, byte_budget, written, |entry, token| {
+            if entry.suspect {
+                suspects.push(items.len());
+            }
             items.push(entry.item.clone_ref(py));
             tokens.push(token);
             attempts.push(entry.attempts);
         });
-        Ok((PyList::new(py, items)?, PyList::new(py, tokens)?, PyList::new(py, attempts)?, totals.bytes))
+        let (items, tokens, attempts) = (PyList::new(py, items)?, PyList::new(py, tokens)?, PyList::new(py, attempts)?);
+        Ok((items, tokens, attempts, totals.bytes, suspects))
     }
 
     /// Settle deliveries (acks): returns the positions of the refused ones (stale tokens) and the
@@ -142,10 +157,12 @@ impl PartitionCore {
         Ok(())
     }
 
-    /// Give a delivery back (nack or lapsed lease) and back its key off by `backoff(failures)`
-    /// seconds; false when the token is stale.
-    fn nack(&mut self, offset: i64, token: u64, now: f64, backoff: &Bound<'_, PyAny>) -> PyResult<bool> {
-        self.core.nack(offset, token, now, |failures| backoff.call1((failures,))?.extract::<f64>())
+    /// Give a delivery back (a nack, or its lease `lapsed`) and back its key off by
+    /// `backoff(failures)` seconds; its `NACKED` op carries the attempt nacked, 0 for a lapse.
+    /// False when the token is stale.
+    #[pyo3(signature = (offset, token, now, backoff, *, lapsed = false))]
+    fn nack(&mut self, offset: i64, token: u64, now: f64, backoff: &Bound<'_, PyAny>, lapsed: bool) -> PyResult<bool> {
+        self.core.nack(offset, token, now, lapsed, |failures| backoff.call1((failures,))?.extract::<f64>())
     }
 
     /// Give a delivery back because the layer failed (no failure counted), held `delay` seconds;
@@ -172,14 +189,18 @@ impl PartitionCore {
 
     /// The ready keys, oldest first: key bytes, or the offset of an unordered record (a scan).
     fn ready_keys<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let list = PyList::empty(py);
-        for qkey in self.core.ready_keys() {
-            match qkey {
-                QueueKey::Key(key) => list.append(PyBytes::new(py, key))?,
-                QueueKey::Offset(offset) => list.append(offset)?,
-            }
-        }
-        Ok(list)
+        qkey_list(py, self.core.ready_keys())
+    }
+
+    /// The keys whose next record is quarantined, waiting for the outstanding one, oldest first (a scan).
+    fn waiting_keys<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        qkey_list(py, self.core.waiting_keys())
+    }
+
+    /// The offset of the outstanding quarantined suspect; None when none is out.
+    #[getter]
+    fn quarantined(&self) -> Option<i64> {
+        self.core.quarantined()
     }
 
     /// Queue an op decided in Python (a lease extension, a commit watermark), in decision order.
@@ -215,6 +236,18 @@ impl PartitionCore {
     fn next_offset(&self) -> Option<i64> {
         self.core.next_offset()
     }
+}
+
+/// Queue keys as Python sees them: key bytes, or the offset of an unordered record.
+fn qkey_list<'py>(py: Python<'py>, qkeys: Vec<&QueueKey>) -> PyResult<Bound<'py, PyList>> {
+    let list = PyList::empty(py);
+    for qkey in qkeys {
+        match qkey {
+            QueueKey::Key(key) => list.append(PyBytes::new(py, key))?,
+            QueueKey::Offset(offset) => list.append(offset)?,
+        }
+    }
+    Ok(list)
 }
 
 /// Runs of one partition in a fetched batch: (partition, start, stop) each, in order (records are

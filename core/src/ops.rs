@@ -9,6 +9,8 @@ use std::fmt::Write;
 pub const DELIVERED: char = 'd';
 pub const BATCH_LEASE: char = 'b';
 pub const BATCH_DELIVERED: char = 'e';
+pub const RELEASED: char = 'r';
+pub const BATCH_RELEASED: char = 'q';
 pub const SETTLED: char = 'a';
 pub const NACKED: char = 'n';
 

@@ -10,18 +10,22 @@
 //!   cursor to it, so it and every later delivered record go out again in order (SUB-4);
 //! * the ready keys are released oldest first (insertion order, as a Python dict keeps it): a key
 //!   leaves the ready set when looked at and comes back on an ack, a nack or the end of a backoff;
-//! * records settled before a crash are skipped at intake unless their key cascades (SUB-3).
+//! * records settled before a crash are skipped at intake unless their key cascades (SUB-3);
+//! * records an earlier owner handed out and never settled get the attempts charged to them
+//!   (ACK-6) and, with `suspects` (callback mode), are suspects; those charged `QUARANTINE_FROM`
+//!   attempts or more go out alone and one at a time per partition (`Quarantine`, DLQ-3): a batch
+//!   stops before a quarantined record that is not its first.
 //!
-//! Queues live in a slab (`slots`) so that the ready list and outstanding offsets refer to them by
-//! index; the ready list is a queue of (slot, stamp) pairs where a pair whose stamp is no longer
-//! its queue's is stale and skipped, which gives a dict's order with O(1) removal.
+//! Queues live in a slab (`slots`) so that the ready list, the quarantine's waiting list and the
+//! outstanding offsets refer to them by index (see `key_queue`).
 
-use std::cmp::Ordering;
 use std::collections::{BinaryHeap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering as AtomicOrdering};
 
 use foldhash::{HashMap, HashMapExt, HashSet, HashSetExt};
 
+pub use crate::key_queue::{Entry, QueueKey};
+use crate::key_queue::{KeyQueue, Quarantine, Wake, QUARANTINE_FROM};
 use crate::ops::{self, OpBuffer};
 use crate::tracker::OffsetTracker;
 
@@ -29,85 +33,19 @@ use crate::tracker::OffsetTracker;
 /// before a redelivery) never matches a new one.
 static TOKENS: AtomicU64 = AtomicU64::new(1);
 
-/// What a record queues under.
-#[derive(Clone, PartialEq, Eq, Hash, Debug)]
-pub enum QueueKey {
-    Key(Box<[u8]>),
-    Offset(i64),
-}
-
-/// One fetched record of a key's queue; `item` is the caller's (the Python record object).
-pub struct Entry<T> {
-    pub offset: i64,
-    pub size: i64,
-    pub attempts: u32,
-    token: u64, // 0: not outstanding
-    acked: bool,
-    pub item: T,
-}
-
-struct KeyQueue<T> {
-    qkey: QueueKey,
-    records: VecDeque<Entry<T>>,
-    cursor: usize,
-    outstanding: usize,
-    failures: u32,
-    not_before: f64,
-    ready_stamp: u64, // 0: not in the ready set
-    backing_off: bool,
-}
-
-impl<T> KeyQueue<T> {
-    fn new(qkey: QueueKey) -> Self {
-        KeyQueue {
-            qkey,
-            records: VecDeque::new(),
-            cursor: 0,
-            outstanding: 0,
-            failures: 0,
-            not_before: 0.0,
-            ready_stamp: 0,
-            backing_off: false,
-        }
-    }
-
-    fn index_of(&self, offset: i64) -> Option<usize> {
-        self.records.binary_search_by_key(&offset, |entry| entry.offset).ok()
-    }
-}
-
-/// The end of a key's backoff, in a min-heap by (due, seq).
-struct Wake {
-    due: f64,
-    seq: u64,
-    qkey: QueueKey,
-}
-
-impl PartialEq for Wake {
-    fn eq(&self, other: &Self) -> bool {
-        self.cmp(other) == Ordering::Equal
-    }
-}
-
-impl Eq for Wake {}
-
-impl PartialOrd for Wake {
-    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
-        Some(self.cmp(other))
-    }
-}
-
-impl Ord for Wake {
-    fn cmp(&self, other: &Self) -> Ordering {
-        // Reversed: BinaryHeap is a max-heap.
-        other.due.total_cmp(&self.due).then(other.seq.cmp(&self.seq))
-    }
-}
-
 /// What `release_ready` handed out: count and payload bytes.
 pub struct ReleaseTotals {
     pub count: usize,
     pub bytes: i64,
+}
+
+/// How released attempts are queued for Redis (`Dispatcher._admit`): as `DELIVERED` ops (handed to
+/// a pull), or `RELEASED` when `pooled` (handed to the callback pool, user code not yet started);
+/// with `lease_ms`, as one `BATCH_LEASE` and `BATCH_DELIVERED` or `BATCH_RELEASED` ops.
+#[derive(Clone, Copy, Default)]
+pub struct Admission {
+    pub lease_ms: Option<i64>,
+    pub pooled: bool,
 }
 
 /// Dispatch state of one partition; `T` is the caller's record object.
@@ -128,12 +66,16 @@ pub struct PartitionCore<T> {
     horizon: i64,
     cascading: HashSet<QueueKey>,
     attempts_before: HashMap<i64, u32>,
+    suspects: bool,
+    quarantine: Quarantine,
     pub ops: OpBuffer,
 }
 
 impl<T> PartitionCore<T> {
-    /// `settled_before` and `attempts_before` come from the claim (the recovery walk, ACK-6).
-    pub fn new(ordered: bool, settled_before: HashSet<i64>, attempts_before: HashMap<i64, u32>) -> Self {
+    /// `settled_before` and `attempts_before` come from the claim (the recovery walk, ACK-6); with
+    /// `suspects` the records charged attempts are suspects, quarantined from `QUARANTINE_FROM`.
+    pub fn new(ordered: bool, settled_before: HashSet<i64>, attempts_before: HashMap<i64, u32>,
+               suspects: bool) -> Self {
         let horizon = settled_before.iter().copied().max().unwrap_or(-1);
         PartitionCore {
             ordered,
@@ -152,6 +94,8 @@ impl<T> PartitionCore<T> {
             horizon,
             cascading: HashSet::new(),
             attempts_before,
+            suspects,
+            quarantine: Quarantine::default(),
             ops: OpBuffer::default(),
         }
     }
@@ -250,10 +194,14 @@ impl<T> PartitionCore<T> {
             self.settled_before.clear();
             self.cascading.clear();
         }
-        let attempts = self.attempts_before.remove(&offset).unwrap_or(0);
+        let (attempts, suspect) = match self.attempts_before.remove(&offset) {
+            Some(charged) => (charged, self.suspects),
+            None => (0, false),
+        };
+        let quarantined = suspect && attempts >= QUARANTINE_FROM;
         let slot = self.slot_for(offset, key);
         let queue = self.queue(slot);
-        queue.records.push_back(Entry { offset, size, attempts, token: 0, acked: false, item });
+        queue.records.push_back(Entry { offset, size, attempts, suspect, quarantined, token: 0, acked: false, item });
         let idle = queue.outstanding == 0 && !queue.backing_off;
         self.buffered += 1;
         if idle {
@@ -266,25 +214,27 @@ impl<T> PartitionCore<T> {
 
     /// Release from the ready keys, oldest first: up to `per_key` records of each, `budget` records
     /// in all, and no further key once `byte_budget` payload bytes are used up. The keys looked at
-    /// leave the ready set. `emit` sees each released record with its token; with `lease_ms` the
-    /// attempts go out as one batch lease plus `BATCH_DELIVERED` ops, else as `DELIVERED` ops.
+    /// leave the ready set. A quarantined record goes out alone once no other is out (else its key
+    /// waits in the quarantine), and a batch stops before one. `emit` sees each released
+    /// record with its token; the attempts are queued as `written` says.
     pub fn release_ready(
         &mut self,
         now: f64,
         mut budget: i64,
         per_key: i64,
         mut byte_budget: i64,
-        lease_ms: Option<i64>,
+        written: Admission,
         mut emit: impl FnMut(&Entry<T>, u64),
     ) -> ReleaseTotals {
         let mut looked = 0;
         let mut totals = ReleaseTotals { count: 0, bytes: 0 };
         let mark = self.ops.mark();
-        let delivered_kind = match lease_ms {
+        let released_kind = match written.lease_ms {
             Some(lease) => {
                 self.ops.push(ops::BATCH_LEASE, 0, lease);
-                ops::BATCH_DELIVERED
+                if written.pooled { ops::BATCH_RELEASED } else { ops::BATCH_DELIVERED }
             }
+            None if written.pooled => ops::RELEASED,
             None => ops::DELIVERED,
         };
         // The keys looked at are the first `budget` ready ones when the call starts (Python's
@@ -301,27 +251,40 @@ impl<T> PartitionCore<T> {
             }
             self.ready.pop_front();
             looked += 1;
-            let limit = per_key.min(budget).max(0) as usize;
+            let mut limit = per_key.min(budget).max(0) as usize;
             let queue = self.slots[slot as usize].as_mut().expect("a ready slot");
             queue.ready_stamp = 0;
             if queue.outstanding > 0 || now < queue.not_before || queue.cursor >= queue.records.len() {
                 continue;
             }
             let start = queue.cursor;
+            let head = &queue.records[start];
+            if head.quarantined {
+                let offset = head.offset;
+                if !self.quarantine.admit(slot, queue, offset) {
+                    continue;
+                }
+                limit = 1;
+            }
             let end = (start + limit).min(queue.records.len());
+            let mut stop = start;
             for entry in queue.records.range_mut(start..end) {
+                if entry.quarantined && stop > start {
+                    break;
+                }
+                stop += 1;
                 let token = TOKENS.fetch_add(1, AtomicOrdering::Relaxed);
                 entry.token = token;
                 entry.attempts += 1;
                 self.delivered.insert(entry.offset, slot);
-                self.ops.push(delivered_kind, entry.offset, i64::from(entry.attempts));
+                self.ops.push(released_kind, entry.offset, i64::from(entry.attempts));
                 byte_budget -= entry.size;
                 totals.bytes += entry.size;
                 emit(entry, token);
             }
-            let released = end - start;
+            let released = stop - start;
             queue.outstanding += released;
-            queue.cursor = end;
+            queue.cursor = stop;
             self.buffered -= released as i64;
             budget -= released as i64;
             totals.count += released;
@@ -354,7 +317,7 @@ impl<T> PartitionCore<T> {
         queue.failures = 0;
         self.tracker.settle(offset);
         self.ops.push(ops::SETTLED, offset, 0);
-        self.pop_settled(slot);
+        self.pop_settled(slot, offset);
         true
     }
 
@@ -378,10 +341,21 @@ impl<T> PartitionCore<T> {
             self.delivered.remove(&offset);
         }
         self.tracker.settle(offset);
-        self.pop_settled(slot);
+        self.pop_settled(slot, offset);
     }
 
-    fn pop_settled(&mut self, slot: u32) {
+    /// The outstanding quarantined record is settled or given back: the oldest key waiting is
+    /// ready again.
+    fn end_quarantine(&mut self, offset: i64) {
+        if self.quarantine.offset == Some(offset) {
+            if let Some(slot) = self.quarantine.settled(&mut self.slots) {
+                self.mark_ready(slot);
+            }
+        }
+    }
+
+    fn pop_settled(&mut self, slot: u32, offset: i64) {
+        self.end_quarantine(offset);
         let queue = self.queue(slot);
         while queue.cursor > 0 && queue.records.front().is_some_and(|entry| entry.acked && entry.token == 0) {
             queue.records.pop_front();
@@ -401,11 +375,14 @@ impl<T> PartitionCore<T> {
     }
 
     /// Give a delivery back (nack or lapsed lease): rewind its key to it (SUB-4) and back off the
-    /// key (DLQ-1) by `backoff(failures in a row)`. False when the token is stale.
-    pub fn nack<E>(&mut self, offset: i64, token: u64, now: f64,
+    /// key (DLQ-1) by `backoff(failures in a row)`. Its `NACKED` op carries the attempt user code
+    /// nacked, or 0 when the lease `lapsed` (no start is known). False when the token is stale.
+    pub fn nack<E>(&mut self, offset: i64, token: u64, now: f64, lapsed: bool,
                    backoff: impl FnOnce(u32) -> Result<f64, E>) -> Result<bool, E> {
-        let Some(slot) = self.rewind(offset, token) else { return Ok(false) };
-        self.ops.push(ops::NACKED, offset, 0);
+        let Some((slot, index)) = self.rewind(offset, token) else { return Ok(false) };
+        let queue = self.queue(slot);
+        let attempt = if lapsed { 0 } else { i64::from(queue.records[index].attempts) };
+        self.ops.push(ops::NACKED, offset, attempt);
         let queue = self.queue(slot);
         queue.failures += 1;
         let delay = backoff(queue.failures)?;
@@ -423,12 +400,13 @@ impl<T> PartitionCore<T> {
                 entry.attempts = entry.attempts.saturating_sub(1);
             }
         }
-        let Some(slot) = self.rewind(offset, token) else { return false };
+        let Some((slot, _)) = self.rewind(offset, token) else { return false };
         self.hold(slot, now, delay);
         true
     }
 
-    fn rewind(&mut self, offset: i64, token: u64) -> Option<u32> {
+    /// Rewind the key of an outstanding delivery to it: (slot, index of its record).
+    fn rewind(&mut self, offset: i64, token: u64) -> Option<(u32, usize)> {
         let (slot, index) = self.outstanding(offset, token)?;
         let queue = self.slots[slot as usize].as_mut().expect("a live slot");
         for entry in queue.records.range_mut(index..queue.cursor) {
@@ -441,7 +419,9 @@ impl<T> PartitionCore<T> {
         }
         self.buffered += (queue.cursor - index) as i64;
         queue.cursor = index;
-        Some(slot)
+        // A quarantined record goes out alone: its key has nothing else outstanding to rewind.
+        self.end_quarantine(offset);
+        Some((slot, index))
     }
 
     fn hold(&mut self, slot: u32, now: f64, delay: f64) {
@@ -492,40 +472,87 @@ impl<T> PartitionCore<T> {
         self.ready
             .iter()
             .filter(|&&(slot, stamp)| self.is_ready(slot, stamp))
-            .map(|&(slot, _)| &self.slots[slot as usize].as_ref().expect("a ready slot").qkey)
+            .map(|&(slot, _)| self.qkey_of(slot))
             .collect()
+    }
+
+    /// The keys whose next record is quarantined, waiting for the outstanding one, oldest first
+    /// (a scan: for tests and metrics).
+    pub fn waiting_keys(&self) -> Vec<&QueueKey> {
+        self.quarantine.waiting(&self.slots).map(|slot| self.qkey_of(slot)).collect()
+    }
+
+    /// The offset of the outstanding quarantined record, if one is out.
+    pub fn quarantined(&self) -> Option<i64> {
+        self.quarantine.offset
+    }
+
+    fn qkey_of(&self, slot: u32) -> &QueueKey {
+        &self.slots[slot as usize].as_ref().expect("a live slot").qkey
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::{PartitionCore, QueueKey};
-    use foldhash::{HashMap, HashMapExt, HashSet, HashSetExt};
+    use super::{Admission, PartitionCore, QueueKey};
+    use foldhash::{HashMap, HashSet, HashSetExt};
 
-    fn state(ordered: bool, keys: &[&[u8]]) -> PartitionCore<()> {
-        let mut core = PartitionCore::new(ordered, HashSet::new(), HashMap::new());
+    /// A released record: offset, token, attempt, suspect.
+    type Out = (i64, u64, u32, bool);
+
+    fn claimed(ordered: bool, keys: &[&[u8]], charged: &[(i64, u32)], suspects: bool) -> PartitionCore<()> {
+        let mut core = PartitionCore::new(ordered, HashSet::new(), charged.iter().copied().collect::<HashMap<_, _>>(),
+                                          suspects);
         for (offset, key) in keys.iter().enumerate() {
             assert!(core.add(offset as i64, Some(key), 1, ()));
         }
         core
     }
 
-    fn release(core: &mut PartitionCore<()>, per_key: i64) -> Vec<(i64, u64)> {
+    fn state(ordered: bool, keys: &[&[u8]]) -> PartitionCore<()> {
+        claimed(ordered, keys, &[], true)
+    }
+
+    fn release_as(core: &mut PartitionCore<()>, per_key: i64, written: Admission) -> Vec<Out> {
         let mut out = Vec::new();
-        core.release_ready(0.0, 1_000, per_key, 1_000, None, |entry, token| out.push((entry.offset, token)));
+        core.release_ready(0.0, 1_000, per_key, 1_000, written, |entry, token| {
+            out.push((entry.offset, token, entry.attempts, entry.suspect));
+        });
         out
+    }
+
+    fn release(core: &mut PartitionCore<()>, per_key: i64) -> Vec<Out> {
+        release_as(core, per_key, Admission::default())
+    }
+
+    fn offsets(out: &[Out]) -> Vec<i64> {
+        out.iter().map(|d| d.0).collect()
+    }
+
+    fn named(qkeys: Vec<&QueueKey>) -> Vec<&[u8]> {
+        qkeys
+            .into_iter()
+            .map(|qkey| match qkey {
+                QueueKey::Key(key) => key.as_ref(),
+                QueueKey::Offset(_) => panic!("an ordering key"),
+            })
+            .collect()
+    }
+
+    fn no_backoff(_: u32) -> Result<f64, ()> {
+        Ok(0.0)
     }
 
     #[test]
     fn one_outstanding_per_key_and_keys_independent() {
         let mut core = state(true, &[b"a", b"b", b"a", b"b", b"a"]);
         let first = release(&mut core, 1);
-        assert_eq!(first.iter().map(|d| d.0).collect::<Vec<_>>(), vec![0, 1]);
+        assert_eq!(offsets(&first), vec![0, 1]);
         assert!(release(&mut core, 1).is_empty());
         assert!(core.ack(1, first[1].1));
-        assert_eq!(release(&mut core, 1).iter().map(|d| d.0).collect::<Vec<_>>(), vec![3]);
+        assert_eq!(offsets(&release(&mut core, 1)), vec![3]);
         assert!(core.ack(0, first[0].1));
-        assert_eq!(release(&mut core, 1).iter().map(|d| d.0).collect::<Vec<_>>(), vec![2]);
+        assert_eq!(offsets(&release(&mut core, 1)), vec![2]);
         assert_eq!(core.watermark(), Some(2));
         assert_eq!(core.ops.take(), "d,0,1;d,1,1;a,1,0;d,3,1;a,0,0;d,2,1;");
     }
@@ -535,10 +562,79 @@ mod tests {
         let mut core = state(true, &[b"k", b"k", b"k"]);
         let batch = release(&mut core, 10);
         assert!(core.ack(2, batch[2].1));
-        assert!(core.nack(1, batch[1].1, 0.0, |_| Ok::<f64, ()>(0.0)).unwrap());
+        assert!(core.nack(1, batch[1].1, 0.0, false, no_backoff).unwrap());
         assert!(!core.ack(2, batch[2].1), "a stale token is refused");
         assert!(core.ack(0, batch[0].1));
-        assert_eq!(release(&mut core, 10).iter().map(|d| d.0).collect::<Vec<_>>(), vec![1, 2]);
+        assert_eq!(offsets(&release(&mut core, 10)), vec![1, 2]);
         assert_eq!(core.ready_keys(), Vec::<&QueueKey>::new());
+    }
+
+    #[test]
+    fn quarantined_suspects_go_out_one_at_a_time_and_hand_over_oldest_first() {
+        let mut core = claimed(true, &[b"a", b"b", b"c", b"d"], &[(0, 2), (1, 3), (2, 2)], true);
+        let first = release(&mut core, 1);
+        assert_eq!(first.iter().map(|d| (d.0, d.2, d.3)).collect::<Vec<_>>(), vec![(0, 3, true), (3, 1, false)]);
+        assert_eq!((core.quarantined(), named(core.waiting_keys())), (Some(0), vec![&b"b"[..], b"c"]));
+        assert!(core.add(4, Some(b"c"), 1, ()));
+        assert!(release(&mut core, 1).is_empty(), "c is looked at again and keeps its place");
+        assert_eq!(named(core.waiting_keys()), vec![&b"b"[..], b"c"]);
+        assert!(core.ack(0, first[0].1));
+        assert_eq!(named(core.ready_keys()), vec![&b"b"[..]]);
+        let b = release(&mut core, 1);
+        assert_eq!(b.iter().map(|d| (d.0, d.2, d.3)).collect::<Vec<_>>(), vec![(1, 4, true)]);
+        assert!(core.nack(1, b[0].1, 0.0, true, no_backoff).unwrap());
+        assert_eq!(named(core.ready_keys()), vec![&b"c"[..], b"b"], "the waiting key first, then the rewound one");
+        let c = release(&mut core, 1);
+        assert_eq!(offsets(&c), vec![2]);
+        assert_eq!((core.quarantined(), named(core.waiting_keys())), (Some(2), vec![&b"b"[..]]));
+        assert!(core.requeue(2, c[0].1, 0.0, 0.0, true));
+        assert_eq!(named(core.ready_keys()), vec![&b"b"[..], b"c"]);
+        let again = release(&mut core, 1);
+        assert_eq!(again.iter().map(|d| (d.0, d.2)).collect::<Vec<_>>(), vec![(1, 5)]);
+        core.settle_dead_lettered(1, Some(b"b"));
+        assert_eq!((core.quarantined(), named(core.ready_keys())), (None, vec![&b"c"[..]]));
+        assert_eq!(core.ops.take(), "d,0,3;d,3,1;a,0,0;d,1,4;n,1,0;d,2,3;d,1,5;a,1,0;");
+    }
+
+    #[test]
+    fn a_batch_stops_before_a_quarantined_suspect() {
+        let mut core = claimed(true, &[&b"k"[..]; 5], &[(2, 2)], true);
+        let head = release(&mut core, 10);
+        assert_eq!(offsets(&head), vec![0, 1]);
+        assert!(core.ack(0, head[0].1) && core.ack(1, head[1].1));
+        let suspect = release(&mut core, 10);
+        assert_eq!(suspect.iter().map(|d| (d.0, d.2, d.3)).collect::<Vec<_>>(), vec![(2, 3, true)]);
+        assert!(core.ack(2, suspect[0].1));
+        assert_eq!(offsets(&release(&mut core, 10)), vec![3, 4]);
+    }
+
+    #[test]
+    fn suspects_of_one_crash_go_out_together() {
+        let charged = [(0, 1), (1, 0), (2, 1), (3, 2), (4, 2)];
+        let mut core = claimed(true, &[b"k", b"k", b"k", b"j", b"i"], &charged, true);
+        let out = release(&mut core, 10);
+        assert_eq!(out.iter().map(|d| (d.0, d.2, d.3)).collect::<Vec<_>>(),
+                   vec![(0, 2, true), (1, 1, true), (2, 2, true), (3, 3, true)]);
+        assert_eq!((core.quarantined(), named(core.waiting_keys())), (Some(3), vec![&b"i"[..]]));
+    }
+
+    #[test]
+    fn without_suspects_charged_records_keep_their_attempts_only() {
+        let mut core = claimed(true, &[b"k", b"k", b"k", b"j"], &[(1, 4), (3, 1)], false);
+        let out = release(&mut core, 10);
+        assert_eq!(out.iter().map(|d| (d.0, d.2, d.3)).collect::<Vec<_>>(),
+                   vec![(0, 1, false), (1, 5, false), (2, 1, false), (3, 2, false)]);
+        assert_eq!(core.quarantined(), None);
+    }
+
+    #[test]
+    fn op_letters_follow_the_release_mode() {
+        let mut core = claimed(false, &[b"", b"", b""], &[], true);
+        let pooled = release_as(&mut core, 1, Admission { lease_ms: None, pooled: true });
+        assert!(core.nack(0, pooled[0].1, 0.0, false, no_backoff).unwrap());
+        release_as(&mut core, 1, Admission { lease_ms: Some(9), pooled: true });
+        assert!(release_as(&mut core, 1, Admission { lease_ms: Some(9), pooled: false }).is_empty(),
+                "nothing released: no batch lease either");
+        assert_eq!(core.ops.take(), "r,0,1;r,1,1;r,2,1;n,0,1;b,0,9;q,0,2;");
     }
 }

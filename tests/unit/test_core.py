@@ -1,15 +1,16 @@
 """The compiled dispatch core (``ordering_layer_core``) against ``PartitionState``, its reference.
 
-Both are driven with the same random operation sequences (hypothesis): fetched batches (gaps,
-duplicates, empty and absent keys, a recovery walk's settled offsets), releases under
-message, byte and per-key budgets, acks in batches, nacks with and without backoff, requeues (with
-the attempt taken back, as the engine's unrelease does), dead-letter settlements, stale tokens and
-wakes. After every operation the two must agree on what went out (offset, queue key, attempt), on
-every verdict, and on the commit point, the ready keys in order, the buffered count, the held keys
-and the next wake. The Redis ops the core packs are checked against the engine's rules for them.
-The claims charge no attempts: records with charged attempts are suspects, which ``PartitionState``
-lets out one at a time (``key_queue.Quarantine``, DLQ-3) and the core does not know, so no suspect
-occurs in these sequences.
+Both are driven with the same random operation sequences (hypothesis) after the same claim (a
+recovery walk's settled offsets, attempts charged to records an earlier owner handed out, in
+callback mode as suspects or in pull mode not): fetched batches (gaps, duplicates, empty and absent
+keys), releases under message, byte and per-key budgets into a callback pool or to a pull, with and
+without a batch lease, acks in batches, nacks and lapses with and without backoff, requeues (with
+the attempt taken back, as the engine's give-back does), dead-letter settlements, stale tokens and
+wakes. After every operation the two must agree on what went out (offset, queue key, attempt,
+suspect or not), on every verdict, and on the commit point, the ready keys in order, the buffered
+count, the held keys, the next wake, the outstanding quarantined suspect and the keys waiting for it
+in order (``key_queue.Quarantine``, DLQ-3). The Redis ops the core packs are checked against the engine's
+(``Dispatcher._admit``, ``Settlement``).
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ def record(offset: int, key: bytes | None, size: int, partition: int = 0) -> Rec
     return Record(partition, offset, key, b"v" * size, None, _META, size, 0)
 
 
-# A delivery made: offset, the Python token, the core's token, queue key, key bytes.
-Delivered = tuple[int, int, int, QueueKey, bytes | None]
+# A delivery made: offset, the Python token, the core's token, queue key, key bytes, attempt.
+Delivered = tuple[int, int, int, QueueKey, bytes | None, int]
 
 
 @dataclass
@@ -59,6 +60,10 @@ class Twin:
         assert core.ready_keys() == list(py.ready)
         assert core.next_wake() == py.next_wake()
         assert core.held_keys() == py.held_keys()
+        assert core.quarantined == py.quarantine.offset
+        assert core.waiting_keys() == list(py.quarantine.waiting)
+        out = [r.offset for q in py.keys.values() for r in q.records if r.quarantined and r.offset in q.outstanding]
+        assert out == ([] if py.quarantine.offset is None else [py.quarantine.offset])  # one out at most
         assert core.take_ops() == "".join(self.ops)
         self.ops.clear()
 
@@ -73,27 +78,31 @@ class Twin:
         skipped = self.core.add(records)
         assert skipped == [r.offset for r, took in zip(records, taken, strict=True) if not took]
 
-    def release(self, budget: int, per_key: int, byte_budget: int, lease: bool) -> None:
+    def release(self, budget: int, per_key: int, byte_budget: int, lease: bool, pooled: bool) -> None:
+        """A release into the callback pool (``pooled``) or to a pull, queued as ``Dispatcher._admit``
+        queues it."""
         lease_ms = 99 if lease else None
         expected = self.py.release_ready(self.now, budget, per_key, byte_budget)
-        items, tokens, attempts, size = self.core.release_ready(self.now, budget, per_key, byte_budget, lease_ms)
+        items, tokens, attempts, size, suspects = self.core.release_ready(
+            self.now, budget, per_key, byte_budget, lease_ms, pooled=pooled)
         assert [r.offset for r in items] == [d.record.offset for d in expected]
         assert all(item is d.record for item, d in zip(items, expected, strict=True))
         assert attempts == [d.attempt for d in expected]
         assert size == sum(d.record.size for d in expected)
+        assert suspects == [i for i, d in enumerate(expected) if d.record.suspect]
         for delivery, token in zip(expected, tokens, strict=True):
             r = delivery.record
-            self.deliveries.append((r.offset, delivery.token, token, delivery.queue_key, r.key))
+            self.deliveries.append((r.offset, delivery.token, token, delivery.queue_key, r.key, delivery.attempt))
             self.latest[r.offset] = self.deliveries[-1]
         if expected:
             self.ops.append("b,0,99;" if lease else "")
-            letter = "e" if lease else "d"
+            letter = {(False, False): "d", (False, True): "r", (True, False): "e", (True, True): "q"}[lease, pooled]
             self.ops.extend(f"{letter},{d.record.offset},{d.attempt};" for d in expected)
 
     def ack(self, picks: list[tuple[bool, int]]) -> None:
         chosen = [self.pick(i) for i in picks]
         verdicts = []
-        for offset, py_token, _, qkey, _ in chosen:
+        for offset, py_token, _, qkey, _, _ in chosen:
             verdicts.append(self.py.ack(qkey, offset, py_token))
             if verdicts[-1]:
                 self.ops.append(f"a,{offset},0;")
@@ -104,24 +113,32 @@ class Twin:
     def pick(self, choice: tuple[bool, int]) -> Delivered:
         """A delivery outstanding now, or (``stale``) any delivery made so far."""
         stale, index = choice
-        outstanding = sorted(offset for queue in self.py.keys.values() for offset in queue.outstanding)
+        outstanding = self.outstanding()
         if stale or not outstanding:
             return self.deliveries[-1 - index % len(self.deliveries)]
         return self.latest[outstanding[index % len(outstanding)]]
 
-    def nack(self, pick: tuple[bool, int], step: float) -> None:
-        offset, py_token, core_token, qkey, _ = self.pick(pick)
+    def outstanding(self) -> list[int]:
+        return sorted(offset for queue in self.py.keys.values() for offset in queue.outstanding)
+
+    def out(self, offset: int) -> tuple[bool, int]:
+        """The pick of the outstanding delivery of ``offset``."""
+        return False, self.outstanding().index(offset)
+
+    def nack(self, pick: tuple[bool, int], step: float, lapsed: bool) -> None:
+        """A nack from user code, or a lapsed lease, with ``Settlement``'s op for each."""
+        offset, py_token, core_token, qkey, _, attempt = self.pick(pick)
 
         def backoff(failures: int) -> float:
             return step * failures
 
         accepted = self.py.nack(qkey, offset, py_token, self.now, backoff)
-        assert self.core.nack(offset, core_token, self.now, backoff) == accepted
+        assert self.core.nack(offset, core_token, self.now, backoff, lapsed=lapsed) == accepted
         if accepted:
-            self.ops.append(f"n,{offset},0;")
+            self.ops.append(f"n,{offset},{0 if lapsed else attempt};")
 
     def requeue(self, pick: tuple[bool, int], delay: float, uncount: bool) -> None:
-        offset, py_token, core_token, qkey, _ = self.pick(pick)
+        offset, py_token, core_token, qkey, _, _ = self.pick(pick)
         if uncount:  # the engine's unrelease: only deliveries of the step, the token current
             queue = self.py.keys.get(qkey)
             if queue is None or queue.outstanding.get(offset) != py_token:
@@ -131,7 +148,7 @@ class Twin:
         assert self.core.requeue(offset, core_token, self.now, delay, uncount=uncount) == accepted
 
     def dead_lettered(self, pick: tuple[bool, int]) -> None:
-        offset, _, _, qkey, key = self.pick(pick)
+        offset, _, _, qkey, key, _ = self.pick(pick)
         self.py.settle_dead_lettered(qkey, offset)
         self.core.settle_dead_lettered(offset, key)
         self.ops.append(f"a,{offset},0;")
@@ -148,9 +165,9 @@ _recent = st.tuples(st.sampled_from([False, False, False, False, True]), st.inte
 _operation = st.one_of(
     st.tuples(st.just("add"), _batch),
     st.tuples(st.just("release"), st.integers(1, 8), st.sampled_from([1, 1, 2, 3, 5]), st.integers(1, 12),
-              st.booleans()),
+              st.booleans(), st.booleans()),
     st.tuples(st.just("ack"), st.lists(_recent, min_size=1, max_size=6)),
-    st.tuples(st.just("nack"), _recent, st.sampled_from([0.0, 0.5, 1.0])),
+    st.tuples(st.just("nack"), _recent, st.sampled_from([0.0, 0.5, 1.0]), st.booleans()),
     st.tuples(st.just("requeue"), _recent, st.sampled_from([0.0, 1.0]), st.booleans()),
     st.tuples(st.just("dead_lettered"), _recent),
     st.tuples(st.just("advance"), st.sampled_from([0.0, 0.25, 0.5, 1.0, 3.0])),
@@ -160,20 +177,27 @@ _operation = st.one_of(
 _ON_DELIVERIES = {"ack", "nack", "requeue", "dead_lettered"}
 
 
-_settled_before = st.frozensets(st.integers(0, 15), max_size=8)  # a claim's offsets settled above the commit point
+# A claim: offsets settled above the commit point, attempts charged to unsettled ones (0 included:
+# ``charged_attempts`` caps an unstarted attempt at max_attempts - 1).
+_settled_before = st.frozensets(st.integers(0, 15), max_size=8)
+_attempts_before = st.dictionaries(st.integers(0, 24), st.integers(0, 4), max_size=16)
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ordered=st.booleans(), settled=_settled_before, operations=st.lists(_operation, min_size=20, max_size=80))
-def test_core_decides_as_partition_state(ordered: bool, settled: frozenset[int],
-                                         operations: list[tuple[object, ...]]) -> None:
-    """SUB-1, SUB-2, SUB-3, SUB-4, SUB-6, SUB-7, ACK-4, ACK-6, DLQ-1: for any sequence of fetches,
-    releases, acks, nacks, requeues, dead-letter settlements and wakes, the compiled core releases
-    the same records in the same order with the same attempts, gives the same verdicts and keeps the
-    same commit point, ready keys, buffered count and backoffs as ``PartitionState`` (no suspects:
-    the claim charges no attempts)."""
-    twin = Twin(PartitionState(0, 1, ordered=ordered, settled_before=settled),
-                PartitionCore(ordered=ordered, settled_before=settled), ordered)
+@given(ordered=st.booleans(), settled=_settled_before, charged=_attempts_before, suspects=st.booleans(),
+       operations=st.lists(_operation, min_size=20, max_size=80))
+def test_core_decides_as_partition_state(ordered: bool, settled: frozenset[int], charged: dict[int, int],
+                                         suspects: bool, operations: list[tuple[object, ...]]) -> None:
+    """SUB-1, SUB-2, SUB-3, SUB-4, SUB-6, SUB-7, ACK-4, ACK-6, DLQ-1, DLQ-3: for any claim and any
+    sequence of fetches, releases, acks, nacks, lapses, requeues, dead-letter settlements and wakes,
+    the compiled core releases the same records in the same order with the same attempts and suspect
+    flags, gives the same verdicts and keeps the same commit point, ready keys, buffered count,
+    backoffs and quarantine (the outstanding quarantined suspect, the keys waiting for it in order)
+    as ``PartitionState``, and packs the engine's Redis ops."""
+    twin = Twin(PartitionState(0, 1, ordered=ordered, settled_before=settled, attempts_before=charged,
+                               suspects=suspects),
+                PartitionCore(ordered=ordered, settled_before=settled, attempts_before=charged, suspects=suspects),
+                ordered)
     twin.check()
     for name, *args in operations:
         if name in _ON_DELIVERIES and not twin.deliveries:
@@ -188,10 +212,10 @@ def test_stale_tokens_of_another_partition_state_are_refused() -> None:
     records = [record(0, b"k", 1)]
     old: PartitionCore[Record] = PartitionCore(ordered=True)
     old.add(records)
-    _, (old_token,), _, _ = old.release_ready(0.0, 1, 1, 10)
+    _, (old_token,), _, _, _ = old.release_ready(0.0, 1, 1, 10)
     new: PartitionCore[Record] = PartitionCore(ordered=True)
     new.add(records)
-    _, (new_token,), _, _ = new.release_ready(0.0, 1, 1, 10)
+    _, (new_token,), _, _, _ = new.release_ready(0.0, 1, 1, 10)
     assert new.ack([0], [old_token]) == ([0], 0)
     assert new.ack([0], [new_token]) == ([], 1)
 
@@ -251,7 +275,7 @@ def test_op_buffer_keeps_decision_order() -> None:
     the order decided, as ``apply.lua`` applies them in sequence."""
     core: PartitionCore[Record] = PartitionCore(ordered=False)
     core.add([record(offset, None, 1) for offset in range(2)])
-    _, tokens, _, _ = core.release_ready(0.0, 2, 1, 10, lease_ms=7)
+    _, tokens, _, _, _ = core.release_ready(0.0, 2, 1, 10, lease_ms=7)
     core.push_op("l", 0, 11)
     core.ack([0, 1], tokens)
     assert core.ops_count == 6
@@ -272,9 +296,9 @@ def test_a_key_held_again_wakes_at_its_last_backoff() -> None:
     the end of the second backoff, not the first; both states agree at every step."""
     twin = Twin(PartitionState(0, 1, ordered=True), PartitionCore(ordered=True), True)
     twin.add([(0, 2, 1), (0, 2, 1), (0, 2, 1)])
-    twin.release(10, 5, 100, lease=True)
-    twin.nack((False, 2), 1.0)  # offset 2: backoff 1 s
-    twin.nack((False, 0), 1.0)  # offset 0 (failure 2): backoff 2 s
+    twin.release(10, 5, 100, lease=True, pooled=False)
+    twin.nack((False, 2), 1.0, lapsed=False)  # offset 2: backoff 1 s
+    twin.nack((False, 0), 1.0, lapsed=True)  # offset 0 (failure 2): backoff 2 s
     twin.check()
     twin.advance(1.0)
     twin.check()
@@ -282,3 +306,80 @@ def test_a_key_held_again_wakes_at_its_last_backoff() -> None:
     twin.advance(1.0)
     twin.check()
     assert twin.core.ready_keys() == [b"a"]
+
+
+def test_the_quarantine_hands_over_to_the_oldest_waiting_key() -> None:
+    """DLQ-3, ACK-6: suspects of repeated crashes go out one at a time; the keys whose next record
+    is quarantined wait in the order they were first turned away (a key looked at again keeps its
+    place), and each settlement of the outstanding one (ack, lapse, give-back, dead letter) makes
+    the oldest waiting key ready before the settled key itself; both states agree at every step."""
+    charged = {0: 2, 1: 3, 2: 2}  # a, b, c: quarantined suspects; d (offset 3) is not a suspect
+    twin = Twin(PartitionState(0, 1, ordered=True, attempts_before=charged),
+                PartitionCore(ordered=True, attempts_before=charged), True)
+    core = twin.core
+
+    def step(name: str, *args: Any, **kwargs: Any) -> None:
+        getattr(twin, name)(*args, **kwargs)
+        twin.check()
+
+    step("add", [(0, 2, 1), (0, 3, 1), (0, 4, 1), (0, 5, 1)])
+    step("release", 10, 1, 100, lease=False, pooled=True)
+    assert [(d[0], d[5]) for d in twin.deliveries] == [(0, 3), (3, 1)]
+    assert (core.quarantined, core.waiting_keys()) == (0, [b"b", b"c"])
+    step("add", [(0, 4, 1)])  # offset 4 of c: c is ready again, still waiting second
+    step("release", 10, 1, 100, lease=False, pooled=True)
+    assert core.waiting_keys() == [b"b", b"c"]
+    step("ack", [twin.out(0)])
+    assert core.ready_keys() == [b"b"]
+    step("release", 10, 1, 100, lease=False, pooled=True)
+    assert core.quarantined == 1
+    step("nack", twin.out(1), 0.0, lapsed=True)
+    assert core.ready_keys() == [b"c", b"b"]
+    step("release", 10, 1, 100, lease=False, pooled=True)
+    assert (core.quarantined, core.waiting_keys()) == (2, [b"b"])
+    step("requeue", twin.out(2), 0.0, uncount=True)
+    assert core.ready_keys() == [b"b", b"c"]
+    step("release", 10, 5, 100, lease=True, pooled=True)
+    assert (twin.deliveries[-1][0], twin.deliveries[-1][5], core.waiting_keys()) == (1, 5, [b"c"])
+    step("dead_lettered", twin.out(1))
+    assert (core.quarantined, core.ready_keys()) == (None, [b"c"])
+    made = len(twin.deliveries)
+    step("release", 10, 5, 100, lease=False, pooled=False)  # c's suspect alone, not with offset 4
+    assert ([(d[0], d[5]) for d in twin.deliveries[made:]], core.quarantined) == ([(2, 3)], 2)
+
+
+def test_a_batch_stops_before_a_quarantined_suspect_and_pull_mode_has_none() -> None:
+    """DLQ-3, ACK-6: in callback mode a per-key batch goes out up to the first quarantined suspect
+    that is not its head, which then goes out alone; without suspects (pull mode) the charged record
+    keeps its attempts and goes out with the rest."""
+    for suspects, batches in ((True, [[0, 1], [2], [3, 4]]), (False, [[0, 1, 2, 3, 4]])):
+        charged = {2: 3}
+        twin = Twin(PartitionState(0, 1, ordered=True, attempts_before=charged, suspects=suspects),
+                    PartitionCore(ordered=True, attempts_before=charged, suspects=suspects), True)
+        twin.add([(0, 2, 1)] * 5)
+        for batch in batches:
+            twin.release(10, 10, 100, lease=False, pooled=False)
+            twin.check()
+            released = twin.deliveries[-len(batch):]
+            assert [(d[0], d[5]) for d in released] == [(o, 4 if o == 2 else 1) for o in batch]
+            twin.ack([twin.out(o) for o in batch])
+            twin.check()
+
+
+def test_suspects_of_one_crash_go_out_together() -> None:
+    """ACK-6, SUB-2: records charged fewer than ``QUARANTINE_FROM`` attempts are suspects that are not
+    quarantined: they go out together, and the core names them (their starts are written before user
+    code runs) as ``PartitionState`` flags them; a quarantined one goes out alone beside them."""
+    charged = {0: 1, 1: 0, 2: 1, 3: 2, 4: 2}
+    twin = Twin(PartitionState(0, 1, ordered=True, attempts_before=charged),
+                PartitionCore(ordered=True, attempts_before=charged), True)
+    twin.add([(0, 2, 1), (0, 2, 1), (0, 3, 1), (0, 4, 1), (0, 5, 1), (0, 6, 1)])
+    records = [r for q in twin.py.keys.values() for r in q.records]
+    _, _, attempts, _, suspects = twin.core.release_ready(0.0, 100, 10, 100)
+    expected = twin.py.release_ready(0.0, 100, 10, 100)
+    assert [(d.record.offset, d.attempt) for d in expected] == [(0, 2), (1, 1), (2, 2), (3, 3), (5, 1)]
+    assert attempts == [2, 1, 2, 3, 1]
+    assert suspects == [0, 1, 2, 3]
+    assert [r.quarantined for r in records] == [False, False, False, True, True, False]
+    assert (twin.core.quarantined, twin.core.waiting_keys()) == (3, [b"d"])
+    assert twin.py.quarantine.offset == 3 and list(twin.py.quarantine.waiting) == [b"d"]
