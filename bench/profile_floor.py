@@ -148,7 +148,8 @@ class CoreReader:
             budget = MAX_OUTSTANDING - self.outstanding
             if budget <= 0:
                 return
-            records, tokens, attempts, _bytes = core.release_ready(now, budget, 1, MAX_BYTES, LEASE_MS)
+            records, tokens, attempts, _bytes, _suspects = core.release_ready(
+                now, budget, 1, MAX_BYTES, LEASE_MS, pooled=True)
             if not records:
                 continue
             self.outstanding += len(records)
@@ -269,7 +270,8 @@ class LibraryReader(CoreReader):
             budget = MAX_OUTSTANDING - self.outstanding
             if budget <= 0:
                 return
-            records, tokens, attempts, _bytes = core.release_ready(now, budget, 1, MAX_BYTES, LEASE_MS)
+            records, tokens, attempts, _bytes, _suspects = core.release_ready(
+                now, budget, 1, MAX_BYTES, LEASE_MS, pooled=True)
             if not records:
                 continue
             self.outstanding += len(records)
