@@ -285,6 +285,7 @@ class Engine:
                 settle(event.kind, event.delivery, event.epoch, event.seconds, event.error, event.future, now)
             elif kind is Fetched:
                 fetched(event)
+                self._gate.taken(len(event.records))
             elif kind is Pull:
                 if self._closing:
                     event.future.set_result([])

@@ -170,8 +170,8 @@ class Fetcher:
         if self._seeks:
             self._seek_partitions()
         state = self._gate.fetch_state(time.monotonic())
-        if state is Gate.HELD:
-            return _PAUSED_POLL  # SUB-7: no records taken while over the limit
+        if state is Gate.HELD or not self._gate.room_to_fetch():
+            return _PAUSED_POLL  # SUB-7: no records taken while over the limit or not yet taken
         if (state is Gate.PAUSED) != self.paused:
             self.paused = state is Gate.PAUSED
             self._pause(self.consumer.assignment(), self.paused)
@@ -186,6 +186,7 @@ class Fetcher:
                 self._malformed_metadata(record)
             records.append(record)
         if records:
+            self._gate.posted(len(records))
             self._post(self.fetched(records))
         return 0.0
 

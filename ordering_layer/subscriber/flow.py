@@ -9,6 +9,11 @@ between OPEN and HELD after each step; the fetch thread moves it from HELD to PA
 
 Why HELD before PAUSED: ``pause()`` throws librdkafka's prefetch away and the resume costs a refetch
 of ~0.2-0.5 s, which a short hold at every release step would pay again and again.
+
+Apart from the gate, the fetch takes no records while ``max_in_flight`` records it posted wait for
+the coordinator: the gate moves only once per coordinator step, and a fetch thread left to run
+through a long step would post tens of thousands of records more, each a live object for the garbage
+collector to walk until it is released.
 """
 
 from __future__ import annotations
@@ -35,12 +40,16 @@ class FlowGate:
         max_buffered: fetched records not yet released that close the gate too (memory bound).
         resume_fraction: the gate opens under this fraction of every limit.
         hold_before_pause: seconds HELD before the fetch pauses the assignment.
+        max_in_flight: records fetched and posted that the coordinator has not taken yet, beyond
+            which the fetch waits.
     """
 
     def __init__(self, limits: FlowControl, *, max_buffered: int = 20_000, resume_fraction: float = 0.8,
-                 hold_before_pause: float = 1.0) -> None:
+                 hold_before_pause: float = 1.0, max_in_flight: int = 2_000) -> None:
         self.limits = limits
         self.max_buffered = max_buffered
+        self.max_in_flight = max_in_flight
+        self.in_flight = 0  # posted by the fetch, not yet taken by the coordinator
         self.resume_fraction = resume_fraction
         self.hold_before_pause = hold_before_pause
         self.state = Gate.OPEN
@@ -64,6 +73,20 @@ class FlowGate:
                 self.state, self._since = Gate.HELD, now
             elif under and self.state is not Gate.OPEN:
                 self.state = Gate.OPEN
+
+    def posted(self, records: int) -> None:
+        """Fetch thread: ``records`` were posted to the coordinator."""
+        with self._lock:
+            self.in_flight += records
+
+    def taken(self, records: int) -> None:
+        """Coordinator: ``records`` posted by the fetch were taken."""
+        with self._lock:
+            self.in_flight -= records
+
+    def room_to_fetch(self) -> bool:
+        """Fetch thread: fewer than ``max_in_flight`` posted records wait for the coordinator."""
+        return self.in_flight < self.max_in_flight
 
     def fetch_state(self, now: float) -> Gate:
         """Fetch thread: the state to act on; HELD turns PAUSED once held ``hold_before_pause`` s."""

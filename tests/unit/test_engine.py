@@ -8,7 +8,7 @@ from typing import cast
 
 import pytest
 import redis
-from confluent_kafka import TopicPartition
+from confluent_kafka import Consumer, TopicPartition
 
 from ordering_layer.config import FlowControl, RetryPolicy, SubscriptionSettings
 from ordering_layer.record import RecordMetadata
@@ -175,3 +175,36 @@ def test_metrics_snapshot_counts_deliveries_settlements_and_drains_observations(
         assert again["acked"] == 1
     finally:
         engine.consumer.close()
+
+
+class CountingConsumer:
+    """Stands in for the fetch thread's consumer: counts ``consume`` calls, returns nothing."""
+
+    def __init__(self) -> None:
+        self.consumed = 0
+
+    def consume(self, num_messages: int, timeout: float) -> list[object]:
+        self.consumed += 1
+        return []
+
+
+def test_the_fetch_takes_no_records_while_its_posted_batches_wait(engine: Engine) -> None:
+    """SUB-7: a fetched batch counts as in flight from its post until the coordinator takes it; while
+    ``max_in_flight`` records are in flight the fetch thread does not consume."""
+    engine._fetcher._on_assign(engine.consumer, P0)
+    real = engine._fetcher.consumer
+    counting = CountingConsumer()
+    engine._fetcher.consumer = cast(Consumer, counting)
+    try:
+        gate = engine._gate
+        batch = engine._fetcher.fetched([record(offset) for offset in range(gate.max_in_flight)])
+        gate.posted(len(batch.records))
+        engine._fetcher.step()
+        assert counting.consumed == 0
+        engine._handle([batch], time.monotonic())
+        assert gate.in_flight == 0
+        engine._fetcher.step()
+        assert counting.consumed == 1
+        assert engine.stats()["buffered"] == gate.max_in_flight
+    finally:
+        engine._fetcher.consumer = real

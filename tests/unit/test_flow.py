@@ -29,3 +29,16 @@ def test_bytes_and_buffered_records_close_the_gate_too() -> None:
         states.append(gate.state)
     assert states == [Gate.HELD, Gate.OPEN, Gate.HELD]
     assert gate.budget(4, 300) == (6, 700)
+
+
+def test_the_fetch_waits_while_its_posted_records_wait_for_the_coordinator() -> None:
+    """SUB-7: records posted by the fetch and not yet taken by the coordinator count against
+    ``max_in_flight``, whatever the gate says: the fetch cannot run ahead of a long step."""
+    gate = FlowGate(FlowControl(), max_in_flight=1000)
+    assert gate.room_to_fetch() and gate.fetch_state(0.0) is Gate.OPEN
+    gate.posted(500)
+    assert gate.room_to_fetch()
+    gate.posted(500)
+    assert not gate.room_to_fetch() and gate.fetch_state(0.0) is Gate.OPEN
+    gate.taken(500)
+    assert gate.room_to_fetch() and gate.in_flight == 500
