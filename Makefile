@@ -111,6 +111,7 @@ bench: setup
 	$(PY) bench/bench_spark.py
 	$(PY) bench/bench_tls.py
 	$(PY) bench/bench_schedule.py
+	$(PY) bench/bench_recovery.py
 
 # The chaos soak (issue 12) on its own three-broker stack: figures on stderr, JSON in bench/soak-<plan>.json.
 soak: setup
