@@ -23,6 +23,7 @@ from __future__ import annotations
 import io
 import json
 from collections.abc import Iterable, Mapping, Sequence
+from datetime import UTC, datetime
 from functools import cache
 from importlib import resources
 from pathlib import Path
@@ -187,3 +188,8 @@ def decode(schema_name: str, payload: bytes) -> dict[str, Any]:
     if not isinstance(record, dict):
         raise RecordFormatError(f"value is not a {schema_name} record")
     return record
+
+
+def now_ms() -> int:
+    """The wall clock in milliseconds since the epoch (the times the layer's own records carry)."""
+    return int(datetime.now(UTC).timestamp() * 1000)

@@ -15,6 +15,7 @@ from typing import Any
 
 from ordering_layer.errors import ConfigError, InvalidMessageError
 from ordering_layer.publisher.producer import attribute_headers, encode_ordering_key
+from ordering_layer.record import now_ms
 from ordering_layer.scheduler.index import ScheduleIndex
 from ordering_layer.scheduler.log import ScheduleLog
 from ordering_layer.scheduler.records import (
@@ -23,7 +24,6 @@ from ordering_layer.scheduler.records import (
     ScheduleState,
     epoch_ms,
     new_schedule_id,
-    now_ms,
 )
 from ordering_layer.scheduler.settings import SchedulerSettings
 

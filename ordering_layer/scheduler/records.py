@@ -41,11 +41,6 @@ def epoch_ms(when: datetime) -> int:
     return int(when.timestamp() * 1000)
 
 
-def now_ms() -> int:
-    """The wall clock in milliseconds since the epoch."""
-    return int(datetime.now(UTC).timestamp() * 1000)
-
-
 @dataclass(frozen=True)
 class ScheduledMessage:
     """One schedule record: the message to publish at ``enqueue_at_ms`` and its state."""

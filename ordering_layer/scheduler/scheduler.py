@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING, Any
 from ordering_layer.compacted import producer_config
 from ordering_layer.config import from_mapping
 from ordering_layer.errors import OrderingLayerError
+from ordering_layer.record import now_ms
 from ordering_layer.scheduler.book import ScheduleBook
-from ordering_layer.scheduler.records import ScheduledMessage, ScheduleState, now_ms
+from ordering_layer.scheduler.records import ScheduledMessage, ScheduleState
 from ordering_layer.scheduler.settings import SchedulerSettings
 from ordering_layer.worker import Worker
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from ordering_layer.compacted import CompactedTopic
 from ordering_layer.errors import ConfigError, RecordFormatError, SnapshotExistsError, SnapshotNotFoundError
-from ordering_layer.record import decode, encode
+from ordering_layer.record import decode, encode, now_ms
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -28,11 +28,6 @@ def check_name(name: str) -> None:
     """Refuse an empty snapshot name or one longer than 255 UTF-8 bytes (``ConfigError``)."""
     if not name or len(name.encode()) > MAX_NAME_BYTES or not name.isprintable():
         raise ConfigError(f"a snapshot name is 1..{MAX_NAME_BYTES} bytes of printable text, got {name!r}")
-
-
-def now_ms() -> int:
-    """The wall clock in milliseconds since the epoch."""
-    return int(datetime.now(UTC).timestamp() * 1000)
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""The subscriber's Kafka settings as other clients of it take them, and the credential check.
+"""The subscriber's Kafka settings as other clients of it take them, the credential check, and the
+layer's Redis URL.
 
 The subscriber's settings feed a consumer, but also the dead-letter producer and the credential
 probe, which take no consumer-only keys (librdkafka warns on each one it is given).
@@ -6,10 +7,14 @@ probe, which take no consumer-only keys (librdkafka warns on each one it is give
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
 from ordering_layer.auth import verify_kafka
+from ordering_layer.errors import ConfigError
+
+REDIS_URL_ENV = "ORDERING_LAYER_REDIS_URL"
 
 CONSUMER_ONLY = ("group.", "session.", "heartbeat.", "max.poll", "auto.", "enable.auto",
                  "partition.assignment", "isolation", "on_commit")
@@ -28,3 +33,11 @@ def verify_credentials(kafka_config: Mapping[str, Any]) -> None:
         ConfigError: confluent-kafka refused the config itself.
     """
     verify_kafka(without_consumer_keys(kafka_config))
+
+
+def redis_url_from(redis_url: str | None) -> str:
+    """``redis_url`` or ``$ORDERING_LAYER_REDIS_URL``; ConfigError when neither is set."""
+    url = redis_url or os.environ.get(REDIS_URL_ENV)
+    if not url:
+        raise ConfigError(f"the layer's Redis is needed: pass redis_url= or set ${REDIS_URL_ENV}")
+    return url

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from typing import Any
@@ -30,26 +29,17 @@ from ordering_layer.errors import (
 )
 from ordering_layer.scheduler.participant import join_activation
 from ordering_layer.state import StateStore
-from ordering_layer.subscriber.client_config import verify_credentials
+from ordering_layer.subscriber.client_config import redis_url_from, verify_credentials
 from ordering_layer.subscriber.engine import Engine, RebalanceHooks
 from ordering_layer.subscriber.message import AckResponse, Message
 
 _LOGGER = logging.getLogger(__name__)
 
-REDIS_URL_ENV = "ORDERING_LAYER_REDIS_URL"
 _WAIT_STEP = 1.0  # an endless poll waits in steps of this many seconds
 _MAX_MESSAGES = 1_000_000  # confluent-kafka's limit for consume(num_messages)
 _LATEST = ("latest", "largest", "end")
 _PER_KEY = "per-key order and per-message acks need the group protocol to own partitions"
 UserRebalanceCallback = Callable[[Any, list[TopicPartition]], None]
-
-
-def redis_url_from(redis_url: str | None) -> str:
-    """``redis_url`` or ``$ORDERING_LAYER_REDIS_URL``; ConfigError when neither is set."""
-    url = redis_url or os.environ.get(REDIS_URL_ENV)
-    if not url:
-        raise ConfigError(f"the layer's Redis is needed: pass redis_url= or set ${REDIS_URL_ENV}")
-    return url
 
 
 def _is_true(value: Any) -> bool:

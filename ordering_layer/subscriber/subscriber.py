@@ -12,8 +12,7 @@ from ordering_layer.config import FlowControl, require_bootstrap
 from ordering_layer.errors import ConfigError
 from ordering_layer.scheduler.participant import Activation, join_activation
 from ordering_layer.state import StateStore
-from ordering_layer.subscriber.client_config import verify_credentials
-from ordering_layer.subscriber.consumer import redis_url_from
+from ordering_layer.subscriber.client_config import redis_url_from, verify_credentials
 from ordering_layer.subscriber.engine import Engine
 from ordering_layer.subscriber.handoff import CallbackPool
 from ordering_layer.subscriber.message import Message
