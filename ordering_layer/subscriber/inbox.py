@@ -2,8 +2,10 @@
 
 A post is a ``deque.append`` (atomic under the GIL); the poster wakes the engine only when the
 engine asked to be woken at that length: at the first event when it is idle, at a full batch when
-it is gathering, never while it is working. So a busy engine is not woken once per ack, and it takes
-all waiting events in one go instead of one queue operation each.
+it is gathering, never while it is working. The poster that wakes it disarms the wake-up, so the
+posts that follow before the engine runs (a loop of acks holds the GIL) do not set the event again.
+So a busy engine is not woken once per ack, and it takes all waiting events in one go instead of
+one queue operation each.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class Inbox(Generic[T]):
         items = self._items
         items.append(item)
         if len(items) >= self._wake_at:
+            self._wake_at = _NEVER
             self._wake.set()
 
     def wait(self, size: int, timeout: float) -> bool:

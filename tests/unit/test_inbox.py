@@ -68,3 +68,35 @@ def test_no_post_is_lost_between_many_posters_and_the_consumer() -> None:
     for thread in threads:
         thread.join()
     assert sorted(got) == list(range(posters * per_poster))
+
+
+class CountingEvent(threading.Event):
+    """An event that counts its ``set`` calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sets = 0
+
+    def set(self) -> None:
+        self.sets += 1
+        super().set()
+
+
+def test_a_burst_of_posts_wakes_a_waiting_consumer_once() -> None:
+    """The post that wakes an idle consumer disarms the wake-up: the 99 posts after it, made before
+    the consumer runs again, do not set the event (each set takes a lock and notifies)."""
+    inbox: Inbox[int] = Inbox()
+    event = CountingEvent()
+    inbox._wake = event
+    taken: list[int] = []
+    thread = threading.Thread(target=lambda: taken.extend(inbox.take() if inbox.wait(1, 10.0) else []))
+    thread.start()
+    deadline = time.monotonic() + 10.0
+    while inbox._wake_at != 1:
+        assert time.monotonic() < deadline, "the consumer did not arm its wake-up"
+        time.sleep(0.001)
+    for n in range(100):
+        inbox.put(n)
+    thread.join(10.0)
+    assert event.sets == 1
+    assert taken + inbox.take() == list(range(100))
