@@ -46,7 +46,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -142,18 +142,21 @@ class CoreReader:
             core = self.cores[partition] = PartitionCore(ordered=True)
         return core
 
-    def release(self, deliver: Callable[[list[Any]], None]) -> None:
-        now = time.monotonic()
+    def released(self, now: float) -> Iterator[tuple[int, list[Any], list[int], list[int]]]:
+        """(partition, records, tokens, attempts) released by each core in turn, within the budget."""
         for partition, core in self.cores.items():
             budget = MAX_OUTSTANDING - self.outstanding
             if budget <= 0:
                 return
             records, tokens, attempts, _bytes, _suspects = core.release_ready(
                 now, budget, 1, MAX_BYTES, LEASE_MS, pooled=True)
-            if not records:
-                continue
-            self.outstanding += len(records)
-            acks = self.acks
+            if records:
+                self.outstanding += len(records)
+                yield partition, records, tokens, attempts
+
+    def release(self, deliver: Callable[[list[Any]], None]) -> None:
+        acks = self.acks
+        for partition, records, tokens, attempts in self.released(time.monotonic()):
             deliver([FloorMessage(record, partition, token, attempt, acks)
                      for record, token, attempt in zip(records, tokens, attempts, strict=True)])
 
@@ -165,6 +168,10 @@ class CoreReader:
             offsets, tokens = per_partition.setdefault(message.partition, ([], []))
             offsets.append(message.record.offset())
             tokens.append(message.token)
+        self.ack(per_partition)
+
+    def ack(self, per_partition: dict[int, tuple[list[int], list[int]]]) -> None:
+        """Acks (offsets, tokens) into each partition's core; commit the new commit points."""
         commits = []
         for partition, (offsets, tokens) in per_partition.items():
             refused, watermark = self.cores[partition].ack(offsets, tokens)
@@ -266,15 +273,7 @@ class LibraryReader(CoreReader):
     def release(self, deliver: Callable[[list[Any]], None]) -> None:
         now = time.monotonic()
         post = self.library_acks.append
-        for partition, core in self.cores.items():
-            budget = MAX_OUTSTANDING - self.outstanding
-            if budget <= 0:
-                return
-            records, tokens, attempts, _bytes, _suspects = core.release_ready(
-                now, budget, 1, MAX_BYTES, LEASE_MS, pooled=True)
-            if not records:
-                continue
-            self.outstanding += len(records)
+        for partition, records, tokens, attempts in self.released(now):
             deliveries = [Delivery(record, record.key, token, attempt)
                           for record, token, attempt in zip(records, tokens, attempts, strict=True)]
             self.leases.admit(partition, deliveries, now)
@@ -295,16 +294,7 @@ class LibraryReader(CoreReader):
             offsets.append(record.offset)
             tokens.append(delivery.token)
         leases.take_latencies()
-        commits = []
-        for partition, (offsets, tokens) in per_partition.items():
-            refused, watermark = self.cores[partition].ack(offsets, tokens)
-            assert not refused
-            self.outstanding -= len(offsets)
-            self.settled += len(offsets)
-            if watermark is not None:
-                commits.append(TopicPartition(self.topic, partition, watermark))
-        if commits:
-            self.consumer.commit(offsets=commits, asynchronous=True)
+        self.ack(per_partition)
 
     def waiting(self) -> bool:
         return not self.library_acks

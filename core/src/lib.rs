@@ -33,6 +33,28 @@ struct PartitionCore {
     core: Core<Py<PyAny>>,
 }
 
+impl PartitionCore {
+    /// `items[start:stop]` into the core; `read` gives an item's offset, payload size and key.
+    fn take<'py>(
+        &mut self,
+        items: &Bound<'py, PyList>,
+        start: usize,
+        stop: Option<usize>,
+        read: impl Fn(&Bound<'py, PyAny>) -> PyResult<(i64, i64, Bound<'py, PyAny>)>,
+    ) -> PyResult<Vec<i64>> {
+        let stop = stop.unwrap_or(usize::MAX).min(items.len());
+        let mut skipped = Vec::new();
+        for index in start..stop {
+            let item = items.get_item(index)?;
+            let (offset, size, key) = read(&item)?;
+            if !self.core.add(offset, key_bytes(&key)?, size, item.unbind()) {
+                skipped.push(offset);
+            }
+        }
+        Ok(skipped)
+    }
+}
+
 fn key_bytes<'a>(key: &'a Bound<'_, PyAny>) -> PyResult<Option<&'a [u8]>> {
     if key.is_none() {
         return Ok(None);
@@ -65,18 +87,11 @@ impl PartitionCore {
     #[pyo3(signature = (records, start = 0, stop = None))]
     fn add(&mut self, records: &Bound<'_, PyList>, start: usize, stop: Option<usize>) -> PyResult<Vec<i64>> {
         let py = records.py();
-        let stop = stop.unwrap_or(usize::MAX).min(records.len());
-        let mut skipped = Vec::new();
-        for index in start..stop {
-            let record = records.get_item(index)?;
+        self.take(records, start, stop, |record| {
             let offset: i64 = record.getattr(intern!(py, "offset"))?.extract()?;
             let size: i64 = record.getattr(intern!(py, "size"))?.extract()?;
-            let key = record.getattr(intern!(py, "key"))?;
-            if !self.core.add(offset, key_bytes(&key)?, size, record.unbind()) {
-                skipped.push(offset);
-            }
-        }
-        Ok(skipped)
+            Ok((offset, size, record.getattr(intern!(py, "key"))?))
+        })
     }
 
     /// Take confluent-kafka `Message`s `messages[start:stop]` as they come from `consume()`: the
@@ -85,19 +100,12 @@ impl PartitionCore {
     #[pyo3(signature = (messages, start = 0, stop = None))]
     fn add_kafka(&mut self, messages: &Bound<'_, PyList>, start: usize, stop: Option<usize>) -> PyResult<Vec<i64>> {
         let py = messages.py();
-        let stop = stop.unwrap_or(usize::MAX).min(messages.len());
-        let mut skipped = Vec::new();
-        for index in start..stop {
-            let message = messages.get_item(index)?;
+        self.take(messages, start, stop, |message| {
             let offset: i64 = message.call_method0(intern!(py, "offset"))?.extract()?;
             let value = message.call_method0(intern!(py, "value"))?;
             let size = if value.is_none() { 0 } else { value.len()? as i64 };
-            let key = message.call_method0(intern!(py, "key"))?;
-            if !self.core.add(offset, key_bytes(&key)?, size, message.unbind()) {
-                skipped.push(offset);
-            }
-        }
-        Ok(skipped)
+            Ok((offset, size, message.call_method0(intern!(py, "key"))?))
+        })
     }
 
     /// Release from the ready keys, oldest first: up to `per_key` records of each, `budget` in all,
@@ -250,14 +258,15 @@ fn qkey_list<'py>(py: Python<'py>, qkeys: Vec<&QueueKey>) -> PyResult<Bound<'py,
     Ok(list)
 }
 
-/// Runs of one partition in a fetched batch: (partition, start, stop) each, in order (records are
-/// objects with a `partition`; a batch from `consume` comes in runs of one partition).
-#[pyfunction]
-fn partition_runs(records: &Bound<'_, PyList>) -> PyResult<Vec<(i64, usize, usize)>> {
-    let py = records.py();
+/// Runs of one partition in a batch: (partition, start, stop) each, in order; `partition_of` reads
+/// an item's partition.
+fn runs_of(
+    items: &Bound<'_, PyList>,
+    partition_of: impl Fn(&Bound<'_, PyAny>) -> PyResult<i64>,
+) -> PyResult<Vec<(i64, usize, usize)>> {
     let mut runs: Vec<(i64, usize, usize)> = Vec::new();
-    for (index, record) in records.iter().enumerate() {
-        let partition: i64 = record.getattr(intern!(py, "partition"))?.extract()?;
+    for (index, item) in items.iter().enumerate() {
+        let partition = partition_of(&item)?;
         match runs.last_mut() {
             Some(run) if run.0 == partition => run.2 = index + 1,
             _ => runs.push((partition, index, index + 1)),
@@ -266,19 +275,19 @@ fn partition_runs(records: &Bound<'_, PyList>) -> PyResult<Vec<(i64, usize, usiz
     Ok(runs)
 }
 
+/// Runs of one partition in a fetched batch: (partition, start, stop) each, in order (records are
+/// objects with a `partition`; a batch from `consume` comes in runs of one partition).
+#[pyfunction]
+fn partition_runs(records: &Bound<'_, PyList>) -> PyResult<Vec<(i64, usize, usize)>> {
+    let py = records.py();
+    runs_of(records, |record| record.getattr(intern!(py, "partition"))?.extract())
+}
+
 /// `partition_runs` for confluent-kafka `Message`s (`partition()` is a method there).
 #[pyfunction]
 fn kafka_partition_runs(messages: &Bound<'_, PyList>) -> PyResult<Vec<(i64, usize, usize)>> {
     let py = messages.py();
-    let mut runs: Vec<(i64, usize, usize)> = Vec::new();
-    for (index, message) in messages.iter().enumerate() {
-        let partition: i64 = message.call_method0(intern!(py, "partition"))?.extract()?;
-        match runs.last_mut() {
-            Some(run) if run.0 == partition => run.2 = index + 1,
-            _ => runs.push((partition, index, index + 1)),
-        }
-    }
-    Ok(runs)
+    runs_of(messages, |message| message.call_method0(intern!(py, "partition"))?.extract())
 }
 
 #[pymodule]
