@@ -7,14 +7,12 @@ probe, which take no consumer-only keys (librdkafka warns on each one it is give
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from typing import Any
 
 from ordering_layer.auth import verify_kafka
 from ordering_layer.errors import ConfigError
-
-REDIS_URL_ENV = "ORDERING_LAYER_REDIS_URL"
+from ordering_layer.scheduler.settings import REDIS_URL_ENV, redis_url_or_env
 
 CONSUMER_ONLY = ("group.", "session.", "heartbeat.", "max.poll", "auto.", "enable.auto",
                  "partition.assignment", "isolation", "on_commit")
@@ -37,7 +35,7 @@ def verify_credentials(kafka_config: Mapping[str, Any]) -> None:
 
 def redis_url_from(redis_url: str | None) -> str:
     """``redis_url`` or ``$ORDERING_LAYER_REDIS_URL``; ConfigError when neither is set."""
-    url = redis_url or os.environ.get(REDIS_URL_ENV)
-    if not url:
+    url = redis_url_or_env(redis_url)
+    if url is None:
         raise ConfigError(f"the layer's Redis is needed: pass redis_url= or set ${REDIS_URL_ENV}")
     return url
