@@ -44,18 +44,36 @@ from ordering_layer.stack import Endpoints
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def events(log: Path) -> list[dict[str, Any]]:
-    if not log.exists():
-        return []
-    return [json.loads(line) for line in log.read_text().splitlines() if line.endswith("}")]
+class EventLog:
+    """The workers' JSON-lines log, read as it grows: each poll parses only the lines added since."""
 
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.events: list[dict[str, Any]] = []
+        self._ids: dict[tuple[str, str], set[str]] = {}  # (worker, action) -> message ids
+        self._offset = 0
 
-def acked_ids(log: Path, sub: str, *, sent: bool = False) -> set[str]:
-    """Messages ``sub`` acked (confirmed); with ``sent`` also those it was acking (logged as
-    ``release`` before the ack): a process killed between the ack's write and its confirmation
-    settled them, and the next owner rightly never redelivers them."""
-    actions = ("ack", "release") if sent else ("ack",)
-    return {e["id"] for e in events(log) if e["action"] in actions and e["sub"] == sub}
+    def read(self) -> None:
+        """Take the complete lines written since the last read."""
+        if not self.path.exists():
+            return
+        with self.path.open("rb") as log:
+            log.seek(self._offset)
+            chunk = log.read()
+        complete = chunk[:chunk.rfind(b"\n") + 1]
+        self._offset += len(complete)
+        for line in complete.splitlines():
+            event = json.loads(line)
+            self.events.append(event)
+            self._ids.setdefault((event["sub"], event["action"]), set()).add(event["id"])
+
+    def acked_ids(self, sub: str, *, sent: bool = False) -> set[str]:
+        """Messages ``sub`` acked (confirmed); with ``sent`` also those it was acking (logged as
+        ``release`` before the ack): a process killed between the ack's write and its confirmation
+        settled them, and the next owner rightly never redelivers them."""
+        self.read()
+        acked = self._ids.get((sub, "ack"), set())
+        return acked | self._ids.get((sub, "release"), set()) if sent else acked
 
 
 def worker(endpoints: Endpoints, name: str, sub: str, log: Path, delay_ms: float,
@@ -83,22 +101,24 @@ def one_round(endpoints: Endpoints, admin: Admin, topic: str, messages: int, del
                               retry_policy=RetryPolicy(0.1, 1.0),
                               dead_letter_policy=DeadLetterPolicy(f"{name}-dlq", max_delivery_attempts=5))
     log = folder / f"{name}.jsonl"
+    tail = EventLog(log)
     first = worker(endpoints, name, "w0", log, delay_ms, folder)
     try:
-        wait_for(lambda: len(acked_ids(log, "w0")) >= before, 300, f"{before} acks at w0")
+        wait_for(lambda: len(tail.acked_ids("w0")) >= before, 300, f"{before} acks at w0")
         first.send_signal(signal.SIGKILL if mode == "kill" else signal.SIGTERM)
         first.wait(120)
     finally:
         if first.poll() is None:
             first.kill()
-    settled_before = acked_ids(log, "w0", sent=True)
+    settled_before = tail.acked_ids("w0", sent=True)
     second = worker(endpoints, name, "w1", log, delay_ms, folder)
     try:
-        wait_for(lambda: len(settled_before | acked_ids(log, "w1")) >= messages, 600, "every message acked")
+        wait_for(lambda: len(settled_before | tail.acked_ids("w1")) >= messages, 600, "every message acked")
     finally:
         second.send_signal(signal.SIGTERM)
         second.wait(120)
-    mine = [e for e in events(log) if e["sub"] == "w1"]
+    tail.read()
+    mine = [e for e in tail.events if e["sub"] == "w1"]
     start = min(e["at"] for e in mine if e["action"] == "deliver")
     redelivered = {e["id"] for e in mine if e["action"] == "deliver" and e["attempt"] > 1}
     acks = sorted(e["at"] for e in mine if e["action"] == "ack")
