@@ -65,12 +65,14 @@ fn key_bytes<'a>(key: &'a Bound<'_, PyAny>) -> PyResult<Option<&'a [u8]>> {
 #[pymethods]
 impl PartitionCore {
     #[new]
-    #[pyo3(signature = (*, ordered, settled_before = None, attempts_before = None, suspects = true))]
+    #[pyo3(signature = (*, ordered, settled_before = None, attempts_before = None, suspects = true,
+                        start_offset = None))]
     fn new(
         ordered: bool,
         settled_before: Option<StdHashSet<i64>>,
         attempts_before: Option<StdHashMap<i64, u32>>,
         suspects: bool,
+        start_offset: Option<i64>,
     ) -> Self {
         PartitionCore {
             core: Core::new(
@@ -78,6 +80,7 @@ impl PartitionCore {
                 settled_before.unwrap_or_default().into_iter().collect(),
                 attempts_before.unwrap_or_default().into_iter().collect(),
                 suspects,
+                start_offset,
             ),
         }
     }
@@ -157,6 +160,11 @@ impl PartitionCore {
             .map(|(position, _)| position)
             .collect();
         Ok((refused, self.core.watermark()))
+    }
+
+    /// Settle one delivery (an ack); False when the token is stale. Its `SETTLED` op is queued.
+    fn ack_one(&mut self, offset: i64, token: u64) -> bool {
+        self.core.ack(offset, token)
     }
 
     /// Settle a delivered record without an ack (dead-lettered); `key` is the record's key.

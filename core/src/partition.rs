@@ -74,12 +74,14 @@ pub struct PartitionCore<T> {
 impl<T> PartitionCore<T> {
     /// `settled_before` and `attempts_before` come from the claim (the recovery walk, ACK-6); with
     /// `suspects` the records charged attempts are suspects, quarantined from `QUARANTINE_FROM`.
+    /// `start_offset` is where a seek restarted the partition: the commit point until records
+    /// arrive, and nothing below it is taken.
     pub fn new(ordered: bool, settled_before: HashSet<i64>, attempts_before: HashMap<i64, u32>,
-               suspects: bool) -> Self {
+               suspects: bool, start_offset: Option<i64>) -> Self {
         let horizon = settled_before.iter().copied().max().unwrap_or(-1);
         PartitionCore {
             ordered,
-            tracker: OffsetTracker::default(),
+            tracker: OffsetTracker::starting_at(start_offset),
             slots: Vec::new(),
             free: Vec::new(),
             by_key: HashMap::new(),
@@ -502,7 +504,7 @@ mod tests {
 
     fn claimed(ordered: bool, keys: &[&[u8]], charged: &[(i64, u32)], suspects: bool) -> PartitionCore<()> {
         let mut core = PartitionCore::new(ordered, HashSet::new(), charged.iter().copied().collect::<HashMap<_, _>>(),
-                                          suspects);
+                                          suspects, None);
         for (offset, key) in keys.iter().enumerate() {
             assert!(core.add(offset as i64, Some(key), 1, ()));
         }

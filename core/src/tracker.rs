@@ -10,6 +10,12 @@ pub struct OffsetTracker {
 }
 
 impl OffsetTracker {
+    /// A tracker whose commit point is `start` until records arrive (after a seek), and which
+    /// takes no offset below it.
+    pub fn starting_at(start: Option<i64>) -> Self {
+        OffsetTracker { order: VecDeque::new(), next_offset: start }
+    }
+
     /// A fetched offset (offsets arrive in increasing order).
     pub fn add(&mut self, offset: i64) {
         self.order.push_back((offset, false));

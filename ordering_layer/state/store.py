@@ -21,7 +21,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any, Concatenate, Final, Literal, ParamSpec, TypeVar
+from typing import Any, Concatenate, Final, Literal, ParamSpec, TypeVar, cast
 
 import redis
 from redis.cluster import RedisCluster
@@ -112,6 +112,15 @@ class SeekStatus:
     def pending(self) -> bool:
         """A seek is recorded that no owner has applied yet."""
         return self.generation > self.applied
+
+
+def unpack_ops(packed: str) -> list[Op]:
+    """Ops packed for ``apply.lua`` (``"<letter>,<offset>,<value>;"`` each) as (kind, offset, value)."""
+    ops: list[Op] = []
+    for item in packed.split(";")[:-1]:
+        kind, offset, value = item.split(",")
+        ops.append((cast(OpLetter, kind), int(offset), int(value)))
+    return ops
 
 
 def parse_claim(raw: Sequence[Any]) -> ClaimedPartition:
@@ -344,10 +353,19 @@ class StateStore:
         Each batch is (subscription, partition, epoch, ops); ``OpKind`` names what each op does. The
         ops travel packed into one argument, ``"<letter>,<offset>,<value>;"`` each (see ``lua/apply.lua``).
         """
-        calls = []
-        for subscription, partition, epoch, ops in batches:
-            packed = "".join([f"{kind},{offset},{value};" for kind, offset, value in ops])
-            calls.append((partition_keys(subscription, partition), [epoch, packed]))
+        return self._apply([(subscription, partition, epoch, "".join([f"{kind},{offset},{value};"
+                                                                     for kind, offset, value in ops]))
+                            for subscription, partition, epoch, ops in batches])
+
+    @_redis_call
+    def apply_packed(self, batches: Sequence[tuple[str, int, int, str]]) -> list[ApplyResult]:
+        """``apply_many`` with each batch's ops packed already (``"<letter>,<offset>,<value>;"`` each,
+        as the compiled core queues them)."""
+        return self._apply(batches)
+
+    def _apply(self, batches: Sequence[tuple[str, int, int, str]]) -> list[ApplyResult]:
+        calls = [(partition_keys(subscription, partition), [epoch, packed])
+                 for subscription, partition, epoch, packed in batches]
         return [ApplyResult(int(r)) for r in self._eval_many("apply", calls)]
 
     def _eval_many(self, script: str, calls: Sequence[tuple[Sequence[str], Sequence[Any]]]) -> list[Any]:

@@ -67,7 +67,7 @@ class Commits:
         for partition, offset, seek_generation in event.offsets:
             state = owned.owned.get(partition)
             if state is not None and seek_generation == state.seek_generation:
-                self._writer.add(partition, (OpKind.WATERMARK, 0, offset), now)
+                self._writer.push(state, OpKind.WATERMARK, 0, offset, now)
             if seek_generation is not None:
                 owned.confirm(partition, seek_generation)
         for partition in event.failed:

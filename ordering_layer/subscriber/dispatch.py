@@ -15,13 +15,11 @@ from collections.abc import Callable
 from typing import Any
 
 from ordering_layer.config import SubscriptionSettings
-from ordering_layer.state.store import Op, OpKind, OpLetter
 from ordering_layer.subscriber.dead_letters import DeadLetters
 from ordering_layer.subscriber.flow import FlowGate
 from ordering_layer.subscriber.handoff import PullWaiters
 from ordering_layer.subscriber.leases import Leases, wall_ms
 from ordering_layer.subscriber.message import Message
-from ordering_layer.subscriber.partition import Delivery
 from ordering_layer.subscriber.partitions import Partitions, Released
 from ordering_layer.subscriber.state_writer import StateWriter
 
@@ -68,24 +66,17 @@ class Dispatcher:
         if self._on_messages is None:
             per_key = self._pulls.wanted()
             budget = min(budget, per_key)
-        released = self._owned.release(now, budget, per_key, byte_budget)
-        for state, batch in released:
-            self._admit(state.partition, batch, now)
-        return released
-
-    def _admit(self, partition: int, batch: list[Delivery], now: float) -> None:
-        """Released deliveries become outstanding; their attempts (and leases) are queued for Redis,
-        flushed before anyone sees them (DLQ-3): as delivered for a pull, as released (in the pool,
-        not yet started) in callback mode."""
-        self._leases.admit(partition, batch, now)
-        ops: list[Op] = []
         pooled = self._on_messages is not None
-        kind: OpLetter = OpKind.RELEASED if pooled else OpKind.DELIVERED
-        if self._leases.track:
-            ops.append((OpKind.BATCH_LEASE, 0, wall_ms(self._settings.ack_deadline)))
-            kind = OpKind.BATCH_RELEASED if pooled else OpKind.BATCH_DELIVERED
-        ops.extend([(kind, d.record.offset, d.attempt) for d in batch])
-        self._writer.extend(partition, ops, now)
+        lease_ms = wall_ms(self._settings.ack_deadline) if leases.track else None
+        released = self._owned.release(now, budget, per_key, byte_budget, lease_ms, pooled=pooled)
+        writer = self._writer
+        for state, batch in released:
+            # Released deliveries become outstanding; the partition's core queued their attempts
+            # (and lease) for Redis, flushed before anyone sees them (DLQ-3): as delivered for a
+            # pull, as released (in the pool, not yet started) in callback mode.
+            leases.admit(state.partition, batch, now)
+            writer.queued(len(batch) + (lease_ms is not None), now)
+        return released
 
     def hand_out(self, released: Released) -> None:
         """Hand released deliveries, their attempts written, to user code; dead-letter those the

@@ -10,11 +10,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from ordering_layer.subscriber.leases import Leases
-from ordering_layer.subscriber.partition import PartitionState
+from ordering_layer.subscriber.owned_partition import OwnedPartition
 from ordering_layer.subscriber.state_writer import StateWriter
 
 
-def snapshot(counts: Mapping[str, int], partitions: Mapping[int, PartitionState], leases: Leases,
+def snapshot(counts: Mapping[str, int], partitions: Mapping[int, OwnedPartition], leases: Leases,
              writer: StateWriter, *, dead_lettered: int, malformed: int, now: float) -> dict[str, Any]:
     """Counters (monotonic), gauges, per-partition gauges and the observations since the last call.
 

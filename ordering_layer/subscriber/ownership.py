@@ -123,7 +123,7 @@ class Ownership:
     def flush(self) -> bool:
         """Write queued ops of every owned partition in one round trip; False when Redis failed."""
         owned = self._owned
-        results = self._writer.flush({number: state.epoch for number, state in owned.owned.items()})
+        results = self._writer.flush(owned.owned)
         if results is None:
             return False
         for partition, result in results.items():

@@ -2,7 +2,7 @@
 
 A partition assigned to this subscriber is claimed in Redis (a new owner epoch, ACK-5; the offsets
 settled above the committed offset and the attempt counts, for the recovery walk of SUB-3/SUB-4 and
-ACK-6) and gets a ``PartitionState`` tagged with the assignment generation it was claimed under.
+ACK-6) and gets an ``OwnedPartition`` tagged with the assignment generation it was claimed under.
 Fetched records reach a partition's state only when they were fetched under that same generation:
 records fetched for an ownership that has ended are dropped, the current owner refetches them from
 the committed offset (SUB-3). A claim that fails (Redis down) keeps the partition's records waiting
@@ -22,16 +22,18 @@ import logging
 
 import redis
 from confluent_kafka import TopicPartition
+from ordering_layer_core import partition_runs
 
 from ordering_layer.config import SubscriptionSettings
 from ordering_layer.offsets import seek_tag
 from ordering_layer.state import ClaimedPartition, StateStore
-from ordering_layer.subscriber.partition import AWAITING_SEEK, Delivery, PartitionState, Record
+from ordering_layer.subscriber.owned_partition import OwnedPartition
+from ordering_layer.subscriber.partition import AWAITING_SEEK, Delivery, Record
 from ordering_layer.subscriber.requests import Fetched, SeekPartition
 
 _LOGGER = logging.getLogger(__name__)
 
-Released = list[tuple[PartitionState, list[Delivery]]]  # released deliveries, by partition
+Released = list[tuple[OwnedPartition, list[Delivery]]]  # released deliveries, by partition
 
 
 def charged_attempts(claimed: ClaimedPartition, max_attempts: int | None) -> dict[int, int]:
@@ -70,7 +72,7 @@ class Partitions:
         store: the Redis state store (claims).
         subscription: subscription name.
         settings: the subscription's settings (ordering on or off; stored again after a Redis loss).
-        suspects: callback mode: records charged at a claim are suspects (``PartitionState``).
+        suspects: callback mode: records charged at a claim are suspects (``OwnedPartition``).
     """
 
     def __init__(self, store: StateStore, subscription: str, settings: SubscriptionSettings, *,
@@ -79,7 +81,7 @@ class Partitions:
         self._suspects = suspects
         self._subscription = subscription
         self._settings = settings
-        self.owned: dict[int, PartitionState] = {}
+        self.owned: dict[int, OwnedPartition] = {}
         self._unclaimed: dict[int, tuple[int, list[Record]]] = {}  # generation, records waiting
         self._committed: dict[int, int] = {}  # the last commit point queued or made per partition
         self._rotation = 0
@@ -108,22 +110,21 @@ class Partitions:
             self._restart(partition, claimed)
             return True
         state = self._new_state(partition, claimed, generation)
-        if waited == generation:
-            for record in waiting:
-                state.add(record)
+        if waited == generation and waiting:
+            state.add(waiting)
         sought = "" if claimed.seek_offset is None else f", seek {claimed.seek_generation} to {claimed.seek_offset}"
         _LOGGER.info("%s: claimed partition %d (epoch %d, %d settled above the commit, %d handed out "
                      "before, %d of them never seen started%s)", self._subscription, partition, claimed.epoch,
                      len(claimed.settled), len(claimed.attempts), len(claimed.unstarted), sought)
         return True
 
-    def _new_state(self, partition: int, claimed: ClaimedPartition, generation: int) -> PartitionState:
+    def _new_state(self, partition: int, claimed: ClaimedPartition, generation: int) -> OwnedPartition:
         if claimed.seek_offset is not None:
             self._unconfirmed[partition] = (claimed.epoch, claimed.seek_generation)
             self._committed.pop(partition, None)
         policy = self._settings.dead_letter_policy
         attempts = charged_attempts(claimed, policy.max_delivery_attempts if policy is not None else None)
-        state = self.owned[partition] = PartitionState(
+        state = self.owned[partition] = OwnedPartition(
             partition, claimed.epoch, ordered=self._settings.enable_message_ordering,
             settled_before=claimed.settled, attempts_before=attempts, suspects=self._suspects,
             generation=generation, start_offset=claimed.seek_offset, seek_generation=claimed.seek_generation)
@@ -187,26 +188,21 @@ class Partitions:
         fetches it again from the committed offset, and taking it here would make that refetch look
         like duplicates (SUB-3)."""
         owned, unclaimed, generations = self.owned, self._unclaimed, fetched.generations
-        state: PartitionState | None = None
-        current = -1
-        take = None
-        for record in fetched.records:
-            partition = record.partition
-            if partition != current:  # records come in runs of one partition
-                current = partition
-                state = owned.get(partition)
-                take = state.add if state is not None and state.generation == generations.get(partition) else None
-            if take is not None:
-                take(record)
-            elif state is None:
-                entry = unclaimed.get(partition)
-                if entry is not None and entry[0] == generations.get(partition):
-                    entry[1].append(record)
+        records = fetched.records
+        for partition, start, stop in partition_runs(records):  # records come in runs of one partition
+            state = owned.get(partition)
+            if state is not None:
+                if state.generation == generations.get(partition):
+                    state.add(records, start, stop)
+                continue
+            entry = unclaimed.get(partition)
+            if entry is not None and entry[0] == generations.get(partition):
+                entry[1].extend(records[start:stop])
         for partition, (generation, waiting) in list(unclaimed.items()):
             if waiting:
                 self.claim(partition, generation)
 
-    def drop(self, partition: int) -> PartitionState | None:
+    def drop(self, partition: int) -> OwnedPartition | None:
         """Forget a partition (revoked, lost or fenced)."""
         self._unclaimed.pop(partition, None)
         self._committed.pop(partition, None)
@@ -224,8 +220,10 @@ class Partitions:
         """Fetched records not yet released, all partitions."""
         return sum(state.buffered for state in self.owned.values())
 
-    def release(self, now: float, budget: int, per_key: int, byte_budget: int) -> Released:
-        """Release up to ``budget`` records and ``byte_budget`` bytes, ``per_key`` per ready key.
+    def release(self, now: float, budget: int, per_key: int, byte_budget: int, lease_ms: int | None, *,
+                pooled: bool) -> Released:
+        """Release up to ``budget`` records and ``byte_budget`` bytes, ``per_key`` per ready key, their
+        attempts queued for Redis as ``lease_ms`` and ``pooled`` say (``OwnedPartition.release_ready``).
         Partitions take turns: each gets a fair share of the budget first, starting one further each
         call, then the rest goes round (so under flow control no partition gets freed budget first)."""
         states = [state for state in self.owned.values() if not state.revoking]
@@ -234,16 +232,17 @@ class Partitions:
         self._rotation = start = (self._rotation + 1) % len(states)
         states = states[start:] + states[:start]
         for state in states:
-            state.wake(now)
+            state.core.wake(now)
         released: Released = []
         share = max(per_key, -(-budget // len(states)))
         for cap in (share, budget):
             for state in states:
                 if budget <= 0 or byte_budget <= 0:
                     return released
-                batch = state.release_ready(now, min(cap, budget), per_key, byte_budget)
+                batch, size = state.release_ready(now, min(cap, budget), per_key, byte_budget, lease_ms,
+                                                  pooled=pooled)
                 if batch:
-                    byte_budget -= sum(delivery.record.size for delivery in batch)
+                    byte_budget -= size
                     budget -= len(batch)
                     released.append((state, batch))
         return released
@@ -259,7 +258,7 @@ class Partitions:
         for number, state in self.owned.items():
             if only is not None and number not in only:
                 continue
-            watermark = state.tracker.watermark
+            watermark = state.watermark
             # An async commit is only queued for the fetch thread, which may stop before it runs:
             # the sync commits of revoke and close never trust it.
             if watermark is None or (not sync and self._committed.get(number) == watermark):

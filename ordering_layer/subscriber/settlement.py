@@ -24,7 +24,8 @@ from ordering_layer.config import SubscriptionSettings
 from ordering_layer.state.store import OpKind
 from ordering_layer.subscriber.leases import Leases
 from ordering_layer.subscriber.message import AckResponse
-from ordering_layer.subscriber.partition import Delivery, PartitionState
+from ordering_layer.subscriber.owned_partition import OwnedPartition
+from ordering_layer.subscriber.partition import Delivery
 from ordering_layer.subscriber.partitions import Released
 from ordering_layer.subscriber.requests import DeadLettered, SettleKind
 from ordering_layer.subscriber.state_writer import StateWriter, resolve
@@ -46,7 +47,7 @@ class Settlement:
         counts: the engine's counters (``acked``, ``nacked`` are bumped here).
     """
 
-    def __init__(self, subscription: str, settings: SubscriptionSettings, owned: Mapping[int, PartitionState],
+    def __init__(self, subscription: str, settings: SubscriptionSettings, owned: Mapping[int, OwnedPartition],
                  leases: Leases, writer: StateWriter, counts: dict[str, int]) -> None:
         self._subscription = subscription
         self._settings = settings
@@ -76,20 +77,20 @@ class Settlement:
         writer = self._writer
         if kind == SettleKind.ACK:
             leases.acked(out, now)
-            state.ack(delivery.queue_key, offset, delivery.token)
-            writer.add(partition, (OpKind.SETTLED, offset, 0), now)
+            state.core.ack_one(offset, delivery.token)
+            writer.queued(1, now)
             self._counts["acked"] += 1
         elif kind == SettleKind.DEADLINE:
-            writer.add(partition, (OpKind.LEASE, offset, leases.set_deadline(key, out, seconds, now)), now)
+            writer.push(state, OpKind.LEASE, offset, leases.set_deadline(key, out, seconds, now), now)
             writer.add_future(partition, future)
             return
         else:
-            state.nack(delivery.queue_key, offset, delivery.token, now, self._settings.retry_policy.backoff)
+            # A nack comes from user code: its NACKED op carries the attempt, which marks it started
+            # (its start note may have been dropped with the nack in this step).
+            state.nack(delivery, now, self._settings.retry_policy.backoff)
+            writer.queued(1, now)
             if error:
                 record.last_error = error
-            # A nack comes from user code: it marks the attempt started (its start note may have
-            # been dropped with the nack in this step).
-            writer.add(partition, (OpKind.NACKED, offset, delivery.attempt), now)
             self._counts["nacked"] += 1
         leases.pop(key)
         writer.add_future(partition, future)
@@ -102,28 +103,31 @@ class Settlement:
         started = self.starts
         if not started:
             return
-        outstanding, writer, take = self._leases.outstanding, self._writer, started.popleft
+        outstanding, owned, writer, take = self._leases.outstanding, self._owned, self._writer, started.popleft
         for _ in range(len(started)):
             delivery = take()
             record = delivery.record
             out = outstanding.get((record.partition, record.offset))
-            if out is not None and out.delivery.token == delivery.token:
-                writer.add(record.partition, (OpKind.STARTED, record.offset, delivery.attempt), now)
+            state = owned.get(record.partition)
+            if state is not None and out is not None and out.delivery.token == delivery.token:
+                writer.push(state, OpKind.STARTED, record.offset, delivery.attempt, now)
 
     def expire(self, now: float) -> None:
         """Leases: write the extensions (ACK-2); give back those that lapsed (ACK-1, SUB-4)."""
         extended, lapsed = self._leases.expire(now)
-        writer = self._writer
+        writer, owned = self._writer, self._owned
         for extension in extended:
-            writer.add(extension.partition, (OpKind.LEASE, extension.offset, extension.wall_ms), now)
+            state = owned.get(extension.partition)
+            if state is not None:
+                writer.push(state, OpKind.LEASE, extension.offset, extension.wall_ms, now)
         for out in lapsed:
             delivery = out.delivery
             partition, offset = delivery.record.partition, delivery.record.offset
-            state = self._owned.get(partition)
+            state = owned.get(partition)
             if state is not None:
                 _LOGGER.info("%s: lease of %d:%d lapsed; redelivering", self._subscription, partition, offset)
-                state.nack(delivery.queue_key, offset, delivery.token, now, self._settings.retry_policy.backoff)
-                writer.add(partition, (OpKind.NACKED, offset, 0), now)
+                state.nack(delivery, now, self._settings.retry_policy.backoff, lapsed=True)
+                writer.queued(1, now)
 
     def dead_lettered(self, event: DeadLettered, now: float) -> bool:
         """The dead-letter topic's answer about a delivery (DLQ-2): settled when it took the record,
@@ -134,10 +138,10 @@ class Settlement:
         out = self._leases.pop((event.partition, event.offset))
         if event.error is None:
             state.settle_dead_lettered(event.queue_key, event.offset)
-            self._writer.add(event.partition, (OpKind.SETTLED, event.offset, 0), now)
+            self._writer.queued(1, now)
             return True
         if out is not None:
-            state.requeue(event.queue_key, event.offset, out.delivery.token, now, REQUEUE_DELAY)
+            state.requeue(out.delivery, now, REQUEUE_DELAY)
         return False
 
     def holds(self, delivery: Delivery, epoch: int) -> bool:
@@ -152,7 +156,5 @@ class Settlement:
         sees them (not a failure of theirs: their keys' backoff does not grow, the attempt is taken back)."""
         for state, batch in released:
             for delivery in batch:
-                record = delivery.record
-                self._leases.pop((record.partition, record.offset))
-                record.attempts -= 1
-                state.requeue(delivery.queue_key, record.offset, delivery.token, now, REQUEUE_DELAY)
+                self._leases.pop((delivery.record.partition, delivery.record.offset))
+                state.requeue(delivery, now, REQUEUE_DELAY, uncount=True)

@@ -1,11 +1,13 @@
 """Typed state ops batched per partition, written to Redis in one round trip (ACK-4, ACK-5).
 
-The coordinator queues ops (``OpKind``) as it decides; ``flush`` sends every owned partition's ops
-as one fenced ``apply.lua`` call each, all in one pipeline, and resolves the ``ack_with_response``
-futures of each partition with the answer: SUCCESS when applied, LEASE_LOST when fenced (a newer
-owner) or when the partition is no longer owned. A flush is due at ``max_ops`` ops or when the
-oldest op is ``max_age`` seconds old; the releasing step always flushes first, so that attempts and
-leases are in Redis before user code sees the messages (DLQ-3).
+Each owned partition queues its ops (``OpKind``) in decision order in its compiled core
+(``OwnedPartition``): the core those of its own decisions, the coordinator the others through
+``push``. ``StateWriter`` counts them, and ``flush`` sends every owned partition's ops, packed, as one
+fenced ``apply.lua`` call each, all in one pipeline, and resolves the ``ack_with_response`` futures
+of each partition with the answer: SUCCESS when applied, LEASE_LOST when fenced (a newer owner) or
+when the partition is no longer owned. Ops a failed flush took stay here for the next one. A flush
+is due at ``max_ops`` ops or when the oldest op is ``max_age`` seconds old; the releasing step always
+flushes first, so that attempts and leases are in Redis before user code sees the messages (DLQ-3).
 """
 
 from __future__ import annotations
@@ -15,12 +17,26 @@ import time
 from collections import deque
 from collections.abc import Mapping
 from concurrent.futures import Future
+from typing import Protocol
 
 import redis
 
 from ordering_layer.state import ApplyResult, StateStore
-from ordering_layer.state.store import Op
+from ordering_layer.state.store import OpLetter
 from ordering_layer.subscriber.message import AckResponse
+
+
+class PartitionOps(Protocol):
+    """A partition's queue of ops (``OwnedPartition``)."""
+
+    epoch: int
+
+    def push_op(self, kind: OpLetter, offset: int, value: int) -> None:
+        """Queue one op after those queued so far."""
+
+    def take_ops(self) -> str:
+        """The queued ops, packed for ``apply.lua``; the queue is emptied."""
+
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -34,7 +50,8 @@ def resolve(future: Future[AckResponse] | None, status: AckResponse) -> None:
 
 
 class StateWriter:
-    """Queued state ops and ack futures of one engine, flushed in batches (coordinator thread only).
+    """Counts of queued state ops, the ops a failed flush took, and ack futures of one engine,
+    flushed in batches (coordinator thread only).
 
     Args:
         store: the Redis state store.
@@ -48,33 +65,25 @@ class StateWriter:
         self._subscription = subscription
         self._max_ops = max_ops
         self._max_age = max_age
-        self._ops: dict[int, list[Op]] = {}
+        self._unwritten: dict[int, str] = {}  # ops a failed flush took, packed, by partition
         self._futures: dict[int, list[Future[AckResponse]]] = {}
         self.count = 0
         self._oldest = 0.0
         self.flush_seconds: deque[float] = deque(maxlen=_OBSERVATIONS_KEPT)  # drained by metrics
 
-    def add(self, partition: int, op: Op, now: float) -> None:
-        """Queue one op."""
+    def queued(self, count: int, now: float) -> None:
+        """``count`` ops were queued in partitions' cores."""
+        if count:
+            if not self.count:
+                self._oldest = now
+            self.count += count
+
+    def push(self, state: PartitionOps, kind: OpLetter, offset: int, value: int, now: float) -> None:
+        """Queue an op the coordinator decided in the partition's queue."""
+        state.push_op(kind, offset, value)
         if not self.count:
             self._oldest = now
         self.count += 1
-        ops = self._ops.get(partition)
-        if ops is None:
-            self._ops[partition] = [op]
-        else:
-            ops.append(op)
-
-    def extend(self, partition: int, ops: list[Op], now: float) -> None:
-        """Queue several ops of one partition."""
-        if not self.count:
-            self._oldest = now
-        self.count += len(ops)
-        queued = self._ops.get(partition)
-        if queued is None:
-            self._ops[partition] = ops
-        else:
-            queued.extend(ops)
 
     def add_future(self, partition: int, future: Future[AckResponse] | None) -> None:
         """Answer ``future`` when the partition's queued ops are written."""
@@ -90,29 +99,36 @@ class StateWriter:
         return self._oldest + self._max_age if self.count else None
 
     def drop(self, partition: int) -> None:
-        """A partition let go: its queued ops are not written, its futures learn LEASE_LOST."""
-        self._ops.pop(partition, None)
+        """A partition let go or restarted: ops a failed flush took are not written, its futures learn
+        LEASE_LOST (the ops still queued go with its state)."""
+        self._unwritten.pop(partition, None)
         for future in self._futures.pop(partition, []):
             resolve(future, AckResponse.LEASE_LOST)
 
-    def flush(self, epochs: Mapping[int, int]) -> dict[int, ApplyResult] | None:
-        """Write the queued ops of the partitions in ``epochs`` (partition -> owner epoch) in one round
-        trip. Returns each written partition's result; None when Redis failed (everything stays
-        queued for the next flush). Ops of partitions not owned are dropped (LEASE_LOST)."""
-        subscription = self._subscription
-        batches = [(subscription, p, epochs[p], ops) for p, ops in self._ops.items() if ops and p in epochs]
+    def flush(self, owned: Mapping[int, PartitionOps]) -> dict[int, ApplyResult] | None:
+        """Write the queued ops of the ``owned`` partitions in one round trip. Returns each written
+        partition's result; None when Redis failed (the ops are kept for the next flush). Futures of
+        partitions not owned learn LEASE_LOST."""
+        subscription, unwritten = self._subscription, self._unwritten
+        batches = []
+        for partition, state in owned.items():
+            packed = unwritten.pop(partition, "") + state.take_ops()
+            if packed:
+                batches.append((subscription, partition, state.epoch, packed))
         results: dict[int, ApplyResult] = {}
         if batches:
             start = time.perf_counter()
             try:
-                answers = self._store.apply_many(batches)
+                answers = self._store.apply_packed(batches)
             except redis.RedisError as exc:
                 _LOGGER.warning("%s: Redis write failed (%s); will retry", subscription, exc)
+                for _, partition, _, packed in batches:
+                    unwritten[partition] = packed
                 return None
             self.flush_seconds.append(time.perf_counter() - start)
             results = {batch[1]: answer for batch, answer in zip(batches, answers, strict=True)}
         futures = self._futures
-        self._ops, self._futures, self.count = {}, {}, 0
+        self._futures, self.count = {}, 0
         for partition, waiting in futures.items():
             result = results.get(partition)
             status = AckResponse.LEASE_LOST if result in (None, ApplyResult.FENCED) else AckResponse.SUCCESS

@@ -45,8 +45,7 @@ class Rig:
         self.owned = Partitions(store, "sub", SubscriptionSettings(topic="t"))
         for number in (0, 1):
             assert self.owned.claim(number, 1)
-        for offset in range(3):
-            self.owned.owned[0].add(record(offset, b"k"))
+        self.owned.owned[0].add([record(offset, b"k") for offset in range(3)])
         self.writer = StateWriter(store, "sub")
         self.commits = Commits(self.owned, self.writer, "t", "sub")
         self.flushes = 0
@@ -57,7 +56,7 @@ class Rig:
         return self.flush_ok
 
     def written(self) -> list[tuple[int, Op]]:
-        self.writer.flush({number: state.epoch for number, state in self.owned.owned.items()})
+        self.writer.flush(self.owned.owned)
         ops, self.store.ops = self.store.ops, []
         return ops
 
@@ -71,7 +70,9 @@ def test_commit_points_that_moved_are_taken_once_an_interval() -> None:
     assert not rig.commits.due(rig.commits.last + COMMIT_INTERVAL / 2)
     assert rig.commits.due(rig.commits.last + COMMIT_INTERVAL)
     assert rig.commits.offsets(sync=False) == []
-    rig.owned.owned[0].tracker.settle(0)
+    state = rig.owned.owned[0]
+    [delivery], _ = state.release_ready(0.0, 1, 1, 10**9, None, pooled=True)
+    assert state.core.ack_one(0, delivery.token)
     [tp] = rig.commits.offsets(sync=False)
     assert (tp.offset, tp.metadata) == (1, "ol-seek:0")
     assert [tp.offset for tp in rig.commits.offsets(sync=True, only=[0])] == [1]  # a sync commit trusts nothing

@@ -15,8 +15,6 @@ in order (``key_queue.Quarantine``, DLQ-3). The Redis ops the core packs are che
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -283,12 +281,20 @@ def test_op_buffer_keeps_decision_order() -> None:
     assert (core.take_ops(), core.ops_count) == ("", 0)
 
 
-def test_the_library_does_not_import_the_core() -> None:
-    """The prototype is measured, not wired in: the library and its subscriber import without it."""
-    code = ("import sys, ordering_layer, ordering_layer.subscriber, ordering_layer.subscriber.engine; "
-            "print('ordering_layer_core' in sys.modules)")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
-    assert result.stdout.strip() == "False"
+def test_a_seek_target_is_the_commit_point_until_records_arrive() -> None:
+    """GRP-3: a core started at a seek's target commits the target until records arrive and takes
+    nothing below it, as ``PartitionState`` does; ``ack_one`` settles one delivery as ``ack`` does."""
+    state = PartitionState(0, 1, ordered=True, start_offset=7)
+    core: PartitionCore[Record] = PartitionCore(ordered=True, start_offset=7)
+    assert core.watermark == state.tracker.watermark == 7
+    records = [record(offset, b"k", 1) for offset in (5, 6, 7, 8)]
+    assert core.add(records) == [5, 6]
+    assert [state.add(r) for r in records] == [False, False, True, True]
+    assert core.watermark == state.tracker.watermark == 7
+    released, tokens, _, _, _ = core.release_ready(0.0, 1, 1, 10)
+    assert [r.offset for r in released] == [7]
+    assert core.ack_one(7, tokens[0]) and not core.ack_one(7, tokens[0])
+    assert (core.watermark, core.take_ops()) == (8, "d,7,1;a,7,0;")
 
 
 def test_a_key_held_again_wakes_at_its_last_backoff() -> None:

@@ -9,14 +9,15 @@ from typing import Any, cast
 
 from ordering_layer.config import DeadLetterPolicy, FlowControl, SubscriptionSettings
 from ordering_layer.state import StateStore
-from ordering_layer.state.store import OpKind
+from ordering_layer.state.store import OpKind, unpack_ops
 from ordering_layer.subscriber.dead_letters import MAX_DELIVERY_ATTEMPTS, DeadLetters
 from ordering_layer.subscriber.dispatch import Dispatcher
 from ordering_layer.subscriber.flow import FlowGate
 from ordering_layer.subscriber.handoff import PullWaiters
 from ordering_layer.subscriber.leases import Leases
 from ordering_layer.subscriber.message import Message
-from ordering_layer.subscriber.partition import Delivery, PartitionState
+from ordering_layer.subscriber.owned_partition import OwnedPartition
+from ordering_layer.subscriber.partition import Delivery
 from ordering_layer.subscriber.partitions import Partitions
 from ordering_layer.subscriber.requests import Pull
 from ordering_layer.subscriber.state_writer import StateWriter
@@ -45,8 +46,8 @@ class Rig:
         store = cast(StateStore, FakeStore())
         self.owned = Partitions(store, "sub", self.settings)
         assert self.owned.claim(0, 1)
-        for offset, key in enumerate([b"a", b"b", b"a", b"b", b"c", b"c"]):
-            self.owned.owned[0].add(record(offset, key))
+        keys = [b"a", b"b", b"a", b"b", b"c", b"c"]
+        self.owned.owned[0].add([record(offset, key) for offset, key in enumerate(keys)])
         self.leases = Leases(self.settings)
         self.writer = StateWriter(store, "sub")
         self.pulls = PullWaiters()
@@ -69,7 +70,8 @@ def test_callback_mode_releases_one_per_key_within_the_budget_and_queues_release
     assert state is rig.owned.owned[0]
     assert [d.record.offset for d in batch] == [0, 1]
     assert sorted(rig.leases.outstanding) == [(0, 0), (0, 1)]
-    ops = rig.writer._ops[0]
+    assert rig.writer.count == 3
+    ops = unpack_ops(state.take_ops())
     assert ops[0][0] == OpKind.BATCH_LEASE and ops[1:] == [(OpKind.BATCH_RELEASED, 0, 1), (OpKind.BATCH_RELEASED, 1, 1)]
     assert rig.dispatcher.release(0.0) == []  # the budget is used up
     rig.dispatcher.hand_out(released)
@@ -88,7 +90,7 @@ def test_pull_mode_releases_per_key_batches_only_for_a_waiting_pull() -> None:
     rig.pulls.add(Pull(3, time.monotonic() + 10, future))
     released = rig.dispatcher.release(0.0)
     assert [d.record.offset for _, batch in released for d in batch] == [0, 2, 1]
-    assert {op[0] for op in rig.writer._ops[0][1:]} == {OpKind.BATCH_DELIVERED}
+    assert {op[0] for op in unpack_ops(rig.owned.owned[0].take_ops())[1:]} == {OpKind.BATCH_DELIVERED}
     rig.dispatcher.hand_out(released)
     assert [m.offset() for m in future.result(0)] == [0, 2, 1]
 
@@ -98,7 +100,7 @@ def test_hand_out_skips_a_partition_fenced_meanwhile_and_counts_redeliveries() -
     recorded them) are not handed out; attempts above 1 count as redeliveries."""
     rig = Rig()
     released = rig.dispatcher.release(0.0)
-    rig.owned.owned[0] = PartitionState(0, 2, ordered=True)
+    rig.owned.owned[0] = OwnedPartition(0, 2, ordered=True)
     rig.dispatcher.hand_out(released)
     assert rig.handed == [] and rig.counts["delivered"] == 0
     rig.owned.owned[0] = released[0][0]

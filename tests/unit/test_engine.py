@@ -13,11 +13,13 @@ from confluent_kafka import Consumer, TopicPartition
 from ordering_layer.config import FlowControl, RetryPolicy, SubscriptionSettings
 from ordering_layer.record import RecordMetadata
 from ordering_layer.state import ApplyResult, StateStore
-from ordering_layer.state.store import ClaimedPartition, Op
+from ordering_layer.state.store import ClaimedPartition, Op, unpack_ops
 from ordering_layer.subscriber.engine import Engine
 from ordering_layer.subscriber.message import Message
-from ordering_layer.subscriber.partition import Record
+from ordering_layer.subscriber.owned_partition import OwnedPartition
+from ordering_layer.subscriber.partition import Delivery, Record
 from ordering_layer.subscriber.requests import DeadLettered
+from ordering_layer.subscriber.settlement import REQUEUE_DELAY
 
 TOPIC = "orders"
 P0 = [TopicPartition(TOPIC, 0)]
@@ -39,6 +41,9 @@ class FakeStore:
             raise redis.ConnectionError("Redis is down")
         return [ApplyResult.APPLIED for _ in batches]
 
+    def apply_packed(self, batches: Sequence[tuple[str, int, int, str]]) -> list[ApplyResult]:
+        return self.apply_many([(s, p, e, unpack_ops(packed)) for s, p, e, packed in batches])
+
     def parked_keys(self, subscription: str) -> set[bytes]:
         return set()
 
@@ -58,10 +63,12 @@ def store() -> FakeStore:
     return FakeStore()
 
 
+SETTINGS = SubscriptionSettings(topic=TOPIC, retry_policy=RetryPolicy(minimum_backoff=10, maximum_backoff=600))
+
+
 def make_engine(store: FakeStore, on_messages: Callable[[list[Message]], None] | None = None) -> Engine:
     """An engine whose consumer never reaches a broker; its threads are not started (tests drive it)."""
-    settings = SubscriptionSettings(topic=TOPIC, retry_policy=RetryPolicy(minimum_backoff=10, maximum_backoff=600))
-    return Engine({"bootstrap.servers": "127.0.0.1:1"}, cast(StateStore, store), "sub", settings,
+    return Engine({"bootstrap.servers": "127.0.0.1:1"}, cast(StateStore, store), "sub", SETTINGS,
                   flow_control=FlowControl(), on_messages=on_messages)
 
 
@@ -88,7 +95,7 @@ def test_records_fetched_before_a_loss_never_reach_the_next_ownership(engine: En
     engine._handle([refetch], now)
     state = engine._partitions[0]
     assert state.epoch == 2
-    assert state.tracker.watermark == 50
+    assert state.watermark == 50
     assert state.buffered == 60
 
 
@@ -104,8 +111,14 @@ def test_records_fetched_before_a_revoke_are_dropped_when_no_one_owns_the_partit
     engine._fetcher._on_assign(engine.consumer, P0)
     engine._handle([stale], time.monotonic())
     engine._handle([engine._fetcher.fetched([record(o) for o in range(3, 8)])], time.monotonic())
-    assert engine._partitions[0].tracker.watermark == 3
+    assert engine._partitions[0].watermark == 3
     assert engine._partitions[0].buffered == 5
+
+
+def not_a_failure(state: OwnedPartition, delivery: Delivery, now: float) -> bool:
+    """A nack of ``delivery`` holds its key for the first backoff: no failure was counted before it."""
+    assert state.nack(delivery, now, SETTINGS.retry_policy.backoff)
+    return state.next_wake() == now + SETTINGS.retry_policy.backoff(1)
 
 
 def test_a_failed_redis_write_gives_deliveries_back_without_counting_failures(store: FakeStore) -> None:
@@ -120,9 +133,13 @@ def test_a_failed_redis_write_gives_deliveries_back_without_counting_failures(st
         engine._step()
         state = engine._partitions[0]
         assert handed == [] and engine._leases.outstanding == {}
-        assert [q.failures for q in state.keys.values()] == [0, 0, 0]
-        assert [r.attempts for q in state.keys.values() for r in q.records] == [0, 0, 0]
         assert state.buffered == 3
+        held = state.next_wake()
+        assert held is not None and held - time.monotonic() <= REQUEUE_DELAY
+        state.core.wake(held)
+        again, _ = state.release_ready(held, 3, 1, 10**9, None, pooled=True)
+        assert [d.attempt for d in again] == [1, 1, 1]  # the attempts not recorded were taken back
+        assert not_a_failure(state, again[0], held)
     finally:
         engine.consumer.close()
 
@@ -141,8 +158,13 @@ def test_a_failed_dead_letter_write_requeues_without_counting_a_failure(store: F
         delivery = engine._leases.outstanding[(0, 0)]
         engine._handle([DeadLettered(0, state.epoch, delivery.delivery.queue_key, 0, "broker down")], time.monotonic())
         assert engine._leases.outstanding == {}
-        assert state.keys[delivery.delivery.queue_key].failures == 0
         assert state.buffered == 1
+        held = state.next_wake()
+        assert held is not None and held - time.monotonic() <= REQUEUE_DELAY
+        state.core.wake(held)
+        [again], _ = state.release_ready(held, 1, 1, 10**9, None, pooled=True)
+        assert again.attempt == 2
+        assert not_a_failure(state, again, held)
     finally:
         engine.consumer.close()
 

@@ -8,7 +8,7 @@ from collections.abc import Iterator, Mapping
 import pytest
 import redis
 
-from ordering_layer.state.store import ClaimedPartition
+from ordering_layer.state.store import ClaimedPartition, unpack_ops
 from ordering_layer.subscriber.engine import Engine
 from ordering_layer.subscriber.message import AckResponse, Message
 from ordering_layer.subscriber.partition import AWAITING_SEEK
@@ -116,9 +116,9 @@ def test_a_running_engine_restarts_a_sought_partition_and_refuses_acks_of_before
     assert (commit.offset, commit.metadata) == (2, "ol-seek:1")
 
     engine._handle([Committed([(0, 3, 0)])], time.monotonic())
-    assert engine._writer._ops.get(0, []) == [] and store.applied == []
+    assert engine._partitions[0].take_ops() == "" and store.applied == []
     engine._handle([Committed([(0, 2, 1)])], time.monotonic())
-    assert engine._writer._ops[0] == [("w", 0, 2)]
+    assert unpack_ops(engine._partitions[0].take_ops()) == [("w", 0, 2)]
     assert store.applied == [(0, 10, 1)]
 
 
@@ -128,7 +128,7 @@ def test_a_seek_pending_at_claim_starts_the_partition_at_its_target(engine: Engi
     store.at_claim = ClaimedPartition(5, frozenset({9}), {}, seek_generation=3, seek_offset=7)
     assert engine._ownership.assigned([0], {0: 1}) == {0: 7}
     state = engine._partitions[0]
-    assert (state.generation, state.seek_generation, state.tracker.watermark) == (1, 3, 7)
+    assert (state.generation, state.seek_generation, state.watermark) == (1, 3, 7)
     engine._handle([Committed([(0, 7, 3)])], time.monotonic())
     assert store.applied == [(0, 5, 3)]
 

@@ -54,8 +54,8 @@ class Rig:
     def deliver(self, partition: int, offset: int) -> None:
         """One record fetched and handed out in ``partition``."""
         state = self.owned.owned[partition]
-        state.add(record(offset, b"k", partition))
-        self.leases.admit(partition, state.release_ready(0.0, 10, 1, 10**9), 0.0)
+        state.add([record(offset, b"k", partition)])
+        self.leases.admit(partition, state.release_ready(0.0, 10, 1, 10**9, None, pooled=True)[0], 0.0)
 
 
 def test_an_assignment_claims_and_reports_where_a_seek_starts() -> None:
@@ -83,7 +83,7 @@ def test_a_revocation_waits_for_deliveries_in_progress_then_commits_and_lets_go(
         time.sleep(0.01)
     assert rig.owned.owned[0].revoking and revoker.is_alive()
     with rig.changed:
-        rig.owned.owned[0].ack(b"k", 0, rig.leases.outstanding[(0, 0)].delivery.token)
+        assert rig.owned.owned[0].core.ack_one(0, rig.leases.outstanding[(0, 0)].delivery.token)
         rig.leases.pop((0, 0))
         rig.changed.notify_all()
     revoker.join(SETTINGS.ack_deadline)
@@ -98,7 +98,7 @@ def test_a_loss_lets_go_at_once_and_voids_queued_answers() -> None:
     rig.ownership.assigned([0], {0: 1})
     rig.deliver(0, 0)
     future: Future[AckResponse] = Future()
-    rig.writer.add(0, (OpKind.SETTLED, 0, 0), 0.0)
+    rig.writer.push(rig.owned.owned[0], OpKind.SETTLED, 0, 0, 0.0)
     rig.writer.add_future(0, future)
     rig.ownership.lost([0])
     assert rig.owned.owned == {} and rig.leases.outstanding == {}
@@ -111,14 +111,14 @@ def test_a_flush_drops_fenced_partitions_and_adopts_lost_state() -> None:
     rig = Rig()
     rig.ownership.assigned([0, 1], {0: 1, 1: 1})
     rig.deliver(0, 0)
-    rig.writer.add(0, (OpKind.SETTLED, 0, 0), 0.0)
-    rig.writer.add(1, (OpKind.SETTLED, 0, 0), 0.0)
+    rig.writer.push(rig.owned.owned[0], OpKind.SETTLED, 0, 0, 0.0)
+    rig.writer.push(rig.owned.owned[1], OpKind.SETTLED, 0, 0, 0.0)
     rig.store.verdicts = {0: ApplyResult.FENCED, 1: ApplyResult.ADOPTED}
     assert rig.ownership.flush()
     assert sorted(rig.owned.owned) == [1] and rig.leases.outstanding == {}
     assert rig.store.settings_stored == 1
     rig.store.failing = True
-    rig.writer.add(1, (OpKind.SETTLED, 1, 0), 0.0)
+    rig.writer.push(rig.owned.owned[1], OpKind.SETTLED, 1, 0, 0.0)
     assert not rig.ownership.flush()
 
 

@@ -38,16 +38,16 @@ def test_records_of_another_generation_are_dropped() -> None:
     owned = owning(1)
     owned.take(Fetched([record(0, o) for o in range(3)], {0: 0}))
     owned.take(Fetched([record(0, o) for o in range(2, 5)], {0: 1}))
-    assert owned.owned[0].tracker.watermark == 2 and owned.buffered() == 3
+    assert owned.owned[0].watermark == 2 and owned.buffered() == 3
 
 
 def test_partitions_share_a_small_budget_and_take_turns_at_it() -> None:
     """SUB-7: under flow control, freed budget is shared across partitions, starting one further each time."""
     owned = owning(3)
     owned.take(Fetched([record(p, o) for p in range(3) for o in range(10)], {0: 1, 1: 1, 2: 1}))
-    first = owned.release(0.0, 3, 1, 10**9)
+    first = owned.release(0.0, 3, 1, 10**9, None, pooled=True)
     assert sorted(state.partition for state, batch in first if batch) == [0, 1, 2]
-    starts = [owned.release(0.0, 1, 1, 10**9)[0][0].partition for _ in range(3)]
+    starts = [owned.release(0.0, 1, 1, 10**9, None, pooled=True)[0][0].partition for _ in range(3)]
     assert sorted(starts) == [0, 1, 2]
     offsets = owned.commit_offsets("t", sync=False)
     assert [(tp.partition, tp.offset) for tp in offsets] == [(0, 0), (1, 0), (2, 0)]

@@ -9,10 +9,11 @@ from typing import cast
 from ordering_layer.config import RetryPolicy, SubscriptionSettings
 from ordering_layer.record import RecordMetadata
 from ordering_layer.state import ApplyResult, StateStore
-from ordering_layer.state.store import Op, OpKind
+from ordering_layer.state.store import Op, OpKind, unpack_ops
 from ordering_layer.subscriber.leases import Leases
 from ordering_layer.subscriber.message import AckResponse
-from ordering_layer.subscriber.partition import Delivery, PartitionState, Record
+from ordering_layer.subscriber.owned_partition import OwnedPartition
+from ordering_layer.subscriber.partition import Delivery, Record
 from ordering_layer.subscriber.requests import DeadLettered, SettleKind
 from ordering_layer.subscriber.settlement import REQUEUE_DELAY, Settlement
 from ordering_layer.subscriber.state_writer import StateWriter
@@ -31,28 +32,34 @@ class OpsStore:
             self.ops.setdefault(partition, []).extend(ops)
         return [ApplyResult.APPLIED for _ in batches]
 
+    def apply_packed(self, batches: Sequence[tuple[str, int, int, str]]) -> list[ApplyResult]:
+        return self.apply_many([(s, p, e, unpack_ops(packed)) for s, p, e, packed in batches])
+
 
 class Rig:
     """One owned partition (epoch 1) with records of keys ``a`` (offsets 0, 1) and ``b`` (offset 2)."""
 
     def __init__(self) -> None:
         self.store = OpsStore()
-        self.state = PartitionState(0, 1, ordered=True)
+        self.state = OwnedPartition(0, 1, ordered=True)
         self.owned = {0: self.state}
         self.leases = Leases(SETTINGS)
         self.writer = StateWriter(cast(StateStore, self.store), "sub")
         self.counts = {"acked": 0, "nacked": 0}
         self.settlement = Settlement("sub", SETTINGS, self.owned, self.leases, self.writer, self.counts)
-        for offset, key in enumerate([b"a", b"a", b"b"]):
-            self.state.add(Record(0, offset, key, b"x", None, RecordMetadata(None, 1, None), 1, 0))
+        self.state.add([Record(0, offset, key, b"x", None, RecordMetadata(None, 1, None), 1, 0)
+                        for offset, key in enumerate([b"a", b"a", b"b"])])
 
     def release(self, now: float = 0.0, per_key: int = 1) -> list[Delivery]:
-        batch = self.state.release_ready(now, 10, per_key, 10**9)
+        """Release as the coordinator does: outstanding, and their attempts written before hand-out."""
+        self.state.core.wake(now)
+        batch, _ = self.state.release_ready(now, 10, per_key, 10**9, None, pooled=per_key == 1)
         self.leases.admit(0, batch, now)
+        self.written()
         return batch
 
     def written(self) -> list[Op]:
-        assert self.writer.flush({0: self.state.epoch}) is not None
+        assert self.writer.flush(self.owned) is not None
         return self.store.ops.pop(0, [])
 
 
@@ -96,8 +103,7 @@ def test_a_nack_rewinds_the_key_backs_it_off_and_marks_the_attempt_started() -> 
     assert a0.record.last_error == "boom" and (0, 0) not in rig.leases.outstanding
     assert rig.state.next_wake() == 11.0
     assert rig.written() == [(OpKind.NACKED, 0, 1)]
-    rig.state.wake(11.0)
-    assert [(d.record.offset, d.attempt) for d in rig.state.release_ready(11.0, 10, 5, 10**9)] == [(0, 2), (1, 2)]
+    assert [(d.record.offset, d.attempt) for d in rig.release(11.0, per_key=5)] == [(0, 2), (1, 2)]
 
 
 def test_a_deadline_change_keeps_the_lease_and_queues_its_new_deadline() -> None:
@@ -142,8 +148,12 @@ def test_dead_letter_reports_settle_or_give_back_without_a_failure() -> None:
     assert rig.settlement.dead_lettered(DeadLettered(0, 1, a0.queue_key, 0, None), 1.0)
     assert not rig.settlement.dead_lettered(DeadLettered(0, 1, b2.queue_key, 2, "refused"), 1.0)
     assert rig.written() == [(OpKind.SETTLED, 0, 0)]
-    assert rig.state.keys[b"b"].failures == 0 and rig.state.next_wake() == 1.0 + REQUEUE_DELAY
+    assert rig.state.next_wake() == 1.0 + REQUEUE_DELAY
     assert [d.record.offset for d in rig.release(1.0)] == [1]
+    [again] = rig.release(1.0 + REQUEUE_DELAY)
+    assert again.record.offset == 2 and again.attempt == 2
+    rig.settlement.settle(SettleKind.NACK, again, 1, 0.0, None, None, 2.0)
+    assert rig.state.next_wake() == 2.0 + SETTINGS.retry_policy.backoff(1)  # the refusal counted no failure
 
 
 def test_give_back_takes_the_attempt_back_and_holds_the_key_briefly() -> None:
@@ -155,5 +165,4 @@ def test_give_back_takes_the_attempt_back_and_holds_the_key_briefly() -> None:
     rig.settlement.give_back([(rig.state, batch)], 5.0)
     assert not rig.leases.outstanding and not rig.settlement.holds(batch[0], 1)
     assert all(d.record.attempts == 0 for d in batch)
-    rig.state.wake(5.0 + REQUEUE_DELAY)
     assert [(d.record.offset, d.attempt) for d in rig.release(5.0 + REQUEUE_DELAY)] == [(0, 1), (2, 1)]

@@ -9,7 +9,7 @@ from typing import cast
 import redis
 
 from ordering_layer.state import ApplyResult, StateStore
-from ordering_layer.state.store import Op, OpKind
+from ordering_layer.state.store import Op, OpKind, OpLetter, unpack_ops
 from ordering_layer.subscriber.message import AckResponse
 from ordering_layer.subscriber.state_writer import StateWriter
 
@@ -26,17 +26,38 @@ class FakeStore:
         self.calls.append([(p, e, list(ops)) for _, p, e, ops in batches])
         return [self.results.get(p, ApplyResult.APPLIED) for _, p, _, _ in batches]
 
+    def apply_packed(self, batches: Sequence[tuple[str, int, int, str]]) -> list[ApplyResult]:
+        return self.apply_many([(s, p, e, unpack_ops(packed)) for s, p, e, packed in batches])
+
+
+class Ops:
+    """A partition's op queue (``OwnedPartition``'s side of ``PartitionOps``)."""
+
+    def __init__(self, epoch: int) -> None:
+        self.epoch = epoch
+        self.packed = ""
+
+    def push_op(self, kind: OpLetter, offset: int, value: int) -> None:
+        self.packed += f"{kind},{offset},{value};"
+
+    def take_ops(self) -> str:
+        packed, self.packed = self.packed, ""
+        return packed
+
 
 def test_a_flush_is_due_by_size_or_age_and_writes_all_partitions_in_one_call() -> None:
     """ACK-4: ops are batched, flushed at a size cap or an age cap, all partitions in one round trip."""
     store = FakeStore({})
     writer = StateWriter(cast(StateStore, store), "sub", max_ops=3, max_age=0.005)
-    writer.add(0, (OpKind.SETTLED, 1, 0), now=10.0)
+    owned = {0: Ops(7), 1: Ops(8)}
+    writer.push(owned[0], OpKind.SETTLED, 1, 0, now=10.0)
     assert not writer.due(10.001) and writer.due(10.006)
     assert writer.next_due() == 10.005
-    writer.extend(1, [(OpKind.SETTLED, 2, 0), (OpKind.NACKED, 3, 0)], now=10.001)
+    owned[1].push_op(OpKind.SETTLED, 2, 0)  # queued by the partition's core, counted by the coordinator
+    owned[1].push_op(OpKind.NACKED, 3, 0)
+    writer.queued(2, now=10.001)
     assert writer.due(10.001)
-    assert writer.flush({0: 7, 1: 8}) == {0: ApplyResult.APPLIED, 1: ApplyResult.APPLIED}
+    assert writer.flush(owned) == {0: ApplyResult.APPLIED, 1: ApplyResult.APPLIED}
     assert store.calls == [[(0, 7, [("a", 1, 0)]), (1, 8, [("a", 2, 0), ("n", 3, 0)])]]
     assert writer.count == 0 and writer.next_due() is None
     assert len(writer.flush_seconds) == 1
@@ -47,22 +68,29 @@ def test_futures_learn_success_fencing_or_lost_ownership() -> None:
     store = FakeStore({1: ApplyResult.FENCED})
     writer = StateWriter(cast(StateStore, store), "sub")
     futures: list[Future[AckResponse]] = [Future(), Future(), Future()]
+    owned = {0: Ops(1), 1: Ops(1), 2: Ops(1)}
     for partition, future in enumerate(futures):
-        writer.add(partition, (OpKind.SETTLED, 5, 0), now=0.0)
+        writer.push(owned[partition], OpKind.SETTLED, 5, 0, now=0.0)
         writer.add_future(partition, future)
-    results = writer.flush({0: 1, 1: 1})  # partition 2 is not owned any more
+    del owned[2]  # partition 2 is not owned any more
+    results = writer.flush(owned)
     assert results == {0: ApplyResult.APPLIED, 1: ApplyResult.FENCED}
     assert [f.result() for f in futures] == [AckResponse.SUCCESS, AckResponse.LEASE_LOST, AckResponse.LEASE_LOST]
 
 
 def test_a_failed_write_keeps_the_ops_for_the_next_flush() -> None:
-    """SUB-3: a Redis failure loses no state change: the ops wait for the next flush."""
+    """SUB-3: a Redis failure loses no state change: the ops wait for the next flush, before the
+    ops queued after it; a partition let go meanwhile takes them with it."""
     store = FakeStore({})
     writer = StateWriter(cast(StateStore, store), "sub")
-    writer.add(0, (OpKind.SETTLED, 5, 0), now=0.0)
+    owned = {0: Ops(1), 1: Ops(1)}
+    writer.push(owned[0], OpKind.SETTLED, 5, 0, now=0.0)
+    writer.push(owned[1], OpKind.SETTLED, 9, 0, now=0.0)
     store.failing = True
-    assert writer.flush({0: 1}) is None
-    assert writer.count == 1
+    assert writer.flush(owned) is None
+    assert writer.count == 2
     store.failing = False
-    assert writer.flush({0: 1}) == {0: ApplyResult.APPLIED}
-    assert store.calls == [[(0, 1, [("a", 5, 0)])]]
+    writer.push(owned[0], OpKind.NACKED, 6, 0, now=0.1)
+    writer.drop(1)
+    assert writer.flush(owned) == {0: ApplyResult.APPLIED}
+    assert store.calls == [[(0, 1, [("a", 5, 0), ("n", 6, 0)])]]

@@ -1,0 +1,133 @@
+"""One partition the engine owns: its ownership fields around the compiled dispatch core.
+
+The per-message bookkeeping of a partition (key queues, the recovery walk, release, cascade
+rewinds, backoff, the quarantine of suspects, the commit point, and the Redis ops those decisions
+make) runs in ``ordering_layer_core.PartitionCore`` (``core/``), which keeps ``PartitionState``'s
+semantics: ``PartitionState`` is the pure-Python reference it is tested against
+(``tests/unit/test_core.py``). What stays here is what the engine knows about the ownership: the
+owner epoch (ACK-5), the assignment generation records must be fetched under (SUB-3), the seek the
+partition was restarted by (GRP-3), and whether it is being revoked (SUB-5).
+
+Every state op of the partition is queued in the core, in decision order: the core queues those of
+its own decisions (``RELEASED``/``DELIVERED`` with the batch lease, ``SETTLED``, ``NACKED``), the
+coordinator those it decides itself (``STARTED``, ``LEASE``) with ``push_op``; ``StateWriter`` takes
+them packed for ``apply.lua``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ordering_layer_core import PartitionCore
+
+from ordering_layer.state.store import OpLetter
+from ordering_layer.subscriber.key_queue import Delivery, QueueKey, Record
+
+__all__ = ["OwnedPartition"]
+
+
+class OwnedPartition:
+    """An owned partition: ownership fields and the core holding its records.
+
+    Args:
+        partition: partition number.
+        epoch: owner epoch from the claim (ACK-5).
+        ordered: ordering enabled on the subscription (SUB-1 vs SUB-6).
+        settled_before: offsets settled above the committed offset, read at claim (recovery walk).
+        attempts_before: delivery attempts charged to unsettled records handed out by earlier owners
+            (ACK-6, see ``partitions.charged_attempts``); those records are suspects when ``suspects``.
+        suspects: callback mode (see ``PartitionState``).
+        generation: the assignment generation it was claimed under (``AWAITING_SEEK``: none yet).
+        start_offset: where a seek (GRP-3) restarted the partition; None: at the committed offset.
+        seek_generation: the partition's latest seek applied (0: none); its commits carry it.
+    """
+
+    __slots__ = ("core", "epoch", "generation", "ordered", "partition", "revoking", "seek_generation",
+                 "start_offset")
+
+    def __init__(self, partition: int, epoch: int, *, ordered: bool,
+                 settled_before: frozenset[int] = frozenset(), attempts_before: dict[int, int] | None = None,
+                 suspects: bool = True, generation: int = 0, start_offset: int | None = None,
+                 seek_generation: int = 0) -> None:
+        self.partition = partition
+        self.epoch = epoch
+        self.generation = generation
+        self.seek_generation = seek_generation
+        self.start_offset = start_offset
+        self.ordered = ordered
+        self.revoking = False
+        self.core: PartitionCore[Record] = PartitionCore(
+            ordered=ordered, settled_before=set(settled_before), attempts_before=attempts_before or {},
+            suspects=suspects, start_offset=start_offset)
+
+    def queue_key(self, record: Record) -> QueueKey:
+        """Ordered subscriptions queue by ordering key; unordered records queue alone."""
+        key = record.key
+        return key if self.ordered and key else record.offset
+
+    def add(self, records: list[Record], start: int = 0, stop: int | None = None) -> None:
+        """Take fetched records ``records[start:stop]`` (duplicates and records settled before a
+        crash are skipped)."""
+        self.core.add(records, start, stop)
+
+    def release_ready(self, now: float, budget: int, per_key: int, byte_budget: int, lease_ms: int | None,
+                      *, pooled: bool) -> tuple[list[Delivery], int]:
+        """Release from the ready keys (``PartitionState.release_ready``): the deliveries and their
+        payload bytes. Their attempts are queued for Redis as ``lease_ms`` and ``pooled`` say
+        (``PartitionCore.release_ready``); each record carries its attempt count and whether it is
+        a suspect (its start is written before user code runs, ``Engine.begin``)."""
+        records, tokens, attempts, size, suspects = self.core.release_ready(
+            now, budget, per_key, byte_budget, lease_ms, pooled=pooled)
+        for position in suspects:
+            records[position].suspect = True
+        ordered = self.ordered
+        deliveries = []
+        for record, token, attempt in zip(records, tokens, attempts, strict=True):
+            record.attempts = attempt
+            key = record.key
+            deliveries.append(Delivery(record, key if ordered and key else record.offset, token, attempt))
+        return deliveries, size
+
+    def nack(self, delivery: Delivery, now: float, backoff: Callable[[int], float], *, lapsed: bool = False) -> bool:
+        """Give a delivery back (a nack, or its lease lapsed): its key rewinds to it (SUB-4) and
+        backs off (DLQ-1). False when the token is stale."""
+        return self.core.nack(delivery.record.offset, delivery.token, now, backoff, lapsed=lapsed)
+
+    def requeue(self, delivery: Delivery, now: float, delay: float, *, uncount: bool = False) -> bool:
+        """Give a delivery back because the layer failed (no failure counted), held ``delay`` s;
+        with ``uncount`` its attempt is taken back too. False when the token is stale."""
+        if not self.core.requeue(delivery.record.offset, delivery.token, now, delay, uncount=uncount):
+            return False
+        if uncount:
+            delivery.record.attempts -= 1
+        return True
+
+    def settle_dead_lettered(self, queue_key: QueueKey, offset: int) -> None:
+        """A record's dead letter was written (DLQ-2): settle it."""
+        self.core.settle_dead_lettered(offset, queue_key if isinstance(queue_key, bytes) else None)
+
+    def push_op(self, kind: OpLetter, offset: int, value: int) -> None:
+        """Queue an op the coordinator decided (``STARTED``, ``LEASE``) after those queued so far."""
+        self.core.push_op(kind, offset, value)
+
+    def take_ops(self) -> str:
+        """The queued ops packed for ``apply.lua``; the queue is emptied."""
+        return self.core.take_ops()
+
+    @property
+    def buffered(self) -> int:
+        """Fetched records not yet released."""
+        return self.core.buffered
+
+    @property
+    def watermark(self) -> int | None:
+        """The offset to commit: the lowest fetched offset not settled (ACK-4)."""
+        return self.core.watermark
+
+    def next_wake(self) -> float | None:
+        """The earliest end of a backoff, if any key is backing off."""
+        return self.core.next_wake()
+
+    def held_keys(self) -> int:
+        """Keys with something outstanding or backing off (a scan: for metrics)."""
+        return self.core.held_keys()
