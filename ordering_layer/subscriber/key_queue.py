@@ -23,7 +23,6 @@ import heapq
 import itertools
 from collections import deque
 from dataclasses import dataclass
-from typing import NamedTuple
 
 from ordering_layer.record import HeaderPairs, RecordMetadata
 
@@ -63,13 +62,28 @@ class Record:
     quarantined: bool = False
 
 
-class Delivery(NamedTuple):
-    """One hand-off of a record; ``token`` identifies it for acks (stale tokens are refused)."""
+class Delivery:
+    """One hand-off of a record; ``token`` identifies it for acks (stale tokens are refused).
 
-    record: Record
-    queue_key: QueueKey
-    token: int
-    attempt: int
+    While it is outstanding it is its own lease (``leases.Leases``): ``deadline``, when it was
+    handed out (``first_delivery``) and when its lease is looked at next (``check``). One object
+    per hand-off: it is made for every message.
+    """
+
+    __slots__ = ("attempt", "check", "deadline", "first_delivery", "queue_key", "record", "token")
+
+    def __init__(self, record: Record, queue_key: QueueKey, token: int, attempt: int) -> None:
+        self.record = record
+        self.queue_key = queue_key
+        self.token = token
+        self.attempt = attempt
+        self.deadline = 0.0
+        self.first_delivery = 0.0
+        self.check = 0.0
+
+    def __repr__(self) -> str:
+        return (f"Delivery({self.record.partition}:{self.record.offset}, key={self.queue_key!r}, "
+                f"token={self.token}, attempt={self.attempt})")
 
 
 class KeyQueue:

@@ -1,6 +1,7 @@
 """Leases of outstanding deliveries: deadlines, p99 extension, lapses (ACK-1, ACK-2, ACK-3).
 
-``Leases`` knows every delivery handed out and not yet settled, with its deadline. A due-time heap
+``Leases`` knows every delivery handed out and not yet settled; each ``Delivery`` carries its own
+lease (deadline, first delivery, next check), so no object is made per lease. A due-time heap
 holds one watch per released batch (the deliveries of one release share their deadline); shortly
 before a deadline the lease is extended by the p99 ack latency (``Histogram``), clamped, unless it
 has been held for ``max_lease_duration``; at the deadline it lapses and the coordinator gives the
@@ -17,7 +18,6 @@ import itertools
 import random
 import time
 from collections import deque
-from dataclasses import dataclass
 
 from ordering_layer.config import SubscriptionSettings
 from ordering_layer.subscriber.histogram import Histogram, extension_seconds
@@ -25,16 +25,6 @@ from ordering_layer.subscriber.partition import Delivery
 
 OutKey = tuple[int, int]  # (partition, offset)
 _OBSERVATIONS_KEPT = 100_000  # ack latencies kept for a metrics reader that does not come
-
-
-@dataclass(slots=True)
-class Outstanding:
-    """One delivery handed out and not yet settled."""
-
-    delivery: Delivery
-    deadline: float
-    first_delivery: float
-    check: float = 0.0  # when the lease is looked at next; only the watch of this time acts
 
 
 class Extension:
@@ -67,7 +57,7 @@ class Leases:
     def __init__(self, settings: SubscriptionSettings, *, track: bool = True) -> None:
         self.settings = settings
         self.track = track
-        self.outstanding: dict[OutKey, Outstanding] = {}
+        self.outstanding: dict[OutKey, Delivery] = {}
         self.bytes = 0
         self.histogram = Histogram()
         self.extensions = 0
@@ -87,7 +77,8 @@ class Leases:
         for delivery in batch:
             record = delivery.record
             key = (partition, record.offset)
-            outstanding[key] = Outstanding(delivery, deadline, now, check)
+            delivery.deadline, delivery.first_delivery, delivery.check = deadline, now, check
+            outstanding[key] = delivery
             keys.append(key)
             size += record.size
         self.bytes += size
@@ -95,14 +86,14 @@ class Leases:
             heapq.heappush(self._heap, (check, next(self._seq), keys))
         return size
 
-    def pop(self, key: OutKey) -> Outstanding | None:
+    def pop(self, key: OutKey) -> Delivery | None:
         """Forget a delivery (settled, given back or fenced)."""
         out = self.outstanding.pop(key, None)
         if out is not None:
-            self.bytes -= out.delivery.record.size
+            self.bytes -= out.record.size
         return out
 
-    def acked(self, out: Outstanding, now: float) -> None:
+    def acked(self, out: Delivery, now: float) -> None:
         """An ack arrived: its latency feeds the p99 extension (ACK-2)."""
         self._pending_latencies.append(now - out.first_delivery)
 
@@ -114,7 +105,7 @@ class Leases:
             self.latencies.extend(pending)
             self._pending_latencies = []
 
-    def set_deadline(self, key: OutKey, out: Outstanding, seconds: float, now: float) -> int:
+    def set_deadline(self, key: OutKey, out: Delivery, seconds: float, now: float) -> int:
         """``modify_ack_deadline`` (ACK-3): the new deadline, watched; returns it in epoch ms."""
         out.deadline = now + seconds
         self._watch(key, out)
@@ -129,7 +120,7 @@ class Leases:
         """When ``expire`` has something to look at next."""
         return self._heap[0][0] if self._heap else None
 
-    def expire(self, now: float) -> tuple[list[Extension], list[Outstanding]]:
+    def expire(self, now: float) -> tuple[list[Extension], list[Delivery]]:
         """Extend the leases about to end (ACK-2) and take out those that lapsed (ACK-1).
 
         Returns the extensions (for Redis) and the lapsed deliveries (already forgotten here; the
@@ -139,7 +130,7 @@ class Leases:
         margin = lease_margin(settings.ack_deadline)
         heap, outstanding = self._heap, self.outstanding
         extended: list[Extension] = []
-        lapsed: list[Outstanding] = []
+        lapsed: list[Delivery] = []
         while heap and heap[0][0] <= now:
             check, _, keys = heapq.heappop(heap)
             for key in keys:
@@ -163,7 +154,7 @@ class Leases:
         self.lapses += len(lapsed)
         return extended, lapsed
 
-    def _watch(self, key: OutKey, out: Outstanding, check: float | None = None) -> None:
+    def _watch(self, key: OutKey, out: Delivery, check: float | None = None) -> None:
         if not self.track:
             return
         out.check = self._check_time(out.deadline) if check is None else check

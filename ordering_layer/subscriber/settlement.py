@@ -71,7 +71,7 @@ class Settlement:
         key = (partition, offset)
         leases = self._leases
         out = leases.outstanding.get(key)
-        if out is None or out.delivery.token != delivery.token:
+        if out is None or out.token != delivery.token:
             resolve(future, AckResponse.INVALID_ACK_ID)
             return
         writer = self._writer
@@ -109,7 +109,7 @@ class Settlement:
             record = delivery.record
             out = outstanding.get((record.partition, record.offset))
             state = owned.get(record.partition)
-            if state is not None and out is not None and out.delivery.token == delivery.token:
+            if state is not None and out is not None and out.token == delivery.token:
                 writer.push(state, OpKind.STARTED, record.offset, delivery.attempt, now)
 
     def expire(self, now: float) -> None:
@@ -120,8 +120,7 @@ class Settlement:
             state = owned.get(extension.partition)
             if state is not None:
                 writer.push(state, OpKind.LEASE, extension.offset, extension.wall_ms, now)
-        for out in lapsed:
-            delivery = out.delivery
+        for delivery in lapsed:
             partition, offset = delivery.record.partition, delivery.record.offset
             state = owned.get(partition)
             if state is not None:
@@ -141,7 +140,7 @@ class Settlement:
             self._writer.queued(1, now)
             return True
         if out is not None:
-            state.requeue(out.delivery, now, REQUEUE_DELAY)
+            state.requeue(out, now, REQUEUE_DELAY)
         return False
 
     def holds(self, delivery: Delivery, epoch: int) -> bool:
@@ -149,7 +148,7 @@ class Settlement:
         record = delivery.record
         state = self._owned.get(record.partition)
         out = self._leases.outstanding.get((record.partition, record.offset))
-        return state is not None and state.epoch == epoch and out is not None and out.delivery.token == delivery.token
+        return state is not None and state.epoch == epoch and out is not None and out.token == delivery.token
 
     def give_back(self, released: Released, now: float) -> None:
         """Redis did not take the attempt counts of released deliveries: give them back before anyone

@@ -156,7 +156,7 @@ def test_a_failed_dead_letter_write_requeues_without_counting_a_failure(store: F
         assert [m.delivery_attempt for m in handed] == [1]
         state = engine._partitions[0]
         delivery = engine._leases.outstanding[(0, 0)]
-        engine._handle([DeadLettered(0, state.epoch, delivery.delivery.queue_key, 0, "broker down")], time.monotonic())
+        engine._handle([DeadLettered(0, state.epoch, delivery.queue_key, 0, "broker down")], time.monotonic())
         assert engine._leases.outstanding == {}
         assert state.buffered == 1
         held = state.next_wake()

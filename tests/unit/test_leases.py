@@ -25,7 +25,7 @@ def test_a_held_lease_is_extended_before_its_deadline_and_lapses_after_max_lease
     extended, lapsed = leases.expire(now=17.0)  # held 17 s > 15: not extended again
     assert extended == [] and lapsed == []
     extended, lapsed = leases.expire(now=18.5)
-    assert sorted(out.delivery.record.offset for out in lapsed) == [1, 2]
+    assert sorted(out.record.offset for out in lapsed) == [1, 2]
     assert leases.outstanding == {} and leases.bytes == 0
     assert (leases.extensions, leases.lapses) == (2, 2)
 

@@ -83,7 +83,7 @@ def test_a_revocation_waits_for_deliveries_in_progress_then_commits_and_lets_go(
         time.sleep(0.01)
     assert rig.owned.owned[0].revoking and revoker.is_alive()
     with rig.changed:
-        assert rig.owned.owned[0].core.ack_one(0, rig.leases.outstanding[(0, 0)].delivery.token)
+        assert rig.owned.owned[0].core.ack_one(0, rig.leases.outstanding[(0, 0)].token)
         rig.leases.pop((0, 0))
         rig.changed.notify_all()
     revoker.join(SETTINGS.ack_deadline)
