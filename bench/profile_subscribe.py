@@ -34,7 +34,7 @@ from bench.common import bench_stack
 from ordering_layer import Admin, FlowControl, Message, RetryPolicy, Subscriber
 from ordering_layer.record import read_metadata
 from ordering_layer.stack import Endpoints
-from ordering_layer.subscriber import commits, dispatch, fetcher, ownership, partitions, settlement
+from ordering_layer.subscriber import commits, dispatch, fetcher, leases, ownership, partitions, settlement
 from ordering_layer.subscriber.partition import Delivery
 
 _SAMPLE = 50_000
@@ -43,13 +43,13 @@ _SAMPLE = 50_000
 PROBES: list[tuple[str, Any, str]] = [
     ("queueing (fetched batch -> partition key queues)", partitions.Partitions, "take"),
     ("release (ready keys -> deliveries)", dispatch.Dispatcher, "release"),
-    ("admit (outstanding, attempt + lease ops, lease watch)", dispatch.Dispatcher, "_admit"),
+    ("admit (outstanding, lease watch)", leases.Leases, "admit"),
     ("leases (expiry, extension)", settlement.Settlement, "expire"),
     ("Redis op encoding + flush (client side)", ownership.Ownership, "flush"),
     ("hand-off (Message objects, callback pool)", dispatch.Dispatcher, "hand_out"),
     ("commit", commits.Commits, "offsets"),
 ]
-NESTED = {"admit (outstanding, attempt + lease ops, lease watch)": "release (ready keys -> deliveries)"}
+NESTED = {"admit (outstanding, lease watch)": "release (ready keys -> deliveries)"}
 
 
 def thread_role(name: str) -> str:
