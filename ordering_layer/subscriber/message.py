@@ -126,7 +126,8 @@ class Message:
 
     def headers(self) -> HeaderPairs | None:
         """The record's headers as fetched (``ol-`` metadata included); None when it has none."""
-        return self._delivery.record.headers
+        headers = self._delivery.record.headers
+        return None if headers is None else list(headers)  # a fresh list per call, as confluent-kafka's
 
     def topic(self) -> str:
         """The source topic."""
