@@ -19,7 +19,7 @@ real broker, each reader its own group from the earliest offset, rounds interlea
   runs over a queue in chunks, callbacks ack by appending to a deque the fetch thread drains: the
   process model of the subscriber (fetch and bookkeeping on one thread, user code on a pool);
 * ``library-threaded 16``: ``core-threaded 16`` with the library's own per-message objects around
-  the core (``to_record``, ``Delivery``, ``Message``, ``Leases``): what remains of the engine's
+  the core (``to_record``, the library's ``Message``, which is its own lease, ``Leases``): what remains of the engine's
   Python per message if only the bookkeeping is compiled.
 
 Printed: msg/s per reader and round, the median of the per-round ratios to ``raw``, and the process
@@ -63,7 +63,6 @@ from ordering_layer.config import SubscriptionSettings
 from ordering_layer.stack import Endpoints
 from ordering_layer.state.client import redis_client
 from ordering_layer.subscriber.fetcher import to_record
-from ordering_layer.subscriber.key_queue import Delivery
 from ordering_layer.subscriber.leases import Leases
 
 MAX_OUTSTANDING = 1000
@@ -256,8 +255,8 @@ class CoreReader:
 
 class LibraryReader(CoreReader):
     """``CoreReader`` with the library's per-message objects around the core: ``to_record`` at the
-    fetch (ol- metadata read), ``Delivery`` and the library's ``Message`` at the hand-off (its
-    ``ack`` posts the message itself), ``Leases`` in Python (admit per released run, pop and
+    fetch (ol- metadata read), the library's ``Message`` at the release (its own lease; its ``ack``
+    posts the message itself), ``Leases`` in Python (admit per released run, pop and
     ack latency per settled message): what the engine keeps if only its bookkeeping is compiled."""
 
     def __init__(self, endpoints: Endpoints, topic: str, workers: int) -> None:
@@ -274,10 +273,10 @@ class LibraryReader(CoreReader):
         now = time.monotonic()
         post = self.library_acks.append
         for partition, records, tokens, attempts in self.released(now):
-            deliveries = [Delivery(record, record.key, token, attempt)
-                          for record, token, attempt in zip(records, tokens, attempts, strict=True)]
-            self.leases.admit(partition, deliveries, now)
-            deliver([Message(delivery, self.topic, 1, post) for delivery in deliveries])
+            messages = [Message(record, record.key, token, attempt, self.topic, 1, post)
+                        for record, token, attempt in zip(records, tokens, attempts, strict=True)]
+            self.leases.admit(partition, messages, now)
+            deliver(messages)
 
     def settle(self) -> None:
         acks = self.library_acks
@@ -285,7 +284,7 @@ class LibraryReader(CoreReader):
         now = time.monotonic()
         per_partition: dict[int, tuple[list[int], list[int]]] = {}
         while acks:
-            delivery = acks.popleft()._delivery
+            delivery = acks.popleft()
             record = delivery.record
             out = leases.pop((record.partition, record.offset))
             assert out is not None

@@ -35,7 +35,6 @@ from ordering_layer import Admin, FlowControl, Message, RetryPolicy, Subscriber
 from ordering_layer.record import read_metadata
 from ordering_layer.stack import Endpoints
 from ordering_layer.subscriber import commits, dispatch, fetcher, leases, ownership, partitions, settlement
-from ordering_layer.subscriber.partition import Delivery
 
 _SAMPLE = 50_000
 
@@ -64,7 +63,7 @@ def micro_costs(sample: list[KafkaMessage]) -> dict[str, float]:
     """CPU seconds per message of the per-message steps, over fetched messages."""
     records = [fetcher.to_record(m) for m in sample]
     posted: deque[Any] = deque(maxlen=1000)  # an inbox the engine keeps draining
-    messages = [Message(Delivery(r, r.key or r.offset, 1, 1), "t", 1, posted.append) for r in records]
+    messages = [Message(r, r.key or r.offset, 1, 1, "t", 1, posted.append) for r in records]
     return {
         "to_record": per_message(fetcher.to_record, sample),
         "metadata": per_message(lambda m: read_metadata(m.headers()), sample),

@@ -12,7 +12,6 @@ or the oldest waiting pull (``handoff``). Used by the coordinator on its thread,
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 from ordering_layer.config import SubscriptionSettings
 from ordering_layer.subscriber.dead_letters import DeadLetters
@@ -28,7 +27,6 @@ class Dispatcher:
     """The release and hand-out of one engine (coordinator thread only).
 
     Args:
-        topic: the subscribed topic (named in each ``Message``).
         settings: the subscription's settings (the ack deadline of a new lease).
         owned: the owned partitions.
         gate: flow control, giving the release budget.
@@ -38,14 +36,11 @@ class Dispatcher:
         dead_letters: the dead-letter screen and writer.
         counts: the engine's counters (``delivered``, ``redelivered`` are bumped here).
         on_messages: callback mode: receives each handed-out batch; None for pull mode.
-        submit: where a ``Message`` posts its acks (the engine's inbox).
     """
 
-    def __init__(self, topic: str, settings: SubscriptionSettings, owned: Partitions, gate: FlowGate,
+    def __init__(self, settings: SubscriptionSettings, owned: Partitions, gate: FlowGate,
                  leases: Leases, writer: StateWriter, pulls: PullWaiters, dead_letters: DeadLetters,
-                 counts: dict[str, int], on_messages: Callable[[list[Message]], None] | None,
-                 submit: Callable[[Any], None]) -> None:
-        self._topic = topic
+                 counts: dict[str, int], on_messages: Callable[[list[Message]], None] | None) -> None:
         self._settings = settings
         self._owned = owned
         self._gate = gate
@@ -55,7 +50,6 @@ class Dispatcher:
         self._dead_letters = dead_letters
         self._counts = counts
         self._on_messages = on_messages
-        self._submit = submit
 
     def release(self, now: float) -> Released:
         """Release what may go out now, within flow control: callback mode one per key, pull mode
@@ -84,21 +78,25 @@ class Dispatcher:
         if not released:
             return
         messages: list[Message] = []
-        partitions, topic, submit, dead_letters = self._owned.owned, self._topic, self._submit, self._dead_letters
+        partitions, dead_letters = self._owned.owned, self._dead_letters
         screen = dead_letters.max_attempts is not None or bool(dead_letters.parked)
         redelivered = 0
         for state, batch in released:
             if partitions.get(state.partition) is not state:
                 continue  # fenced by the flush that recorded these deliveries: the new owner has them
+            if not screen:
+                messages.extend(batch)
+                redelivered += sum(1 for message in batch if message.attempt > 1)
+                continue
             epoch = state.epoch
-            for delivery in batch:
-                reason = dead_letters.verdict(delivery) if screen else None
+            for message in batch:
+                reason = dead_letters.verdict(message)
                 if reason is not None:
-                    dead_letters.write(delivery, epoch, reason)
+                    dead_letters.write(message, epoch, reason)
                     continue
-                if delivery.attempt > 1:
+                if message.attempt > 1:
                     redelivered += 1
-                messages.append(Message(delivery, topic, epoch, submit))
+                messages.append(message)
         counts = self._counts
         counts["delivered"] += len(messages)
         counts["redelivered"] += redelivered

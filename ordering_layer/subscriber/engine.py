@@ -100,7 +100,8 @@ class Engine:
         self._writer = StateWriter(store, subscription)
         self._dead_letters = DeadLetters(kafka_config, store, subscription, settings, self._inbox.put)
         self._pulls = PullWaiters()
-        self._owned = Partitions(store, subscription, settings, suspects=on_messages is not None)
+        self._owned = Partitions(store, subscription, settings, suspects=on_messages is not None,
+                                 submit=self._inbox.put)
         self._partitions = self._owned.owned
         self._closing = False
         self._counts = {"delivered": 0, "acked": 0, "nacked": 0, "redelivered": 0}
@@ -108,8 +109,8 @@ class Engine:
         self._settlement = Settlement(subscription, settings, self._partitions, self._leases, self._writer,
                                       self._counts)
         self._started = self._settlement.starts  # appended per message by the workers: no layer between
-        self._dispatcher = Dispatcher(self.topic, settings, self._owned, self._gate, self._leases, self._writer,
-                                      self._pulls, self._dead_letters, self._counts, on_messages, self._inbox.put)
+        self._dispatcher = Dispatcher(settings, self._owned, self._gate, self._leases, self._writer, self._pulls,
+                                      self._dead_letters, self._counts, on_messages)
         self._commits = Commits(self._owned, self._writer, self.topic, subscription)
         self._ownership = Ownership(subscription, settings, self._changed, self._owned, self._leases, self._writer,
                                     self._commits)
@@ -159,11 +160,10 @@ class Engine:
         delivery was given back or its partition moved meanwhile (its redelivery is on its way), or
         Redis did not take the start (the message is given back without counting a failure).
         """
-        delivery = message._delivery
-        if not delivery.record.suspect:
-            self._started.append(delivery)
+        if not message.record.suspect:
+            self._started.append(message)
             return True
-        return self._begin_suspect(delivery, message._epoch)
+        return self._begin_suspect(message, message._epoch)
 
     def _begin_suspect(self, delivery: Delivery, epoch: int) -> bool:
         record = delivery.record
@@ -280,7 +280,7 @@ class Engine:
         for event in events:
             kind = type(event)
             if kind is Message:
-                settle(SettleKind.ACK, event._delivery, event._epoch, 0.0, None, None, now)
+                settle(SettleKind.ACK, event, event._epoch, 0.0, None, None, now)
             elif kind is Settle:
                 settle(event.kind, event.delivery, event.epoch, event.seconds, event.error, event.future, now)
             elif kind is Fetched:

@@ -67,7 +67,10 @@ def _tell(callback: RebalanceCallback | None, partitions: list[TopicPartition], 
         _LOGGER.exception("%s callback failed", what)
 
 
-_PLAIN_COUNTS: dict[bytes | str | None, RecordMetadata] = {}  # the one-header case of the layer's records
+# The one-header case of the layer's records (only ``ol-partition-count``): its metadata and one
+# shared, immutable copy of the headers per value, so that a record waiting for release does not
+# keep a header list and pair of its own for the collector to walk.
+_PLAIN_COUNTS: dict[bytes | str | None, tuple[RecordMetadata, HeaderPairs]] = {}
 
 
 def to_record(msg: KafkaMessage) -> Record:
@@ -76,12 +79,14 @@ def to_record(msg: KafkaMessage) -> Record:
     headers = cast(HeaderPairs | None, msg.headers())  # a list of pairs for fetched records
     metadata = None
     if headers is not None and len(headers) == 1 and headers[0][0] == HEADER_PARTITION_COUNT:
-        metadata = _PLAIN_COUNTS.get(headers[0][1])
+        plain = _PLAIN_COUNTS.get(headers[0][1])
+        if plain is not None:
+            metadata, headers = plain
     if metadata is None:
         metadata = read_metadata(headers)
         if metadata.message_id is None and metadata.malformed is None and len(_PLAIN_COUNTS) < 64 \
                 and headers is not None and len(headers) == 1:
-            _PLAIN_COUNTS[headers[0][1]] = metadata
+            _PLAIN_COUNTS[headers[0][1]] = (metadata, tuple(headers))
     partition, offset = msg.partition(), msg.offset()
     assert partition is not None and offset is not None
     return Record(partition, offset, key or None, value, headers, metadata,

@@ -40,6 +40,9 @@ QUARANTINE_FROM = 2
 class Record:
     """A fetched Kafka record, as fetched, and the layer metadata read from it once.
 
+    ``headers`` are the record's header pairs (records with the same headers may share one
+    immutable sequence: ``Message.headers()`` returns a list of its own).
+
     ``key`` is the ordering key as the record's bytes (None when absent or empty: unordered); keys
     are compared as bytes, so a key of any producer is an ordering key (PUB-7). ``suspect``: it was
     handed out by an earlier owner of the partition and not settled (maybe it crashed that owner),

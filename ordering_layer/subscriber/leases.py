@@ -18,6 +18,7 @@ import itertools
 import random
 import time
 from collections import deque
+from collections.abc import Sequence
 
 from ordering_layer.config import SubscriptionSettings
 from ordering_layer.subscriber.histogram import Histogram, extension_seconds
@@ -67,7 +68,7 @@ class Leases:
         self._heap: list[tuple[float, int, list[OutKey]]] = []
         self._seq = itertools.count()
 
-    def admit(self, partition: int, batch: list[Delivery], now: float) -> int:
+    def admit(self, partition: int, batch: Sequence[Delivery], now: float) -> int:
         """Take released deliveries as outstanding, watched together. Returns their payload bytes."""
         deadline = now + self.settings.ack_deadline
         outstanding = self.outstanding

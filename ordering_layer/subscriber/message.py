@@ -1,4 +1,8 @@
-"""``Message``: one delivery, with Pub/Sub fields and confluent-kafka ``Message`` accessors."""
+"""``Message``: one delivery, with Pub/Sub fields and confluent-kafka ``Message`` accessors.
+
+A ``Message`` is the engine's ``Delivery`` itself (made at release, its own lease while
+outstanding), so a message handed to user code is one object, not a wrapper around another.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ from datetime import UTC, datetime
 from confluent_kafka import TIMESTAMP_LOG_APPEND_TIME, KafkaError
 
 from ordering_layer.record import HeaderPairs, attributes_of, display_key
-from ordering_layer.subscriber.partition import Delivery
+from ordering_layer.subscriber.key_queue import Delivery, QueueKey, Record
 from ordering_layer.subscriber.requests import Settle, SettleKind
 
 _ACK, _NACK, _DEADLINE = SettleKind.ACK, SettleKind.NACK, SettleKind.DEADLINE
@@ -25,7 +29,11 @@ class AckResponse(enum.Enum):
     OTHER = "OTHER"
 
 
-class Message:
+def _unbound(_: Settle | Message) -> None:
+    raise RuntimeError("this message was not released by a subscriber")
+
+
+class Message(Delivery):
     """A delivered message: a Kafka record, with Pub/Sub fields and confluent-kafka accessors.
 
     Pub/Sub fields: ``data`` (the record value; empty for a null value), ``attributes`` (headers
@@ -37,44 +45,53 @@ class Message:
     ``partition()``, ``offset()``, ``timestamp()``, ``error()``.
     """
 
-    __slots__ = ("_delivery", "_epoch", "_submit", "_topic", "data", "delivery_attempt", "settled")
+    __slots__ = ("_epoch", "_submit", "_topic", "settled")
 
-    def __init__(self, delivery: Delivery, topic: str, epoch: int, submit: Callable[[Settle | Message], None]) -> None:
-        self._delivery = delivery
+    def __init__(self, record: Record, queue_key: QueueKey, token: int, attempt: int, topic: str, epoch: int,
+                 submit: Callable[[Settle | Message], None] = _unbound) -> None:
+        super().__init__(record, queue_key, token, attempt)
         self._topic = topic
         self._epoch = epoch
         self._submit = submit
-        self.data: bytes = delivery.record.value or b""
-        self.delivery_attempt: int = delivery.attempt
         self.settled = False  # an ack or nack was sent (the answer may still be pending)
+
+    @property
+    def data(self) -> bytes:
+        """The record value (empty for a null value)."""
+        return self.record.value or b""
+
+    @property
+    def delivery_attempt(self) -> int:
+        """Which delivery of the record this is (1 the first; crashes of earlier owners count, ACK-6)."""
+        return self.attempt
 
     @property
     def attributes(self) -> dict[str, str]:
         """The record's headers outside ``ol-`` whose values are UTF-8 text."""
-        return attributes_of(self._delivery.record.headers)
+        return attributes_of(self.record.headers)
 
     @property
     def ordering_key(self) -> str:
         """The ordering key as text (bytes that are not UTF-8 as ``\\xNN``); empty when unordered.
         ``key()`` gives the exact bytes, which are what the layer orders by."""
-        return display_key(self._delivery.record.key)
+        return display_key(self.record.key)
 
     @property
     def message_id(self) -> str:
         """The ``ol-message-id`` header when the publisher set one, else the decimal sequence number."""
-        record = self._delivery.record
+        record = self.record
         return record.metadata.message_id or str((record.partition << 48) | record.offset)
 
     @property
     def sequence_number(self) -> int:
         """``partition << 48 | offset`` (PUB-3)."""
-        record = self._delivery.record
+        record = self.record
         return (record.partition << 48) | record.offset
 
     @property
     def enqueued_time(self) -> datetime:
         """The broker's append time (UTC)."""
-        return datetime.fromtimestamp(self._delivery.record.timestamp_ms / 1000, tz=UTC)
+        return datetime.fromtimestamp(self.record.timestamp_ms / 1000, tz=UTC)
 
     @property
     def size(self) -> int:
@@ -85,7 +102,7 @@ class Message:
               future: Future[AckResponse] | None = None) -> None:
         if kind != _DEADLINE:
             self.settled = True
-        self._submit(Settle(kind, self._delivery, self._epoch, seconds, error, future))
+        self._submit(Settle(kind, self, self._epoch, seconds, error, future))
 
     def ack(self) -> None:
         """Done with the message: it is settled and never delivered again (unless a cascade)."""
@@ -118,15 +135,16 @@ class Message:
     # -- confluent-kafka Message shape --------------------------------------------------------------
     def key(self) -> bytes | None:
         """The record key as fetched (the ordering key's bytes; None when the record has none)."""
-        return self._delivery.record.key
+        return self.record.key
 
     def value(self) -> bytes | None:
         """The record value as fetched (the payload; None for a null value)."""
-        return self._delivery.record.value
+        return self.record.value
 
     def headers(self) -> HeaderPairs | None:
         """The record's headers as fetched (``ol-`` metadata included); None when it has none."""
-        return self._delivery.record.headers
+        headers = self.record.headers
+        return None if headers is None else list(headers)  # a fresh list per call, as confluent-kafka's
 
     def topic(self) -> str:
         """The source topic."""
@@ -134,15 +152,15 @@ class Message:
 
     def partition(self) -> int:
         """The source partition."""
-        return self._delivery.record.partition
+        return self.record.partition
 
     def offset(self) -> int:
         """The source offset."""
-        return self._delivery.record.offset
+        return self.record.offset
 
     def timestamp(self) -> tuple[int, int]:
         """(TIMESTAMP_LOG_APPEND_TIME, epoch milliseconds)."""
-        return TIMESTAMP_LOG_APPEND_TIME, self._delivery.record.timestamp_ms
+        return TIMESTAMP_LOG_APPEND_TIME, self.record.timestamp_ms
 
     def error(self) -> KafkaError | None:
         """Always None: fetch errors are handled by the subscriber, never returned as messages."""

@@ -17,13 +17,19 @@ them packed for ``apply.lua``.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from ordering_layer_core import PartitionCore
 
 from ordering_layer.state.store import OpLetter
 from ordering_layer.subscriber.key_queue import Delivery, QueueKey, Record
+from ordering_layer.subscriber.message import Message
 
 __all__ = ["OwnedPartition"]
+
+
+def _unattached(_: Any) -> None:
+    raise RuntimeError("the partition's messages have no subscriber to answer to")
 
 
 class OwnedPartition:
@@ -40,16 +46,20 @@ class OwnedPartition:
         generation: the assignment generation it was claimed under (``AWAITING_SEEK``: none yet).
         start_offset: where a seek (GRP-3) restarted the partition; None: at the committed offset.
         seek_generation: the partition's latest seek applied (0: none); its commits carry it.
+        topic: the topic, named in each ``Message``.
+        submit: where a released ``Message`` posts its acks (the engine's inbox).
     """
 
     __slots__ = ("core", "epoch", "generation", "ordered", "partition", "revoking", "seek_generation",
-                 "start_offset")
+                 "start_offset", "submit", "topic")
 
     def __init__(self, partition: int, epoch: int, *, ordered: bool,
                  settled_before: frozenset[int] = frozenset(), attempts_before: dict[int, int] | None = None,
                  suspects: bool = True, generation: int = 0, start_offset: int | None = None,
-                 seek_generation: int = 0) -> None:
+                 seek_generation: int = 0, topic: str = "", submit: Callable[[Any], None] | None = None) -> None:
         self.partition = partition
+        self.topic = topic
+        self.submit = submit
         self.epoch = epoch
         self.generation = generation
         self.seek_generation = seek_generation
@@ -71,8 +81,8 @@ class OwnedPartition:
         self.core.add(records, start, stop)
 
     def release_ready(self, now: float, budget: int, per_key: int, byte_budget: int, lease_ms: int | None,
-                      *, pooled: bool) -> tuple[list[Delivery], int]:
-        """Release from the ready keys (``PartitionState.release_ready``): the deliveries and their
+                      *, pooled: bool) -> tuple[list[Message], int]:
+        """Release from the ready keys (``PartitionState.release_ready``): the messages and their
         payload bytes. Their attempts are queued for Redis as ``lease_ms`` and ``pooled`` say
         (``PartitionCore.release_ready``); each record carries its attempt count and whether it is
         a suspect (its start is written before user code runs, ``Engine.begin``)."""
@@ -80,13 +90,15 @@ class OwnedPartition:
             now, budget, per_key, byte_budget, lease_ms, pooled=pooled)
         for position in suspects:
             records[position].suspect = True
-        ordered = self.ordered
-        deliveries = []
+        ordered, topic, epoch = self.ordered, self.topic, self.epoch
+        submit = self.submit or _unattached
+        messages = []
         for record, token, attempt in zip(records, tokens, attempts, strict=True):
             record.attempts = attempt
             key = record.key
-            deliveries.append(Delivery(record, key if ordered and key else record.offset, token, attempt))
-        return deliveries, size
+            messages.append(Message(record, key if ordered and key else record.offset, token, attempt, topic, epoch,
+                                    submit))
+        return messages, size
 
     def nack(self, delivery: Delivery, now: float, backoff: Callable[[int], float], *, lapsed: bool = False) -> bool:
         """Give a delivery back (a nack, or its lease lapsed): its key rewinds to it (SUB-4) and

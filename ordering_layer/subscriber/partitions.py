@@ -19,6 +19,8 @@ commit made after it marks the seek applied in Redis (``confirm``).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import Any
 
 import redis
 from confluent_kafka import TopicPartition
@@ -27,13 +29,14 @@ from ordering_layer_core import partition_runs
 from ordering_layer.config import SubscriptionSettings
 from ordering_layer.offsets import seek_tag
 from ordering_layer.state import ClaimedPartition, StateStore
+from ordering_layer.subscriber.message import Message
 from ordering_layer.subscriber.owned_partition import OwnedPartition
-from ordering_layer.subscriber.partition import AWAITING_SEEK, Delivery, Record
+from ordering_layer.subscriber.partition import AWAITING_SEEK, Record
 from ordering_layer.subscriber.requests import Fetched, SeekPartition
 
 _LOGGER = logging.getLogger(__name__)
 
-Released = list[tuple[OwnedPartition, list[Delivery]]]  # released deliveries, by partition
+Released = list[tuple[OwnedPartition, list[Message]]]  # released messages, by partition
 
 
 def charged_attempts(claimed: ClaimedPartition, max_attempts: int | None) -> dict[int, int]:
@@ -73,11 +76,13 @@ class Partitions:
         subscription: subscription name.
         settings: the subscription's settings (ordering on or off; stored again after a Redis loss).
         suspects: callback mode: records charged at a claim are suspects (``OwnedPartition``).
+        submit: where the released messages post their acks (the engine's inbox).
     """
 
     def __init__(self, store: StateStore, subscription: str, settings: SubscriptionSettings, *,
-                 suspects: bool = True) -> None:
+                 suspects: bool = True, submit: Callable[[Any], None] | None = None) -> None:
         self._store = store
+        self._submit = submit
         self._suspects = suspects
         self._subscription = subscription
         self._settings = settings
@@ -127,7 +132,8 @@ class Partitions:
         state = self.owned[partition] = OwnedPartition(
             partition, claimed.epoch, ordered=self._settings.enable_message_ordering,
             settled_before=claimed.settled, attempts_before=attempts, suspects=self._suspects,
-            generation=generation, start_offset=claimed.seek_offset, seek_generation=claimed.seek_generation)
+            generation=generation, start_offset=claimed.seek_offset, seek_generation=claimed.seek_generation,
+            topic=self._settings.topic, submit=self._submit)
         return state
 
     def _restart(self, partition: int, claimed: ClaimedPartition) -> None:

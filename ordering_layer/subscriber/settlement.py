@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future
 
 from ordering_layer.config import SubscriptionSettings
@@ -26,7 +26,6 @@ from ordering_layer.subscriber.leases import Leases
 from ordering_layer.subscriber.message import AckResponse
 from ordering_layer.subscriber.owned_partition import OwnedPartition
 from ordering_layer.subscriber.partition import Delivery
-from ordering_layer.subscriber.partitions import Released
 from ordering_layer.subscriber.requests import DeadLettered, SettleKind
 from ordering_layer.subscriber.state_writer import StateWriter, resolve
 
@@ -150,7 +149,7 @@ class Settlement:
         out = self._leases.outstanding.get((record.partition, record.offset))
         return state is not None and state.epoch == epoch and out is not None and out.token == delivery.token
 
-    def give_back(self, released: Released, now: float) -> None:
+    def give_back(self, released: Iterable[tuple[OwnedPartition, Sequence[Delivery]]], now: float) -> None:
         """Redis did not take the attempt counts of released deliveries: give them back before anyone
         sees them (not a failure of theirs: their keys' backoff does not grow, the attempt is taken back)."""
         for state, batch in released:

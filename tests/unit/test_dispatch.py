@@ -44,7 +44,8 @@ class Rig:
                  settings: SubscriptionSettings | None = None) -> None:
         self.settings = settings or SubscriptionSettings(topic="t")
         store = cast(StateStore, FakeStore())
-        self.owned = Partitions(store, "sub", self.settings)
+        self.posted: list[Any] = []
+        self.owned = Partitions(store, "sub", self.settings, submit=self.posted.append)
         assert self.owned.claim(0, 1)
         keys = [b"a", b"b", b"a", b"b", b"c", b"c"]
         self.owned.owned[0].add([record(offset, key) for offset, key in enumerate(keys)])
@@ -54,11 +55,10 @@ class Rig:
         self.dead_letters = HeldDeadLetters(self.settings)
         self.counts = {"delivered": 0, "redelivered": 0}
         self.handed: list[Message] = []
-        self.posted: list[Any] = []
         on_messages: Callable[[list[Message]], None] | None = None if pull else self.handed.extend
-        self.dispatcher = Dispatcher("t", self.settings, self.owned, FlowGate(FlowControl(max_messages=max_messages)),
+        self.dispatcher = Dispatcher(self.settings, self.owned, FlowGate(FlowControl(max_messages=max_messages)),
                                      self.leases, self.writer, self.pulls, self.dead_letters, self.counts,
-                                     on_messages, self.posted.append)
+                                     on_messages)
 
 
 def test_callback_mode_releases_one_per_key_within_the_budget_and_queues_released_attempts() -> None:
@@ -104,7 +104,7 @@ def test_hand_out_skips_a_partition_fenced_meanwhile_and_counts_redeliveries() -
     rig.dispatcher.hand_out(released)
     assert rig.handed == [] and rig.counts["delivered"] == 0
     rig.owned.owned[0] = released[0][0]
-    retried = Delivery(record(9, b"z"), b"z", 1, 2)
+    retried = Message(record(9, b"z"), b"z", 1, 2, "t", 1, rig.posted.append)
     rig.dispatcher.hand_out([(released[0][0], [retried])])
     assert [m.delivery_attempt for m in rig.handed] == [2] and rig.counts["redelivered"] == 1
 
@@ -115,6 +115,7 @@ def test_deliveries_beyond_the_attempt_limit_are_dead_lettered_not_handed_out() 
     settings = SubscriptionSettings(topic="t", dead_letter_policy=DeadLetterPolicy("dlq", max_delivery_attempts=5))
     rig = Rig(settings=settings)
     state = rig.owned.owned[0]
-    rig.dispatcher.hand_out([(state, [Delivery(record(0, b"a"), b"a", 1, 6), Delivery(record(1, b"b"), b"b", 2, 5)])])
+    rig.dispatcher.hand_out([(state, [Message(record(0, b"a"), b"a", 1, 6, "t", 1, rig.posted.append),
+                                      Message(record(1, b"b"), b"b", 2, 5, "t", 1, rig.posted.append)])])
     assert rig.dead_letters.held == [(0, 1, MAX_DELIVERY_ATTEMPTS)]
     assert [m.offset() for m in rig.handed] == [1]

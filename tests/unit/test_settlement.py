@@ -11,9 +11,9 @@ from ordering_layer.record import RecordMetadata
 from ordering_layer.state import ApplyResult, StateStore
 from ordering_layer.state.store import Op, OpKind, unpack_ops
 from ordering_layer.subscriber.leases import Leases
-from ordering_layer.subscriber.message import AckResponse
+from ordering_layer.subscriber.message import AckResponse, Message
 from ordering_layer.subscriber.owned_partition import OwnedPartition
-from ordering_layer.subscriber.partition import Delivery, Record
+from ordering_layer.subscriber.partition import Record
 from ordering_layer.subscriber.requests import DeadLettered, SettleKind
 from ordering_layer.subscriber.settlement import REQUEUE_DELAY, Settlement
 from ordering_layer.subscriber.state_writer import StateWriter
@@ -50,7 +50,7 @@ class Rig:
         self.state.add([Record(0, offset, key, b"x", None, RecordMetadata(None, 1, None), 1, 0)
                         for offset, key in enumerate([b"a", b"a", b"b"])])
 
-    def release(self, now: float = 0.0, per_key: int = 1) -> list[Delivery]:
+    def release(self, now: float = 0.0, per_key: int = 1) -> list[Message]:
         """Release as the coordinator does: outstanding, and their attempts written before hand-out."""
         self.state.core.wake(now)
         batch, _ = self.state.release_ready(now, 10, per_key, 10**9, None, pooled=per_key == 1)
