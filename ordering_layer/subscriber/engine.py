@@ -50,7 +50,7 @@ from ordering_layer.subscriber.metrics import snapshot
 from ordering_layer.subscriber.ownership import Ownership
 from ordering_layer.subscriber.partition import Delivery
 from ordering_layer.subscriber.partitions import Partitions
-from ordering_layer.subscriber.requests import Committed, DeadLettered, Fetched, Pull, Settle, SettleKind, Sought
+from ordering_layer.subscriber.requests import Committed, DeadLettered, Fetched, Pull, Settle, Sought
 from ordering_layer.subscriber.settlement import Settlement
 from ordering_layer.subscriber.state_writer import StateWriter
 from ordering_layer.worker import Worker
@@ -276,12 +276,17 @@ class Engine:
         return min([0.1, *(max(0.0, t - now) for t in times if t is not None)])
 
     def _handle(self, events: list[Any], now: float) -> None:
-        settle, fetched = self._settlement.settle, self._owned.take
+        settle, acks, fetched = self._settlement.settle, self._settlement.acks, self._owned.take
+        run: list[Message] = []  # plain acks in a row, applied in one pass before the next other event
         for event in events:
             kind = type(event)
             if kind is Message:
-                settle(SettleKind.ACK, event, event._epoch, 0.0, None, None, now)
-            elif kind is Settle:
+                run.append(event)
+                continue
+            if run:
+                acks(run, now)
+                run = []
+            if kind is Settle:
                 settle(event.kind, event.delivery, event.epoch, event.seconds, event.error, event.future, now)
             elif kind is Fetched:
                 fetched(event)
@@ -297,3 +302,5 @@ class Engine:
                 self._owned.sought(event.partition, event.generation, event.seek_generation)
             elif kind is DeadLettered and self._settlement.dead_lettered(event, now):
                 self._dead_letters.written += 1
+        if run:
+            acks(run, now)

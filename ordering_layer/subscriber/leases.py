@@ -98,6 +98,12 @@ class Leases:
         """An ack arrived: its latency feeds the p99 extension (ACK-2)."""
         self._pending_latencies.append(now - out.first_delivery)
 
+    def acked_many(self, acked: list[Delivery], now: float) -> None:
+        """Deliveries a run of plain acks took out of ``outstanding``: their bytes are freed and their
+        latencies feed the p99 extension (ACK-2)."""
+        self.bytes -= sum([out.record.size for out in acked])
+        self._pending_latencies.extend([now - out.first_delivery for out in acked])
+
     def take_latencies(self) -> None:
         """Move the step's ack latencies into the histogram and the metrics list (one lock each)."""
         pending = self._pending_latencies

@@ -23,7 +23,7 @@ from concurrent.futures import Future
 from ordering_layer.config import SubscriptionSettings
 from ordering_layer.state.store import OpKind
 from ordering_layer.subscriber.leases import Leases
-from ordering_layer.subscriber.message import AckResponse
+from ordering_layer.subscriber.message import AckResponse, Message
 from ordering_layer.subscriber.owned_partition import OwnedPartition
 from ordering_layer.subscriber.partition import Delivery
 from ordering_layer.subscriber.requests import DeadLettered, SettleKind
@@ -93,6 +93,27 @@ class Settlement:
             self._counts["nacked"] += 1
         leases.pop(key)
         writer.add_future(partition, future)
+
+    def acks(self, messages: list[Message], now: float) -> None:
+        """Apply plain acks (``Message.ack``: no future to answer), in order: ``settle`` of ACK for a
+        run of them, in one pass. An ack under an epoch that is no longer the partition's, or of a
+        message that is not the delivery outstanding (given back since), changes nothing."""
+        owned, outstanding = self._owned, self._leases.outstanding
+        acked: list[Delivery] = []
+        for message in messages:
+            record = message.record
+            partition, offset = record.partition, record.offset
+            state = owned.get(partition)
+            key = (partition, offset)
+            if state is None or state.epoch != message._epoch or outstanding.get(key) is not message:
+                continue
+            del outstanding[key]
+            state.core.ack_one(offset, message.token)
+            acked.append(message)
+        if acked:
+            self._leases.acked_many(acked, now)
+            self._writer.queued(len(acked), now)
+            self._counts["acked"] += len(acked)
 
     def write_starts(self, now: float) -> None:
         """Queue the starts the workers noted, of deliveries still outstanding. Taken after the

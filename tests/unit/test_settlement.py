@@ -166,3 +166,23 @@ def test_give_back_takes_the_attempt_back_and_holds_the_key_briefly() -> None:
     assert not rig.leases.outstanding and not rig.settlement.holds(batch[0], 1)
     assert all(d.record.attempts == 0 for d in batch)
     assert [(d.record.offset, d.attempt) for d in rig.release(5.0 + REQUEUE_DELAY)] == [(0, 1), (2, 1)]
+
+
+def test_a_run_of_plain_acks_applies_in_one_pass_as_settle_would_one_by_one() -> None:
+    """ACK-4, ACK-5: ``acks`` applies a run of plain acks (``Message.ack``) in order: each settles its
+    record, drops its lease, feeds the ack latency and queues SETTLED; an ack made under another epoch,
+    of a message given back since, or acked already, changes nothing."""
+    rig = Rig()
+    a0, b2 = rig.release()
+    rig.settlement.settle(SettleKind.NACK, b2, 1, 0.0, None, None, 1.0)
+    a0._epoch = 2
+    rig.settlement.acks([a0], 2.0)
+    assert (0, 0) in rig.leases.outstanding and rig.counts["acked"] == 0
+    a0._epoch = 1
+    rig.settlement.acks([b2, a0, a0], 3.0)
+    assert rig.counts == {"acked": 1, "nacked": 1}
+    assert rig.leases.outstanding == {} and rig.leases.bytes == 0
+    assert rig.written() == [(OpKind.NACKED, 2, 1), (OpKind.SETTLED, 0, 0)]
+    rig.leases.take_latencies()
+    assert list(rig.leases.latencies) == [3.0]
+    assert [d.record.offset for d in rig.release(3.0)] == [1]  # key a's next; key b backs off
