@@ -2,48 +2,54 @@
 
 One coordinator (``engine``: its threads, lock and step loop, the routing of typed ``requests``)
 over components that hold no references to each other. A message walks ``fetcher`` -> ``inbox`` ->
-``engine`` -> ``partitions`` / ``partition`` (``key_queue``, ``commit_point``) -> ``dispatch``
-(release within ``flow``, made outstanding in ``leases``, attempts queued in ``state_writer``,
-flushed by ``ownership``) -> ``dead_letters`` or ``handoff``; its ack comes back through ``message``
--> ``inbox`` -> ``settlement``. The coordinator's rules live in ``dispatch`` (release, hand-out),
+``engine`` -> ``partitions`` / ``owned_partition`` (the partition's bookkeeping in the compiled core,
+``core/src/partition.rs``, whose pure-Python reference is ``partition`` with ``key_queue`` and
+``commit_point``) -> ``dispatch`` (released as a ``Message`` within ``flow``, made outstanding in
+``leases``, its attempt queued in the core and flushed by ``state_writer`` through ``ownership``)
+-> ``dead_letters`` or ``handoff``; its ack comes back through ``message`` -> ``inbox`` ->
+``settlement``. The coordinator's rules live in ``dispatch`` (release, hand-out),
 ``settlement`` (acks, nacks, deadlines, lapses, dead-letter reports, start notes), ``commits``
 (commit points, commit reports, seek look-ups) and ``ownership`` (claims on assignment, revocation,
 loss, fencing verdicts of each flush); the engine hands them the components they act on.
 
-Which module keeps which property of ``SEMANTICS.md``:
+Which module keeps which property of ``SEMANTICS.md``. "The core" is ``owned_partition`` and the
+compiled ``core/src/partition.rs`` it holds (``key_queue.rs``, ``tracker.rs``); the pure-Python
+``partition`` (``key_queue``, ``commit_point``) is its reference, with the same rules under the same
+names, checked against it by ``tests/unit/test_core.py``:
 
-- SUB-1 in-key order (one outstanding per key; one batch per key in pull mode): ``partition``
-  (``PartitionState.release``), ``key_queue`` (``KeyQueue``), ``dispatch`` (per-key release size)
-- SUB-2 no head-of-line blocking (per-key queues, per-key backoff heap): ``partition``, ``key_queue``
-  (``KeyBackoff``)
+- SUB-1 in-key order (one outstanding per key; one batch per key in pull mode): the core
+  (``release_ready``; reference ``PartitionState.release``), ``dispatch`` (per-key release size)
+- SUB-2 no head-of-line blocking (per-key queues, per-key backoff heap): the core (reference
+  ``key_queue.KeyBackoff``)
 - SUB-3 nothing lost (generations on fetched batches, claims, recovery walk, commit point):
-  ``fetcher``, ``partitions``, ``partition`` (recovery walk), ``commit_point`` (``OffsetTracker``)
-- SUB-4 cascade redelivery (cursor rewind): ``partition`` (``PartitionState.nack``), applied by
-  ``settlement`` (nacks, and lapses from ``leases``)
+  ``fetcher``, ``partitions``, the core (``add``: recovery walk; ``tracker.rs``: commit point)
+- SUB-4 cascade redelivery (cursor rewind): the core (``nack``; reference ``PartitionState.nack``),
+  applied by ``settlement`` (nacks, and lapses from ``leases``)
 - SUB-5 affinity (revoke waits for deliveries in progress): ``ownership`` (``revoking``)
-- SUB-6 unordered subscriptions (one queue per record): ``partition`` (``queue_key``)
+- SUB-6 unordered subscriptions (one queue per record): the core (``queue_key``)
 - SUB-7 flow control (budget, held/paused fetch): ``flow``, applied by ``fetcher`` and ``dispatch``
 - ACK-1 ack deadline, ACK-2 lease extension, ACK-3 manual deadlines: ``leases`` (+ ``histogram``),
   ``message``, ``settlement`` (lease ops, lapses)
-- ACK-4 state in Redis, batched; commit of the lowest unsettled offset: ``state_writer``,
-  ``state/``; ``settlement`` (ops), ``ownership`` (``flush``), ``commits`` (commit interval,
-  watermarks after a commit report), ``partitions`` (``commit_offsets``), ``fetcher`` (commits)
+- ACK-4 state in Redis, batched; commit of the lowest unsettled offset: the core (ops queued in
+  decision order), ``state_writer``, ``state/``; ``settlement`` (ops), ``ownership`` (``flush``),
+  ``commits`` (commit interval, watermarks after a commit report), ``partitions``
+  (``commit_offsets``), ``fetcher`` (commits)
 - ACK-5 fencing, ``ack_with_response``: ``partitions`` (epochs), ``ownership`` (fencing verdicts),
   ``settlement`` (stale epochs and tokens refused), ``state_writer`` (answers), ``state/lua/apply.lua``
-- ACK-6 delivery attempt survives crashes (counted before hand-off): ``dispatch`` (``_admit`` ops,
-  flushed before ``hand_out``), ``settlement`` (start notes), ``engine`` (``begin`` of suspects),
-  ``partitions`` (claim, ``charged_attempts``); suspects of repeated crashes go out one at a time:
-  ``key_queue`` (``Quarantine``), ``partition`` (``release``)
-- DLQ-1 backoff per key: ``key_queue`` (``KeyBackoff``), ``partition`` (``_hold``, ``wake``)
+- ACK-6 delivery attempt survives crashes (counted before hand-off): the core (release ops),
+  ``dispatch`` (flushed before ``hand_out``), ``settlement`` (start notes), ``engine`` (``begin`` of
+  suspects), ``partitions`` (claim, ``charged_attempts``); suspects of repeated crashes go out one at
+  a time: the core (``Quarantine``; reference ``key_queue.Quarantine``)
+- DLQ-1 backoff per key: the core (``hold``, ``wake``; reference ``key_queue.KeyBackoff``)
 - DLQ-2 dead-lettering, ``park_key``; DLQ-3 poison messages: ``dead_letters``, screened by
   ``dispatch`` (``hand_out``), settled by ``settlement`` (``dead_lettered``); a poison crashes alone:
-  ``key_queue`` (``Quarantine`` of suspects)
+  the core (``Quarantine`` of suspects)
 - DLQ-4 bad input (malformed ``ol-`` metadata ignored and counted): ``fetcher`` (``to_record``)
 - GRP-2 sharing (cooperative-sticky group, rebalance hooks): ``fetcher``, ``ownership``
 - GRP-3 seek: ``commits`` (seek generation looked up once a commit interval, commit reports told
   apart by their seek tag), ``ownership`` (``apply_seeks``: restarted partitions' deliveries void),
   ``partitions`` (claims that apply a seek, ``AWAITING_SEEK``, ``confirm``), ``fetcher`` (consumer
-  seeks, ``Sought``), ``commit_point`` (the target is the commit point until records arrive)
+  seeks, ``Sought``), the core (``start_offset``: the target is the commit point until records arrive)
 - GRP-4 commit_on_get, GRP-5 manual ack of a batch: ``subscriber`` (``Subscriber.pull``,
   ``acknowledge``)
 - DRP-2 drop-in consumer: ``consumer`` (``OrderedConsumer``)

@@ -1,7 +1,8 @@
 """The commit point of one partition: the lowest fetched offset not settled (SUB-3, ACK-4).
 
-Pure bookkeeping, used by ``PartitionState`` under the engine's lock; ``Partitions.commit_offsets``
-commits what it says. Nothing below the commit point is unsettled, so a new owner starting there
+Pure bookkeeping, used by ``PartitionState``, the pure-Python reference of the compiled core
+(``core/src/tracker.rs`` keeps the engine's commit points); ``Partitions.commit_offsets`` commits
+what the core says. Nothing below the commit point is unsettled, so a new owner starting there
 loses nothing.
 """
 

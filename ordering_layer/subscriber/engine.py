@@ -4,9 +4,9 @@ Two threads and one lock. The *fetch* thread (``Fetcher``) owns the Kafka consum
 coordinator of assignments, revocations and losses (``ownership``). The *engine* thread runs the
 coordinator: it takes everything waiting in the inbox at once (fetched batches, acks, nacks,
 deadline changes, pulls, commit and dead-letter reports), routes each typed request to where its
-state is kept, and applies the verdicts: partitions and key queues release what may go out
-(``PartitionState``), within flow control (``FlowGate``); the releases become outstanding leases
-(``Leases``); attempts and leases are written to Redis in one pipeline (``StateWriter``) *before* the
+state is kept, and applies the verdicts: partitions release what may go out (``OwnedPartition``: the
+compiled core's key queues), within flow control (``FlowGate``); the released messages become
+outstanding leases (``Leases``); attempts and leases are written to Redis in one pipeline (``StateWriter``) *before* the
 messages are handed out (``handoff``) or dead-lettered (``DeadLetters``); commits go back to the fetch
 thread as queued requests. The components hold no references to each other; the coordinator's rules
 live in modules handed the components they act on: ``dispatch`` (release, hand-out), ``settlement``

@@ -1,9 +1,11 @@
 """The per-key hold queues of one partition, the backoff of their keys and the quarantine of suspects
 (SUB-1, SUB-2, DLQ-1, DLQ-3).
 
-Pure bookkeeping, used by ``PartitionState`` under the engine's lock.
+Pure bookkeeping, used by ``PartitionState``, the pure-Python reference of the compiled core
+(``core/src/key_queue.rs`` is what the engine runs). ``Record`` and ``Delivery`` are the engine's own:
 
-* ``Record`` is a fetched record as queued; ``Delivery`` one hand-off of it.
+* ``Record`` is a fetched record as queued; ``Delivery`` one hand-off of it (``message.Message``
+  is the engine's).
 * ``KeyQueue`` holds the fetched records of one ordering key from its first unsettled one. The
   first ``cursor`` records have been delivered since the key's last reset; a nack or expiry of one
   of them rewinds the cursor to it, so it and every later delivered record go out again in order

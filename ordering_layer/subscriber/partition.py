@@ -1,11 +1,13 @@
 """Per-partition dispatch state: routing to per-key hold queues, release, cascade bookkeeping.
 
-Pure logic, no I/O, one instance per owned partition, used under the engine's lock.
-``PartitionState`` routes records to key queues (``key_queue.KeyQueue``), runs the recovery walk
-after a claim (records settled before a crash are skipped unless their key is cascading), releases
-what may go out, rewinds a key's cursor on a nack or lapse (SUB-4) and holds the key back
-(``key_queue.KeyBackoff``, DLQ-1), and lets quarantined suspects out one at a time
-(``key_queue.Quarantine``, DLQ-3); its commit point is kept by ``commit_point.OffsetTracker``.
+Pure logic, no I/O: the pure-Python reference of the compiled core the engine runs
+(``owned_partition``, ``core/src/partition.rs``); ``tests/unit/test_core.py`` drives both with the
+same operations and checks they agree. ``PartitionState`` routes records to key queues
+(``key_queue.KeyQueue``), runs the recovery walk after a claim (records settled before a crash are
+skipped unless their key is cascading), releases what may go out, rewinds a key's cursor on a nack
+or lapse (SUB-4) and holds the key back (``key_queue.KeyBackoff``, DLQ-1), and lets quarantined
+suspects out one at a time (``key_queue.Quarantine``, DLQ-3); its commit point is kept by
+``commit_point.OffsetTracker``.
 """
 
 from __future__ import annotations

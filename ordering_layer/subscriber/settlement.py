@@ -1,8 +1,8 @@
 """What becomes of outstanding deliveries: acks, nacks, deadline changes, lapses, dead-letter reports.
 
 ``Settlement`` applies each answer about a delivery handed out to the three places that keep its
-state: its partition's key queue (``PartitionState``: settle, or rewind and back off, SUB-4 and
-DLQ-1), its lease (``Leases``: forgotten, or a new deadline, ACK-1 to ACK-3) and the Redis ops
+state: its partition's key queue (``OwnedPartition``'s core: settle, or rewind and back off, SUB-4
+and DLQ-1), its lease (``Leases``: forgotten, or a new deadline, ACK-1 to ACK-3) and the Redis ops
 queued for the next flush (``StateWriter``: SETTLED, NACKED, LEASE, STARTED, ACK-4). An answer
 under an epoch that is no longer the partition's, or for a delivery given back since, changes
 nothing; its ``ack_with_response`` future learns why (ACK-5). Used by the coordinator on its
