@@ -19,8 +19,11 @@ real broker, each reader its own group from the earliest offset, rounds interlea
   runs over a queue in chunks, callbacks ack by appending to a deque the fetch thread drains: the
   process model of the subscriber (fetch and bookkeeping on one thread, user code on a pool);
 * ``library-threaded 16``: ``core-threaded 16`` with the library's own per-message objects around
-  the core (``to_record``, the library's ``Message``, which is its own lease, ``Leases``): what remains of the engine's
-  Python per message if only the bookkeeping is compiled.
+  the core (``to_record``, the library's ``Message``, which is its own lease, ``Leases``): what
+  remains of the engine's Python per message if only the bookkeeping is compiled;
+* ``library-split 16``: ``library-threaded 16`` with the fetch (``consume``, ``to_record``) on a
+  thread of its own posting batches to the bookkeeping thread, as the subscriber has it: what the
+  third thread costs.
 
 Printed: msg/s per reader and round, the median of the per-round ratios to ``raw``, and the process
 CPU per message (all threads, librdkafka's included; from the first ``consume`` to ``close``), which
@@ -229,7 +232,7 @@ class CoreReader:
             thread.start()
         while self.settled < count:
             full = self.outstanding >= MAX_OUTSTANDING
-            batch = [] if full else self.consumer.consume(500, 0.0 if self.outstanding else 0.1)
+            batch = [] if full else self.next_batch(0.0 if self.outstanding else 0.1)
             if batch:
                 start = start or time.perf_counter()
                 self.take(batch)
@@ -241,6 +244,10 @@ class CoreReader:
         for _ in threads:
             work.put(None)
         return self._finish(count, start)
+
+    def next_batch(self, timeout: float) -> list[Any]:
+        """The next fetched batch (``threaded``): here a ``consume`` on this thread."""
+        return self.consumer.consume(500, timeout)
 
     def waiting(self) -> bool:
         """Nothing to settle yet."""
@@ -299,6 +306,48 @@ class LibraryReader(CoreReader):
         return not self.library_acks
 
 
+class SplitReader(LibraryReader):
+    """``LibraryReader`` with the fetch on a thread of its own, as the subscriber has it: ``consume``
+    and ``to_record`` on the fetch thread, record batches posted to a deque that the bookkeeping
+    thread drains, the fetch waiting while 2,000 records it posted are not taken
+    (``FlowGate.max_in_flight``): what the third thread costs."""
+
+    def __init__(self, endpoints: Endpoints, topic: str, workers: int) -> None:
+        super().__init__(endpoints, topic, workers)
+        self.posted: collections.deque[list[Any]] = collections.deque()
+        self.stopping = threading.Event()
+        self.fetcher = threading.Thread(target=self.fetch, daemon=True)
+
+    def fetch(self) -> None:
+        posted = self.posted
+        while not self.stopping.is_set():
+            if len(posted) >= 4:
+                time.sleep(0.0005)  # the subscriber's fetch thread polls its gate the same way
+                continue
+            records = [to_record(msg) for msg in self.consumer.consume(500, 0.1) if msg.error() is None]
+            if records:
+                posted.append(records)
+
+    def next_batch(self, timeout: float) -> list[Any]:
+        if self.posted:
+            return self.posted.popleft()
+        time.sleep(0.0005)  # waiting for the fetch thread (the subscriber's coordinator waits on its inbox)
+        return []
+
+    def take(self, batch: list[Any]) -> None:
+        for partition, begin, end in partition_runs(batch):
+            self.core(partition).add(batch, begin, end)
+
+    def threaded(self, count: int) -> float:
+        self.fetcher.start()
+        return super().threaded(count)
+
+    def _finish(self, count: int, start: float) -> float:
+        self.stopping.set()
+        self.fetcher.join()
+        return super()._finish(count, start)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--messages", type=int, default=200_000)
@@ -313,6 +362,7 @@ def main() -> None:
         "core-threaded 1": lambda e, t, n: CoreReader(e, t, 1).threaded(n),
         "core-threaded 16": lambda e, t, n: CoreReader(e, t, 16).threaded(n),
         "library-threaded 16": lambda e, t, n: LibraryReader(e, t, 16).threaded(n),
+        "library-split 16": lambda e, t, n: SplitReader(e, t, 16).threaded(n),
     }
     with bench_stack() as stack, tempfile.TemporaryDirectory() as scratch:
         endpoints = stack
