@@ -183,7 +183,11 @@ class CoreReader:
             if watermark is not None:
                 commits.append(TopicPartition(self.topic, partition, watermark))
         if commits:
-            self.consumer.commit(offsets=commits, asynchronous=True)
+            self.commit(commits)
+
+    def commit(self, offsets: list[TopicPartition]) -> None:
+        """Commit asynchronously (on this thread: it owns the consumer)."""
+        self.consumer.commit(offsets=offsets, asynchronous=True)
 
     def flush_ops(self) -> None:
         ops = "".join(core.take_ops() for core in self.cores.values() if core.ops_count)
@@ -315,18 +319,24 @@ class SplitReader(LibraryReader):
     def __init__(self, endpoints: Endpoints, topic: str, workers: int) -> None:
         super().__init__(endpoints, topic, workers)
         self.posted: collections.deque[list[Any]] = collections.deque()
+        self.commits: collections.deque[list[TopicPartition]] = collections.deque()
         self.stopping = threading.Event()
         self.fetcher = threading.Thread(target=self.fetch, daemon=True)
 
     def fetch(self) -> None:
-        posted = self.posted
+        posted, commits = self.posted, self.commits
         while not self.stopping.is_set():
+            while commits:  # commits reach the consumer's thread as queued requests, as in the subscriber
+                self.consumer.commit(offsets=commits.popleft(), asynchronous=True)
             if len(posted) >= 4:
                 time.sleep(0.0005)  # the subscriber's fetch thread polls its gate the same way
                 continue
             records = [to_record(msg) for msg in self.consumer.consume(500, 0.1) if msg.error() is None]
             if records:
                 posted.append(records)
+
+    def commit(self, offsets: list[TopicPartition]) -> None:
+        self.commits.append(offsets)
 
     def next_batch(self, timeout: float) -> list[Any]:
         if self.posted:
@@ -354,6 +364,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--fetch-queue-backoff-ms", type=int, default=None,
                         help="set librdkafka's fetch.queue.backoff.ms (default 1000) in every reader, raw included")
+    parser.add_argument("--readers", default=None,
+                        help="comma-separated reader names to run (raw is always run); default: all")
     args = parser.parse_args()
     readers: dict[str, Callable[[Endpoints, str, int], float]] = {
         "raw": raw_consume,
@@ -364,6 +376,9 @@ def main() -> None:
         "library-threaded 16": lambda e, t, n: LibraryReader(e, t, 16).threaded(n),
         "library-split 16": lambda e, t, n: SplitReader(e, t, 16).threaded(n),
     }
+    if args.readers:
+        wanted = {"raw", *args.readers.split(",")}
+        readers = {name: read for name, read in readers.items() if name in wanted}
     with bench_stack() as stack, tempfile.TemporaryDirectory() as scratch:
         endpoints = stack
         if args.fetch_queue_backoff_ms is not None:
