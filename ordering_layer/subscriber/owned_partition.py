@@ -35,17 +35,8 @@ def _unattached(_: Any) -> None:
 class OwnedPartition:
     """An owned partition: ownership fields and the core holding its records.
 
-    Args:
-        partition: partition number.
-        epoch: owner epoch from the claim (ACK-5).
-        ordered: ordering enabled on the subscription (SUB-1 vs SUB-6).
-        settled_before: offsets settled above the committed offset, read at claim (recovery walk).
-        attempts_before: delivery attempts charged to unsettled records handed out by earlier owners
-            (ACK-6, see ``partitions.charged_attempts``); those records are suspects when ``suspects``.
-        suspects: callback mode (see ``PartitionState``).
-        generation: the assignment generation it was claimed under (``AWAITING_SEEK``: none yet).
-        start_offset: where a seek (GRP-3) restarted the partition; None: at the committed offset.
-        seek_generation: the partition's latest seek applied (0: none); its commits carry it.
+    Args: those of ``PartitionState`` (partition, epoch, ordering, the claim's settled offsets and
+    charged attempts, suspects, generation, seek), and:
         topic: the topic, named in each ``Message``.
         submit: where a released ``Message`` posts its acks (the engine's inbox).
     """
