@@ -9,6 +9,7 @@ container backend runs a single node behind testcontainers.
 from __future__ import annotations
 
 import json
+import random
 import shlex
 import socket
 from abc import ABC, abstractmethod
@@ -62,8 +63,36 @@ def check_broker_count(brokers: int) -> None:
         raise StackError(f"a stack runs 1 broker or a 3-broker cluster, not {brokers}")
 
 
+_LOCAL_PORT_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_LOWEST_SERVICE_PORT = 10_000
+
+
+def ephemeral_ports() -> range | None:
+    """The ports the kernel gives outgoing connections (Linux), None when unknown."""
+    try:
+        low, high = (int(part) for part in _LOCAL_PORT_RANGE.read_text().split())
+    except (OSError, ValueError):
+        return None
+    return range(low, high + 1)
+
+
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
+    """A TCP port free on 127.0.0.1 right now, below the kernel's ephemeral range when it can be.
+
+    A service of the stack listens on its port again after a restart (a killed broker or Redis): a
+    port from the ephemeral range may meanwhile be the local port of an outgoing connection (the
+    clients reconnecting to it make many), and the restart then fails with "address in use".
+    """
+    ephemeral = ephemeral_ports()
+    if ephemeral is not None and ephemeral.start > _LOWEST_SERVICE_PORT:
+        for _ in range(200):
+            port = random.randrange(_LOWEST_SERVICE_PORT, ephemeral.start)
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                try:
+                    sock.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])

@@ -3,13 +3,14 @@ storage tool's quorum arguments, and the refusals that come before any process s
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import pytest
 
 from ordering_layer.errors import StackError
 from ordering_layer.stack import ContainerStack, LocalStack
-from ordering_layer.stack.base import BROKER_SETTINGS
+from ordering_layer.stack.base import BROKER_SETTINGS, ephemeral_ports, free_port
 from ordering_layer.stack.local import broker_properties, kafka_uuid, new_state, quorum_arguments
 
 
@@ -21,6 +22,18 @@ def test_cluster_state_gives_each_broker_its_own_ports_and_ids() -> None:
     assert len(set(ports)) == 7
     assert len({n["directory_id"] for n in nodes}) == 3
     assert state["brokers"] == 3
+
+
+def test_service_ports_lie_below_the_ephemeral_range() -> None:
+    """A restarted broker or Redis listens on its port again: its port is never one the kernel may
+    give an outgoing connection meanwhile (the restart would fail with "address in use")."""
+    ephemeral = ephemeral_ports()
+    if ephemeral is None:
+        pytest.skip("the kernel's ephemeral port range is not readable here")
+    ports = [free_port() for _ in range(50)]
+    assert not any(port in ephemeral for port in ports)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", ports[0]))  # free when given
 
 
 def test_cluster_nodes_share_one_quorum_and_replicate_every_topic(tmp_path: Path) -> None:
