@@ -6,12 +6,13 @@ coordinator: it takes everything waiting in the inbox at once (fetched batches, 
 deadline changes, pulls, commit and dead-letter reports), routes each typed request to where its
 state is kept, and applies the verdicts: partitions release what may go out (``OwnedPartition``: the
 compiled core's key queues), within flow control (``FlowGate``); the released messages become
-outstanding leases (``Leases``); attempts and leases are written to Redis in one pipeline (``StateWriter``) *before* the
-messages are handed out (``handoff``) or dead-lettered (``DeadLetters``); commits go back to the fetch
-thread as queued requests. The components hold no references to each other; the coordinator's rules
-live in modules handed the components they act on: ``dispatch`` (release, hand-out), ``settlement``
-(acks, nacks, deadlines, lapses, dead-letter reports, start notes), ``commits`` (commit points and
-seeks, GRP-3) and ``ownership`` (claims, revocations, fencing verdicts of each flush).
+outstanding leases (``Leases``); attempts and leases are written to Redis in one pipeline
+(``StateWriter``) *before* the messages are handed out (``handoff``) or dead-lettered
+(``DeadLetters``); commits go back to the fetch thread as queued requests. The components hold no
+references to each other; the coordinator's rules live in modules handed the components they act on:
+``dispatch`` (release, hand-out), ``settlement`` (acks, nacks, deadlines, lapses, dead-letter
+reports, start notes), ``commits`` (commit points and seeks, GRP-3) and ``ownership`` (claims,
+revocations, fencing verdicts of each flush).
 
 Attempt counts (ACK-6, DLQ-3): after a crash the next owner charges an attempt never seen started
 only up to one below the dead-letter limit; in callback mode the records it charges are suspects,

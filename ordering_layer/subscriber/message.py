@@ -29,7 +29,8 @@ class AckResponse(enum.Enum):
     OTHER = "OTHER"
 
 
-def _unbound(_: Settle | Message) -> None:
+def unattached(_: Settle | Message) -> None:
+    """Where the answers of a message no subscriber released would go: nowhere (an error)."""
     raise RuntimeError("this message was not released by a subscriber")
 
 
@@ -48,7 +49,7 @@ class Message(Delivery):
     __slots__ = ("_epoch", "_submit", "_topic", "settled")
 
     def __init__(self, record: Record, queue_key: QueueKey, token: int, attempt: int, topic: str, epoch: int,
-                 submit: Callable[[Settle | Message], None] = _unbound) -> None:
+                 submit: Callable[[Settle | Message], None] = unattached) -> None:
         super().__init__(record, queue_key, token, attempt)
         self._topic = topic
         self._epoch = epoch

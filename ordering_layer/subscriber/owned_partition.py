@@ -23,13 +23,9 @@ from ordering_layer_core import PartitionCore
 
 from ordering_layer.state.store import OpLetter
 from ordering_layer.subscriber.key_queue import Delivery, QueueKey, Record
-from ordering_layer.subscriber.message import Message
+from ordering_layer.subscriber.message import Message, unattached
 
 __all__ = ["OwnedPartition"]
-
-
-def _unattached(_: Any) -> None:
-    raise RuntimeError("the partition's messages have no subscriber to answer to")
 
 
 class OwnedPartition:
@@ -47,7 +43,7 @@ class OwnedPartition:
     def __init__(self, partition: int, epoch: int, *, ordered: bool,
                  settled_before: frozenset[int] = frozenset(), attempts_before: dict[int, int] | None = None,
                  suspects: bool = True, generation: int = 0, start_offset: int | None = None,
-                 seek_generation: int = 0, topic: str = "", submit: Callable[[Any], None] | None = None) -> None:
+                 seek_generation: int = 0, topic: str = "", submit: Callable[[Any], None] = unattached) -> None:
         self.partition = partition
         self.topic = topic
         self.submit = submit
@@ -60,11 +56,6 @@ class OwnedPartition:
         self.core: PartitionCore[Record] = PartitionCore(
             ordered=ordered, settled_before=set(settled_before), attempts_before=attempts_before or {},
             suspects=suspects, start_offset=start_offset)
-
-    def queue_key(self, record: Record) -> QueueKey:
-        """Ordered subscriptions queue by ordering key; unordered records queue alone."""
-        key = record.key
-        return key if self.ordered and key else record.offset
 
     def add(self, records: list[Record], start: int = 0, stop: int | None = None) -> None:
         """Take fetched records ``records[start:stop]`` (duplicates and records settled before a
@@ -81,8 +72,7 @@ class OwnedPartition:
             now, budget, per_key, byte_budget, lease_ms, pooled=pooled)
         for position in suspects:
             records[position].suspect = True
-        ordered, topic, epoch = self.ordered, self.topic, self.epoch
-        submit = self.submit or _unattached
+        ordered, topic, epoch, submit = self.ordered, self.topic, self.epoch, self.submit
         messages = []
         for record, token, attempt in zip(records, tokens, attempts, strict=True):
             record.attempts = attempt

@@ -29,7 +29,7 @@ from ordering_layer_core import partition_runs
 from ordering_layer.config import SubscriptionSettings
 from ordering_layer.offsets import seek_tag
 from ordering_layer.state import ClaimedPartition, StateStore
-from ordering_layer.subscriber.message import Message
+from ordering_layer.subscriber.message import Message, unattached
 from ordering_layer.subscriber.owned_partition import OwnedPartition
 from ordering_layer.subscriber.partition import AWAITING_SEEK, Record
 from ordering_layer.subscriber.requests import Fetched, SeekPartition
@@ -80,7 +80,7 @@ class Partitions:
     """
 
     def __init__(self, store: StateStore, subscription: str, settings: SubscriptionSettings, *,
-                 suspects: bool = True, submit: Callable[[Any], None] | None = None) -> None:
+                 suspects: bool = True, submit: Callable[[Any], None] = unattached) -> None:
         self._store = store
         self._submit = submit
         self._suspects = suspects
