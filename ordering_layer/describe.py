@@ -25,7 +25,7 @@ from ordering_layer.offsets import PartitionOffsets, partition_offsets
 from ordering_layer.publisher.partitioner import murmur2
 from ordering_layer.record import display_key
 from ordering_layer.state import StateStore
-from ordering_layer.state.store import partition_keys
+from ordering_layer.state.store import offset_fields, partition_keys
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -172,7 +172,7 @@ def _read_redis(store: StateStore, name: str, count: int) -> dict[int, _RedisSta
         pipe.hkeys(leases)
     replies = pipe.execute()
     return {p: _RedisState(int(replies[3 * p]) if replies[3 * p] is not None else None,
-                           {int(o) for o in replies[3 * p + 1]}, {int(o) for o in replies[3 * p + 2]})
+                           {int(o) for o in replies[3 * p + 1]}, set(offset_fields(replies[3 * p + 2])))
             for p in range(count)}
 
 

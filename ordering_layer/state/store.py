@@ -1,10 +1,11 @@
 """The Redis state store: one hash tag per (subscription, partition), Lua scripts for every write.
 
 Keys: ``ol:{<subscription>:<partition>}:epoch|settled|attempts|leases|seek`` (one slot per partition,
-so every script touches one slot of a Redis Cluster), ``ol:sub:<subscription>`` for the settings,
-``ol:sub:<subscription>:parked`` for parked keys, ``:seek`` for the latest seek generation announced to
-the subscribers and ``:seek-counter`` for the next one (each read and written alone, by one-key
-commands).
+so every script touches one slot of a Redis Cluster; the attempts and leases hashes, offset -> value,
+keep one more field, ``KEEP_FIELD``, so that Redis does not delete and recreate them as they empty),
+``ol:sub:<subscription>`` for the settings, ``ol:sub:<subscription>:parked`` for parked keys, ``:seek``
+for the latest seek generation announced to the subscribers and ``:seek-counter`` for the next one
+(each read and written alone, by one-key commands).
 Redis is an accelerator of correctness: losing it loses no message (Kafka holds them), it only causes
 redelivery; nor does it lose a subscription, whose settings have a durable copy in Kafka
 (``state.durable``) that ``settings`` reads back when Redis has none. The client comes from
@@ -18,7 +19,7 @@ import functools
 import hashlib
 import logging
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any, Concatenate, Final, Literal, ParamSpec, TypeVar, cast
@@ -147,6 +148,14 @@ def parse_claim(raw: Sequence[Any]) -> ClaimedPartition:
 
 def _script(name: str) -> str:
     return (resources.files("ordering_layer.state") / "lua" / f"{name}.lua").read_text()
+
+
+KEEP_FIELD = "_"  # the field of the attempts and leases hashes that is not an offset (apply.lua)
+
+
+def offset_fields(fields: Iterable[bytes | str]) -> list[int]:
+    """The offsets among the fields of an attempts or leases hash (``KEEP_FIELD`` left out)."""
+    return [int(f) for f in fields if f not in (KEEP_FIELD, KEEP_FIELD.encode())]
 
 
 def partition_keys(subscription: str, partition: int) -> list[str]:
@@ -465,4 +474,4 @@ class StateStore:
     @_redis_call
     def outstanding(self, subscription: str, partition: int) -> int:
         """Leases currently held in the partition (delivered, not yet settled)."""
-        return int(self.client.hlen(partition_keys(subscription, partition)[3]))
+        return len(offset_fields(self.client.hkeys(partition_keys(subscription, partition)[3])))

@@ -5,8 +5,9 @@ over components that hold no references to each other. A message walks ``fetcher
 ``engine`` -> ``partitions`` / ``owned_partition`` (the partition's bookkeeping in the compiled core,
 ``core/src/partition.rs``, whose pure-Python reference is ``partition`` with ``key_queue`` and
 ``commit_point``) -> ``dispatch`` (released as a ``Message`` within ``flow``, made outstanding in
-``leases``, its attempt queued in the core and flushed by ``state_writer`` through ``ownership``)
--> ``dead_letters`` or ``handoff``; its ack comes back through ``message`` -> ``inbox`` ->
+``leases``, its attempt queued in the core and flushed by ``state_writer`` through ``ownership``,
+on a thread of its own, one flush in flight) -> ``dead_letters`` or ``handoff`` once the flush
+answered; its ack comes back through ``message`` -> ``inbox`` ->
 ``settlement``. The coordinator's rules live in ``dispatch`` (release, hand-out),
 ``settlement`` (acks, nacks, deadlines, lapses, dead-letter reports, start notes), ``commits``
 (commit points, commit reports, seek look-ups) and ``ownership`` (claims on assignment, revocation,
@@ -37,7 +38,7 @@ names, checked against it by ``tests/unit/test_core.py``:
 - ACK-5 fencing, ``ack_with_response``: ``partitions`` (epochs), ``ownership`` (fencing verdicts),
   ``settlement`` (stale epochs and tokens refused), ``state_writer`` (answers), ``state/lua/apply.lua``
 - ACK-6 delivery attempt survives crashes (counted before hand-off): the core (release ops),
-  ``dispatch`` (flushed before ``hand_out``), ``settlement`` (start notes), ``engine`` (``begin`` of
+  ``ownership`` (releases held until their flush answered, then ``dispatch.hand_out``), ``settlement`` (start notes), ``engine`` (``begin`` of
   suspects), ``partitions`` (claim, ``charged_attempts``); suspects of repeated crashes go out one at
   a time: the core (``Quarantine``; reference ``key_queue.Quarantine``)
 - DLQ-1 backoff per key: the core (``hold``, ``wake``; reference ``key_queue.KeyBackoff``)

@@ -63,6 +63,8 @@ class Dispatcher:
         pooled = self._on_messages is not None
         lease_ms = wall_ms(self._settings.ack_deadline) if leases.track else None
         released = self._owned.release(now, budget, per_key, byte_budget, lease_ms, pooled=pooled)
+        if released and not pooled:
+            self._pulls.claim()
         writer = self._writer
         for state, batch in released:
             # Released deliveries become outstanding; the partition's core queued their attempts
@@ -73,8 +75,9 @@ class Dispatcher:
         return released
 
     def hand_out(self, released: Released) -> None:
-        """Hand released deliveries, their attempts written, to user code; dead-letter those the
-        policy says (their write's report settles them later)."""
+        """Hand released deliveries, their attempts written, to user code (one release's batches:
+        the pull it claimed gets them); dead-letter those the policy says (their write's report
+        settles them later)."""
         if not released:
             return
         messages: list[Message] = []
@@ -100,9 +103,12 @@ class Dispatcher:
         counts = self._counts
         counts["delivered"] += len(messages)
         counts["redelivered"] += redelivered
-        if not messages:
-            return
-        if self._on_messages is not None:
-            self._on_messages(messages)
-        else:
+        if self._on_messages is None:
             self._pulls.answer(messages)
+        elif messages:
+            self._on_messages(messages)
+
+    def not_handed_out(self) -> None:
+        """One release's deliveries were given back unseen: in pull mode its pull waits again."""
+        if self._on_messages is None:
+            self._pulls.unclaim()

@@ -8,7 +8,9 @@ state is kept, and applies the verdicts: partitions release what may go out (``O
 compiled core's key queues), within flow control (``FlowGate``); the released messages become
 outstanding leases (``Leases``); attempts and leases are written to Redis in one pipeline
 (``StateWriter``) *before* the messages are handed out (``handoff``) or dead-lettered
-(``DeadLetters``); commits go back to the fetch thread as queued requests. The components hold no
+(``DeadLetters``): the pipeline is sent on a thread of its own, one at a time (``Ownership``), and its
+answer wakes the coordinator, which meanwhile takes acks and releases more; commits go back to the
+fetch thread as queued requests. The components hold no
 references to each other; the coordinator's rules live in modules handed the components they act on:
 ``dispatch`` (release, hand-out), ``settlement`` (acks, nacks, deadlines, lapses, dead-letter
 reports, start notes), ``commits`` (commit points and seeks, GRP-3) and ``ownership`` (claims,
@@ -50,7 +52,7 @@ from ordering_layer.subscriber.message import Message
 from ordering_layer.subscriber.metrics import snapshot
 from ordering_layer.subscriber.ownership import Ownership
 from ordering_layer.subscriber.partition import Delivery
-from ordering_layer.subscriber.partitions import Partitions
+from ordering_layer.subscriber.partitions import Partitions, Released
 from ordering_layer.subscriber.requests import Committed, DeadLettered, Fetched, Pull, Settle, Sought
 from ordering_layer.subscriber.settlement import Settlement
 from ordering_layer.subscriber.state_writer import StateWriter
@@ -114,7 +116,7 @@ class Engine:
                                       self._dead_letters, self._counts, on_messages)
         self._commits = Commits(self._owned, self._writer, self.topic, subscription)
         self._ownership = Ownership(subscription, settings, self._changed, self._owned, self._leases, self._writer,
-                                    self._commits)
+                                    self._commits, deliver=self._deliver, wake=self._inbox.nudge)
         self._fetcher = Fetcher(conf, subscription, self.topic, self._gate, self._ownership, self._inbox.put,
                                 rebalance or RebalanceHooks())
         self._worker = Worker(f"ordering-layer-engine-{subscription}", self._step)
@@ -139,9 +141,10 @@ class Engine:
             now = time.monotonic()
             self._handle(self._inbox.take(), now)
             self._settlement.write_starts(now)
-            self._pulls.close()
             self._ownership.flush()
+            self._pulls.close()
             offsets = self._commits.offsets(sync=True)
+        self._ownership.close()
         self._fetcher.commit_sync(offsets)
         with self._lock:
             self._handle(self._inbox.take(), time.monotonic())  # the commit's report: seeks it completes
@@ -249,12 +252,12 @@ class Engine:
             settlement.write_starts(now)
             self._leases.take_latencies()
             settlement.expire(now)
-            released = [] if self._closing else self._dispatcher.release(now)
+            ownership = self._ownership
+            ownership.poll()
+            if not self._closing:
+                ownership.hold(self._dispatcher.release(now))
             self._dead_letters.poll()
-            if (released or self._writer.due(now)) and not self._ownership.flush():
-                settlement.give_back(released, now)
-                released = []
-            self._dispatcher.hand_out(released)
+            ownership.start(now)
             self._pulls.expire(now)
             commits = self._commits
             if commits.due(now):
@@ -271,8 +274,17 @@ class Engine:
             self._changed.notify_all()
         return 0.0
 
+    def _deliver(self, released: Released, written: bool) -> None:
+        """One release's messages whose flush answered: handed out when Redis took their attempts,
+        given back otherwise (their attempts not counted)."""
+        if written:
+            self._dispatcher.hand_out(released)
+        else:
+            self._settlement.give_back(released, time.monotonic())
+            self._dispatcher.not_handed_out()
+
     def _wait_time(self, now: float) -> float:
-        times = [self._writer.next_due(), self._leases.next_check(), self._pulls.next_deadline(),
+        times = [self._ownership.next_due(), self._leases.next_check(), self._pulls.next_deadline(),
                  *(state.next_wake() for state in self._partitions.values())]
         return min([0.1, *(max(0.0, t - now) for t in times if t is not None)])
 

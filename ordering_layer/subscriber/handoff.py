@@ -2,8 +2,9 @@
 
 Callback mode: a released batch joins the ``CallbackPool``'s queue in one go and as many idle
 workers are woken as there are new messages. Pull mode: ``PullWaiters`` holds the pulls waiting for
-messages (oldest first); the coordinator answers the oldest with each released batch and answers
-with an empty list those whose timeout passed.
+messages (oldest first); a release for the oldest claims it, and it is answered with that batch
+once Redis took the batch's attempts (or waits again when nothing of it went out); those whose
+timeout passed unclaimed are answered with an empty list.
 """
 
 from __future__ import annotations
@@ -69,10 +70,11 @@ class CallbackPool:
 
 
 class PullWaiters:
-    """Pulls waiting for messages, oldest first (coordinator thread only)."""
+    """Pulls waiting for messages, oldest first, and those claimed by a release (coordinator only)."""
 
     def __init__(self) -> None:
         self._waiting: deque[Pull] = deque()
+        self._claimed: deque[Pull] = deque()  # served by released batches, in release order
 
     def add(self, pull: Pull) -> None:
         """A pull arrived."""
@@ -82,12 +84,24 @@ class PullWaiters:
         """How many messages the oldest waiting pull takes (0: none waits)."""
         return self._waiting[0].max_messages if self._waiting else 0
 
+    def claim(self) -> None:
+        """A batch was released for the oldest waiting pull: it no longer waits for another."""
+        self._claimed.append(self._waiting.popleft())
+
     def answer(self, messages: list[Message]) -> None:
-        """Give the oldest waiting pull its messages."""
-        self._waiting.popleft().future.set_result(messages)
+        """Give the oldest claimed pull its messages; with none it waits again, first in line."""
+        pull = self._claimed.popleft()
+        if messages:
+            pull.future.set_result(messages)
+        else:
+            self._waiting.appendleft(pull)
+
+    def unclaim(self) -> None:
+        """The oldest claimed pull's batch was given back: it waits again, first in line."""
+        self._waiting.appendleft(self._claimed.popleft())
 
     def expire(self, now: float) -> None:
-        """Answer the pulls whose timeout passed with nothing."""
+        """Answer the waiting pulls whose timeout passed with nothing."""
         waiting = self._waiting
         while waiting and waiting[0].deadline <= now:
             waiting.popleft().future.set_result([])
@@ -97,6 +111,7 @@ class PullWaiters:
         return self._waiting[0].deadline if self._waiting else None
 
     def close(self) -> None:
-        """Answer every waiting pull with nothing (the engine is closing)."""
-        while self._waiting:
-            self._waiting.popleft().future.set_result([])
+        """Answer every pull, waiting or claimed, with nothing (the engine is closing)."""
+        for pulls in (self._waiting, self._claimed):
+            while pulls:
+                pulls.popleft().future.set_result([])

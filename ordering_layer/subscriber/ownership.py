@@ -8,9 +8,14 @@ writes what was decided and returns the commit points to commit before the parti
 lets go at once. A partition let go (``drop``) takes its queued ops (their ``ack_with_response``
 futures learn LEASE_LOST) and its outstanding deliveries with it (a later ack is refused).
 
-``flush`` writes every owned partition's queued ops in one round trip and applies Redis's verdicts:
-a partition a newer owner has fenced is dropped, one whose state Redis lost is adopted again. A seek
-(GRP-3) claims owned partitions again (``apply_seeks``): what they had outstanding is void.
+Flushes write every owned partition's queued ops in one round trip and apply Redis's verdicts: a
+partition a newer owner has fenced is dropped, one whose state Redis lost is adopted again. Released
+messages wait for the flush that takes their attempts (``hold``), then ``deliver`` hands them out, or
+gives them back when Redis failed (DLQ-3). The coordinator's flushes are sent on a thread of their
+own, one in flight at a time (``start``, ``poll``), so that the coordinator takes acks and releases
+while Redis works and the ops of a partition reach Redis in the order they were queued; ``flush``
+writes at once, after the flush in flight (a revocation, a seek, a close). A seek (GRP-3) claims
+owned partitions again (``apply_seeks``): what they had outstanding is void.
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from confluent_kafka import TopicPartition
 
@@ -26,8 +32,8 @@ from ordering_layer.config import SubscriptionSettings
 from ordering_layer.state import ApplyResult
 from ordering_layer.subscriber.commits import Commits
 from ordering_layer.subscriber.leases import Leases
-from ordering_layer.subscriber.partitions import Partitions
-from ordering_layer.subscriber.state_writer import StateWriter
+from ordering_layer.subscriber.partitions import Partitions, Released
+from ordering_layer.subscriber.state_writer import Flush, StateWriter
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -45,10 +51,15 @@ class Ownership:
         leases: the outstanding deliveries.
         writer: the queued Redis ops.
         commits: the commit points.
+        deliver: takes one release's messages once a flush answered for them: True when Redis took
+            their attempts (hand them out), False when it failed (give them back).
+        wake: called on the sending thread when a flush in flight has its answer.
     """
 
     def __init__(self, subscription: str, settings: SubscriptionSettings, changed: threading.Condition,
-                 owned: Partitions, leases: Leases, writer: StateWriter, commits: Commits) -> None:
+                 owned: Partitions, leases: Leases, writer: StateWriter, commits: Commits,
+                 deliver: Callable[[Released, bool], None] | None = None,
+                 wake: Callable[[], None] | None = None) -> None:
         self._subscription = subscription
         self._settings = settings
         self._changed = changed
@@ -56,6 +67,11 @@ class Ownership:
         self._leases = leases
         self._writer = writer
         self._commits = commits
+        self._deliver = deliver
+        self._wake = wake
+        self._held: list[Released] = []  # releases, their ops queued, waiting for the next flush
+        self._in_flight: tuple[Flush, list[Released], Future[None]] | None = None
+        self._sender: ThreadPoolExecutor | None = None
 
     # -- fetch thread ------------------------------------------------------------------------------
     def assigned(self, partitions: list[int], generations: Mapping[int, int]) -> Mapping[int, int]:
@@ -120,15 +136,77 @@ class Ownership:
         for partition in restarted:
             self.void(partition)
 
+    # -- flushes --------------------------------------------------------------------------------------
+    def hold(self, released: Released) -> None:
+        """One release's messages wait for the flush that takes their attempts and leases (DLQ-3)."""
+        if released:
+            self._held.append(released)
+
+    def start(self, now: float) -> None:
+        """Send the next flush when none is in flight and messages wait for it or ops are due."""
+        if self._in_flight is not None or not (self._held or self._writer.due(now)):
+            return
+        writer = self._writer
+        flush, releases = writer.begin(self._owned.owned), self._held
+        self._held = []
+        if not flush.batches:
+            self._finish(flush, releases)
+            return
+        if self._sender is None:
+            self._sender = ThreadPoolExecutor(1, thread_name_prefix=f"ordering-layer-redis-{self._subscription}")
+        sent = self._sender.submit(writer.send, flush)
+        self._in_flight = (flush, releases, sent)
+        wake = self._wake
+        if wake is not None:
+            sent.add_done_callback(lambda _: wake())
+
+    def poll(self) -> None:
+        """Apply the answer of the flush in flight, if it came."""
+        if self._in_flight is not None and self._in_flight[2].done():
+            self.settle_in_flight()
+
+    def next_due(self) -> float | None:
+        """When a flush is due by age (None while one is in flight: its answer wakes the coordinator)."""
+        return None if self._in_flight is not None else self._writer.next_due()
+
     def flush(self) -> bool:
-        """Write queued ops of every owned partition in one round trip; False when Redis failed."""
+        """Write every owned partition's queued ops now, after the flush in flight; False when Redis
+        failed."""
+        self.settle_in_flight()
+        flush, releases = self._writer.begin(self._owned.owned), self._held
+        self._held = []
+        self._writer.send(flush)
+        return self._finish(flush, releases)
+
+    def close(self) -> None:
+        """Stop the sending thread (after the last ``flush``)."""
+        if self._sender is not None:
+            self._sender.shutdown(wait=True)
+
+    def settle_in_flight(self) -> None:
+        """Wait for the answer of the flush in flight, if any, and apply it."""
+        if self._in_flight is None:
+            return
+        flush, releases, sent = self._in_flight
+        sent.result()
+        self._in_flight = None
+        self._finish(flush, releases)
+
+    def _finish(self, flush: Flush, releases: list[Released]) -> bool:
+        """Apply a flush's verdicts to the partitions still owned as they were when it began, then
+        deliver the messages released for it."""
         owned = self._owned
-        results = self._writer.flush(owned.owned)
-        if results is None:
-            return False
-        for partition, result in results.items():
-            if result == ApplyResult.FENCED:
-                self.fenced(partition)
-            elif result == ApplyResult.ADOPTED:
-                owned.adopted(partition)
-        return True
+        results = self._writer.finish(flush, owned.owned)
+        if results is not None:
+            states = {batch[1]: state for batch, state in zip(flush.batches, flush.states, strict=True)}
+            for partition, result in results.items():
+                if owned.owned.get(partition) is not states[partition]:
+                    continue  # let go while the flush was in flight
+                if result == ApplyResult.FENCED:
+                    self.fenced(partition)
+                elif result == ApplyResult.ADOPTED:
+                    owned.adopted(partition)
+        if self._deliver is not None:
+            for released in releases:
+                self._deliver(released, results is not None)
+        return results is not None

@@ -2,12 +2,13 @@
 
 Each owned partition queues its ops (``OpKind``) in decision order in its compiled core
 (``OwnedPartition``): the core those of its own decisions, the coordinator the others through
-``push``. ``StateWriter`` counts them, and ``flush`` sends every owned partition's ops, packed, as one
-fenced ``apply.lua`` call each, all in one pipeline, and resolves the ``ack_with_response`` futures
-of each partition with the answer: SUCCESS when applied, LEASE_LOST when fenced (a newer owner) or
-when the partition is no longer owned. Ops a failed flush took stay here for the next one. A flush
-is due at ``max_ops`` ops or when the oldest op is ``max_age`` seconds old; the releasing step always
-flushes first, so that attempts and leases are in Redis before user code sees the messages (DLQ-3).
+``push``. ``StateWriter`` counts them; a flush takes every owned partition's ops (``begin``), sends
+them packed as one fenced ``apply.lua`` call each, all in one pipeline (``send``: on any thread, so
+that the coordinator works on while Redis does), and resolves the ``ack_with_response`` futures of
+each partition with the answer (``finish``): SUCCESS when applied, LEASE_LOST when fenced (a newer
+owner) or when the partition is no longer owned. Ops a failed flush took stay here for the next one.
+A flush is due at ``max_ops`` ops or when the oldest op is ``max_age`` seconds old; released
+messages are handed out only after the flush that took their attempts and leases (DLQ-3).
 """
 
 from __future__ import annotations
@@ -18,8 +19,6 @@ from collections import deque
 from collections.abc import Mapping
 from concurrent.futures import Future
 from typing import Protocol
-
-import redis
 
 from ordering_layer.state import ApplyResult, StateStore
 from ordering_layer.state.store import OpLetter
@@ -105,33 +104,73 @@ class StateWriter:
         for future in self._futures.pop(partition, []):
             resolve(future, AckResponse.LEASE_LOST)
 
-    def flush(self, owned: Mapping[int, PartitionOps]) -> dict[int, ApplyResult] | None:
-        """Write the queued ops of the ``owned`` partitions in one round trip. Returns each written
-        partition's result; None when Redis failed (the ops are kept for the next flush). Futures of
-        partitions not owned learn LEASE_LOST."""
+    def begin(self, owned: Mapping[int, PartitionOps]) -> Flush:
+        """Take the queued ops of the ``owned`` partitions (and the futures waiting for them) for one
+        round trip; ``send`` makes it (any thread) and ``finish`` applies its answer."""
         subscription, unwritten = self._subscription, self._unwritten
-        batches = []
+        flush = Flush(self.count, self._oldest, self._futures)
         for partition, state in owned.items():
             packed = unwritten.pop(partition, "") + state.take_ops()
             if packed:
-                batches.append((subscription, partition, state.epoch, packed))
-        results: dict[int, ApplyResult] = {}
-        if batches:
-            start = time.perf_counter()
-            try:
-                answers = self._store.apply_packed(batches)
-            except redis.RedisError as exc:
-                _LOGGER.warning("%s: Redis write failed (%s); will retry", subscription, exc)
-                for _, partition, _, packed in batches:
-                    unwritten[partition] = packed
-                return None
-            self.flush_seconds.append(time.perf_counter() - start)
-            results = {batch[1]: answer for batch, answer in zip(batches, answers, strict=True)}
-        futures = self._futures
+                flush.batches.append((subscription, partition, state.epoch, packed))
+                flush.states.append(state)
         self._futures, self.count = {}, 0
-        for partition, waiting in futures.items():
+        return flush
+
+    def send(self, flush: Flush) -> None:
+        """The round trip of a begun flush (any thread; the writer's own state is not touched)."""
+        if not flush.batches:
+            return
+        start = time.perf_counter()
+        try:
+            flush.answers = self._store.apply_packed(flush.batches)
+        except Exception as exc:  # noqa: BLE001 - kept for finish, on the coordinator's thread
+            flush.error = exc
+            return
+        self.flush_seconds.append(time.perf_counter() - start)
+
+    def finish(self, flush: Flush, owned: Mapping[int, PartitionOps]) -> dict[int, ApplyResult] | None:
+        """Apply a sent flush's answer: each written partition's result, or None when Redis failed
+        (the ops of partitions still owned by the same state are kept for the next flush, ahead of
+        those queued since, and its futures wait for that flush). Futures of partitions not written
+        or fenced learn LEASE_LOST, the others SUCCESS."""
+        if flush.error is not None:
+            _LOGGER.warning("%s: Redis write failed (%s); will retry", self._subscription, flush.error)
+            unwritten = self._unwritten
+            for (_, partition, epoch, packed), state in zip(flush.batches, flush.states, strict=True):
+                if owned.get(partition) is state and state.epoch == epoch:
+                    unwritten[partition] = packed + unwritten.get(partition, "")
+            for partition, waiting in flush.futures.items():
+                self._futures.setdefault(partition, [])[:0] = waiting
+            self._oldest = min(self._oldest, flush.oldest) if self.count else flush.oldest
+            self.count += max(flush.count, 1)
+            return None
+        results = {batch[1]: answer for batch, answer in zip(flush.batches, flush.answers, strict=True)}
+        for partition, waiting in flush.futures.items():
             result = results.get(partition)
             status = AckResponse.LEASE_LOST if result in (None, ApplyResult.FENCED) else AckResponse.SUCCESS
             for future in waiting:
                 resolve(future, status)
         return results
+
+    def flush(self, owned: Mapping[int, PartitionOps]) -> dict[int, ApplyResult] | None:
+        """Write the queued ops of the ``owned`` partitions in one round trip, on this thread: ``begin``,
+        ``send`` and ``finish``."""
+        flush = self.begin(owned)
+        self.send(flush)
+        return self.finish(flush, owned)
+
+
+class Flush:
+    """One round trip of queued ops: what was taken (``StateWriter.begin``) and Redis's answer."""
+
+    __slots__ = ("answers", "batches", "count", "error", "futures", "oldest", "states")
+
+    def __init__(self, count: int, oldest: float, futures: dict[int, list[Future[AckResponse]]]) -> None:
+        self.count = count  # ops counted when taken, and when the oldest of them was queued
+        self.oldest = oldest
+        self.futures = futures
+        self.batches: list[tuple[str, int, int, str]] = []  # (subscription, partition, epoch, packed ops)
+        self.states: list[PartitionOps] = []  # the partition state each batch was taken from
+        self.answers: list[ApplyResult] = []
+        self.error: Exception | None = None  # what the round trip raised

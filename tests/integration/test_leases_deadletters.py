@@ -16,7 +16,7 @@ import pytest
 
 from ordering_layer import Admin, DeadLetterPolicy, Message, RetryPolicy, Subscriber
 from ordering_layer.state import StateStore
-from ordering_layer.state.store import partition_keys
+from ordering_layer.state.store import offset_fields, partition_keys
 from tests.checker import wait_until
 from tests.integration.conftest import publish_keys, pull_until, recording_callback
 from tests.kafka_helpers import headers_of, read_topic
@@ -251,7 +251,7 @@ def test_crashes_of_a_poison_dead_letter_no_message_that_waited_beside_it(
     waiting: dict[str, int] = {}
 
     def count_waiting(worker: str) -> None:  # offsets 1..39 were released with the poison, unsettled
-        waiting[worker] = sum(1 for o in redis_client.hkeys(attempts_key) if int(o) != 0)
+        waiting[worker] = sum(1 for o in offset_fields(redis_client.hkeys(attempts_key)) if o != 0)
     exits = _crash_rounds(tmp_path, admin, endpoints, name, log, others, ["--workers", "1"], count_waiting)
     stderr = {w: (tmp_path / f"{w}.stderr").read_text()[-2000:] for w in exits}
     events = _events(log)

@@ -72,6 +72,12 @@ def make_engine(store: FakeStore, on_messages: Callable[[list[Message]], None] |
                   flow_control=FlowControl(), on_messages=on_messages)
 
 
+def step(engine: Engine) -> None:
+    """One coordinator step, then the answer of the flush it sent (released messages go out with it)."""
+    engine._step()
+    engine._ownership.settle_in_flight()
+
+
 @pytest.fixture
 def engine(store: FakeStore) -> Iterator[Engine]:
     engine = make_engine(store)
@@ -130,7 +136,7 @@ def test_a_failed_redis_write_gives_deliveries_back_without_counting_failures(st
         engine._fetcher._on_assign(engine.consumer, P0)
         engine._handle([engine._fetcher.fetched([record(o) for o in range(3)])], time.monotonic())
         store.failing = True
-        engine._step()
+        step(engine)
         state = engine._partitions[0]
         assert handed == [] and engine._leases.outstanding == {}
         assert state.buffered == 3
@@ -152,7 +158,7 @@ def test_a_failed_dead_letter_write_requeues_without_counting_a_failure(store: F
     try:
         engine._fetcher._on_assign(engine.consumer, P0)
         engine._handle([engine._fetcher.fetched([record(0)])], time.monotonic())
-        engine._step()
+        step(engine)
         assert [m.delivery_attempt for m in handed] == [1]
         state = engine._partitions[0]
         delivery = engine._leases.outstanding[(0, 0)]
@@ -176,11 +182,11 @@ def test_metrics_snapshot_counts_deliveries_settlements_and_drains_observations(
     try:
         engine._fetcher._on_assign(engine.consumer, P0)
         engine._handle([engine._fetcher.fetched([record(o) for o in range(3)])], time.monotonic())
-        engine._step()
+        step(engine)
         assert len(handed) == 3
         handed[0].ack()
         handed[1].nack()
-        engine._step()
+        step(engine)
         snapshot = engine.metrics_snapshot()
         assert {k: snapshot[k] for k in ("delivered", "acked", "nacked", "redelivered", "dead_lettered",
                                           "lease_extensions", "lease_lapses", "malformed_records",

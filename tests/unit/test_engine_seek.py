@@ -13,7 +13,7 @@ from ordering_layer.subscriber.engine import Engine
 from ordering_layer.subscriber.message import AckResponse, Message
 from ordering_layer.subscriber.partition import AWAITING_SEEK
 from ordering_layer.subscriber.requests import Committed, SeekPartition, Sought
-from tests.unit.test_engine import P0, FakeStore, make_engine, record
+from tests.unit.test_engine import P0, FakeStore, make_engine, record, step
 
 
 class SeekStore(FakeStore):
@@ -74,7 +74,7 @@ def _queued_seeks(engine: Engine) -> list[SeekPartition]:
 
 def _look_for_seeks(engine: Engine) -> None:
     engine._commits.last = 0.0  # the look comes with the next commit interval
-    engine._step()
+    step(engine)
 
 
 def test_a_running_engine_restarts_a_sought_partition_and_refuses_acks_of_before(
@@ -87,7 +87,7 @@ def test_a_running_engine_restarts_a_sought_partition_and_refuses_acks_of_before
     marks it applied."""
     engine._fetcher._on_assign(engine.consumer, P0)
     engine._handle([engine._fetcher.fetched([record(o) for o in range(6)])], time.monotonic())
-    engine._step()
+    step(engine)
     assert [m.offset() for m in handed] == [0, 1, 2]
     before = list(handed)
     handed.clear()
@@ -101,7 +101,7 @@ def test_a_running_engine_restarts_a_sought_partition_and_refuses_acks_of_before
     assert engine._leases.outstanding == {}
     assert _queued_seeks(engine) == [SeekPartition(0, 2, 1)]
     answer = before[1].ack_with_response()
-    engine._step()
+    step(engine)
     assert answer.result(1) is AckResponse.LEASE_LOST
     engine._handle([engine._fetcher.fetched([record(o) for o in range(2, 6)])], time.monotonic())
     assert state.buffered == 0  # fetched before the consumer sought: not this state's
@@ -110,7 +110,7 @@ def test_a_running_engine_restarts_a_sought_partition_and_refuses_acks_of_before
     engine._fetcher.generations[0] += 1  # what the fetch thread does when the consumer has sought
     engine._handle([Sought(0, engine._fetcher.generations[0], 1)], time.monotonic())
     engine._handle([engine._fetcher.fetched([record(o) for o in range(2, 6)])], time.monotonic())
-    engine._step()
+    step(engine)
     assert [(m.offset(), m.delivery_attempt) for m in handed] == [(2, 1), (3, 1)]  # 4 settled, 5 waits for 2
     [commit] = engine._commits.offsets(sync=True)
     assert (commit.offset, commit.metadata) == (2, "ol-seek:1")

@@ -100,3 +100,26 @@ def test_a_burst_of_posts_wakes_a_waiting_consumer_once() -> None:
     thread.join(10.0)
     assert event.sets == 1
     assert taken + inbox.take() == list(range(100))
+
+
+def test_a_nudge_ends_any_wait_until_the_next_take() -> None:
+    """An answer the consumer awaits (a flush in flight) wakes it at once, also while it gathers a batch
+    (waits for many events) and also when the nudge came before the wait; ``take`` clears it."""
+    inbox: Inbox[int] = Inbox()
+    inbox.nudge()
+    start = time.monotonic()
+    assert inbox.wait(500, 10.0) and time.monotonic() - start < 5.0
+    assert inbox.take() == []
+    assert not inbox.wait(1, 0.0)
+    inbox.put(1)
+    done = threading.Event()
+    thread = threading.Thread(target=lambda: (inbox.wait(500, 10.0), done.set()))
+    thread.start()
+    deadline = time.monotonic() + 10.0
+    while inbox._wake_at != 500:
+        assert time.monotonic() < deadline, "the consumer did not arm its wake-up"
+        time.sleep(0.001)
+    inbox.nudge()
+    assert done.wait(5.0)
+    thread.join(10.0)
+    assert inbox.take() == [1]

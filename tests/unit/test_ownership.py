@@ -133,3 +133,131 @@ def test_a_seek_voids_the_deliveries_of_the_partitions_it_restarts() -> None:
     rig.ownership.apply_seeks()
     assert list(rig.owned.owned) == [0] and rig.owned.owned[0].epoch == 9
     assert rig.leases.outstanding == {}
+
+
+class GatedStore(VerdictStore):
+    """Writes wait for ``gate`` (Redis at work) and record what they carried, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+        self.written: list[list[tuple[int, list[Op]]]] = []
+
+    def apply_many(self, batches: Sequence[tuple[str, int, int, Sequence[Op]]]) -> list[ApplyResult]:
+        self.entered.set()
+        assert self.gate.wait(10)
+        self.gate.clear()
+        answers = super().apply_many(batches)
+        self.written.append([(partition, list(ops)) for _, partition, _, ops in batches])
+        return answers
+
+
+class AsyncRig(Rig):
+    """``Rig`` with a gated store, a wake-up event and the deliveries ``Ownership`` hands back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.store = GatedStore()
+        store = cast(StateStore, self.store)
+        self.owned = Partitions(store, "sub", SETTINGS)
+        self.writer = StateWriter(store, "sub")
+        self.commits = Commits(self.owned, self.writer, "t", "sub")
+        self.delivered: list[tuple[list[int], bool]] = []
+        self.woken = threading.Event()
+        self.ownership = Ownership("sub", SETTINGS, self.changed, self.owned, self.leases, self.writer, self.commits,
+                                   deliver=lambda released, ok: self.delivered.append(
+                                       ([m.record.offset for _, batch in released for m in batch], ok)),
+                                   wake=self.woken.set)
+        self.ownership.assigned([0], {0: 1})
+
+    def release(self, offsets: list[int]) -> None:
+        """Fetched records of partition 0 released and held for the next flush."""
+        state = self.owned.owned[0]
+        state.add([record(o, b"k%d" % o) for o in offsets])
+        batch, _ = state.release_ready(0.0, 100, 1, 10**9, None, pooled=True)
+        self.leases.admit(0, batch, 0.0)
+        self.ownership.hold([(state, batch)])
+
+    def answer(self) -> None:
+        """Let the write in flight through and wait for its wake-up."""
+        self.store.gate.set()
+        assert self.woken.wait(10)
+        self.woken.clear()
+
+
+def test_a_flush_is_sent_on_its_own_thread_one_at_a_time_and_delivers_after_its_answer() -> None:
+    """DLQ-3, ACK-4: released messages reach user code only after the flush that took their attempts;
+    while a flush is in flight the coordinator goes on (the call returns at once) and what it queues
+    meanwhile waits for the next flush, so a partition's ops reach Redis in the order queued."""
+    rig = AsyncRig()
+    rig.release([0, 1])
+    rig.ownership.start(0.0)
+    assert rig.store.entered.wait(10) and rig.delivered == []  # Redis at work, the caller free
+    rig.writer.push(rig.owned.owned[0], OpKind.SETTLED, 7, 0, 0.0)
+    rig.release([2])
+    rig.ownership.start(0.0)  # one in flight: nothing more is sent
+    rig.ownership.poll()
+    assert rig.delivered == [] and rig.ownership.next_due() is None
+    rig.answer()
+    rig.ownership.poll()
+    assert rig.delivered == [([0, 1], True)]
+    rig.ownership.start(0.0)
+    rig.answer()
+    rig.ownership.poll()
+    assert rig.delivered == [([0, 1], True), ([2], True)]
+    [first], [second] = rig.store.written
+    assert [(op[0], op[1]) for op in first[1]] == [(OpKind.RELEASED, 0), (OpKind.RELEASED, 1)]
+    assert [(op[0], op[1]) for op in second[1]] == [(OpKind.SETTLED, 7), (OpKind.RELEASED, 2)]
+
+
+def test_a_failed_flush_in_flight_gives_back_and_keeps_its_ops_ahead_of_later_ones() -> None:
+    """DLQ-1, ACK-4: a flush that failed in flight gives its releases back (deliver False); its ops are
+    sent again first, before the ops queued while it was in flight; its ack futures wait for them."""
+    rig = AsyncRig()
+    rig.release([0])
+    future: Future[AckResponse] = Future()
+    rig.writer.add_future(0, future)
+    rig.store.failing = True
+    rig.ownership.start(0.0)
+    assert rig.store.entered.wait(10)
+    rig.writer.push(rig.owned.owned[0], OpKind.SETTLED, 9, 0, 0.0)
+    rig.answer()
+    rig.ownership.poll()
+    assert rig.delivered == [([0], False)] and not future.done()
+    rig.store.failing = False
+    assert rig.writer.due(1.0)  # the failed ops make the next flush due
+    rig.store.gate.set()
+    assert rig.ownership.flush()
+    [[(_, ops)]] = rig.store.written
+    assert [(op[0], op[1]) for op in ops] == [(OpKind.RELEASED, 0), (OpKind.SETTLED, 9)]
+    assert future.result(0) is AckResponse.SUCCESS
+
+
+def test_a_verdict_in_flight_applies_only_to_the_ownership_that_sent_it() -> None:
+    """ACK-5: a partition lost and claimed again while its flush was in flight: the old flush's fencing
+    verdict does not drop the new ownership, and ops of the old one that failed are not sent for it."""
+    rig = AsyncRig()
+    rig.release([0])
+    rig.store.verdicts = {0: ApplyResult.FENCED}
+    rig.ownership.start(0.0)
+    assert rig.store.entered.wait(10)
+    rig.ownership.lost([0])
+    rig.ownership.assigned([0], {0: 2})
+    claimed = rig.owned.owned[0]
+    rig.answer()
+    rig.ownership.poll()
+    assert rig.owned.owned.get(0) is claimed
+    rig.store.verdicts = {}
+    rig.store.failing = True
+    rig.release([1])
+    rig.ownership.start(0.0)
+    assert rig.store.entered.wait(10)
+    rig.ownership.lost([0])
+    rig.ownership.assigned([0], {0: 3})
+    rig.answer()
+    rig.ownership.poll()
+    rig.store.failing = False
+    rig.store.gate.set()
+    assert rig.ownership.flush()
+    assert len(rig.store.written) == 1  # the first flush; nothing of the ownerships before was kept

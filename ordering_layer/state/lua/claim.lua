@@ -66,8 +66,12 @@ for _, offset in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do
   table.insert(out, offset)
 end
 table.insert(out, '|')
-for _, item in ipairs(redis.call('HGETALL', KEYS[3])) do
-  table.insert(out, item)
+local fields = redis.call('HGETALL', KEYS[3])
+for i = 1, #fields, 2 do
+  if fields[i] ~= '_' then  -- the field that keeps the hash (apply.lua), not an offset
+    table.insert(out, fields[i])
+    table.insert(out, fields[i + 1])
+  end
 end
 table.insert(out, '|')
 table.insert(out, gen)
