@@ -38,9 +38,10 @@ names, checked against it by ``tests/unit/test_core.py``:
 - ACK-5 fencing, ``ack_with_response``: ``partitions`` (epochs), ``ownership`` (fencing verdicts),
   ``settlement`` (stale epochs and tokens refused), ``state_writer`` (answers), ``state/lua/apply.lua``
 - ACK-6 delivery attempt survives crashes (counted before hand-off): the core (release ops),
-  ``ownership`` (releases held until their flush answered, then ``dispatch.hand_out``), ``settlement`` (start notes), ``engine`` (``begin`` of
-  suspects), ``partitions`` (claim, ``charged_attempts``); suspects of repeated crashes go out one at
-  a time: the core (``Quarantine``; reference ``key_queue.Quarantine``)
+  ``ownership`` (releases held until their flush answered, then ``dispatch.hand_out``),
+  ``settlement`` (start notes), ``engine`` (``begin`` of suspects), ``partitions`` (claim,
+  ``charged_attempts``); suspects of repeated crashes go out one at a time: the core
+  (``Quarantine``; reference ``key_queue.Quarantine``)
 - DLQ-1 backoff per key: the core (``hold``, ``wake``; reference ``key_queue.KeyBackoff``)
 - DLQ-2 dead-lettering, ``park_key``; DLQ-3 poison messages: ``dead_letters``, screened by
   ``dispatch`` (``hand_out``), settled by ``settlement`` (``dead_lettered``); a poison crashes alone:

@@ -11,6 +11,7 @@ or the oldest waiting pull (``handoff``). Used by the coordinator on its thread,
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from ordering_layer.config import SubscriptionSettings
@@ -36,11 +37,13 @@ class Dispatcher:
         dead_letters: the dead-letter screen and writer.
         counts: the engine's counters (``delivered``, ``redelivered`` are bumped here).
         on_messages: callback mode: receives each handed-out batch; None for pull mode.
+        give_back: takes released deliveries back unseen (``Settlement.give_back``).
     """
 
     def __init__(self, settings: SubscriptionSettings, owned: Partitions, gate: FlowGate,
                  leases: Leases, writer: StateWriter, pulls: PullWaiters, dead_letters: DeadLetters,
-                 counts: dict[str, int], on_messages: Callable[[list[Message]], None] | None) -> None:
+                 counts: dict[str, int], on_messages: Callable[[list[Message]], None] | None,
+                 give_back: Callable[[Released, float], None]) -> None:
         self._settings = settings
         self._owned = owned
         self._gate = gate
@@ -50,6 +53,7 @@ class Dispatcher:
         self._dead_letters = dead_letters
         self._counts = counts
         self._on_messages = on_messages
+        self._give_back = give_back
 
     def release(self, now: float) -> Released:
         """Release what may go out now, within flow control: callback mode one per key, pull mode
@@ -108,7 +112,12 @@ class Dispatcher:
         elif messages:
             self._on_messages(messages)
 
-    def not_handed_out(self) -> None:
-        """One release's deliveries were given back unseen: in pull mode its pull waits again."""
+    def deliver(self, released: Released, written: bool) -> None:
+        """One release's deliveries whose flush answered: handed out when Redis took their attempts,
+        given back unseen otherwise (their attempts not counted; in pull mode its pull waits again)."""
+        if written:
+            self.hand_out(released)
+            return
+        self._give_back(released, time.monotonic())
         if self._on_messages is None:
             self._pulls.unclaim()

@@ -52,7 +52,7 @@ from ordering_layer.subscriber.message import Message
 from ordering_layer.subscriber.metrics import snapshot
 from ordering_layer.subscriber.ownership import Ownership
 from ordering_layer.subscriber.partition import Delivery
-from ordering_layer.subscriber.partitions import Partitions, Released
+from ordering_layer.subscriber.partitions import Partitions
 from ordering_layer.subscriber.requests import Committed, DeadLettered, Fetched, Pull, Settle, Sought
 from ordering_layer.subscriber.settlement import Settlement
 from ordering_layer.subscriber.state_writer import StateWriter
@@ -113,10 +113,10 @@ class Engine:
                                       self._counts)
         self._started = self._settlement.starts  # appended per message by the workers: no layer between
         self._dispatcher = Dispatcher(settings, self._owned, self._gate, self._leases, self._writer, self._pulls,
-                                      self._dead_letters, self._counts, on_messages)
+                                      self._dead_letters, self._counts, on_messages, self._settlement.give_back)
         self._commits = Commits(self._owned, self._writer, self.topic, subscription)
         self._ownership = Ownership(subscription, settings, self._changed, self._owned, self._leases, self._writer,
-                                    self._commits, deliver=self._deliver, wake=self._inbox.nudge)
+                                    self._commits, deliver=self._dispatcher.deliver, wake=self._inbox.nudge)
         self._fetcher = Fetcher(conf, subscription, self.topic, self._gate, self._ownership, self._inbox.put,
                                 rebalance or RebalanceHooks())
         self._worker = Worker(f"ordering-layer-engine-{subscription}", self._step)
@@ -273,15 +273,6 @@ class Engine:
                               self._owned.buffered(), now)
             self._changed.notify_all()
         return 0.0
-
-    def _deliver(self, released: Released, written: bool) -> None:
-        """One release's messages whose flush answered: handed out when Redis took their attempts,
-        given back otherwise (their attempts not counted)."""
-        if written:
-            self._dispatcher.hand_out(released)
-        else:
-            self._settlement.give_back(released, time.monotonic())
-            self._dispatcher.not_handed_out()
 
     def _wait_time(self, now: float) -> float:
         times = [self._ownership.next_due(), self._leases.next_check(), self._pulls.next_deadline(),

@@ -55,10 +55,12 @@ class Rig:
         self.dead_letters = HeldDeadLetters(self.settings)
         self.counts = {"delivered": 0, "redelivered": 0}
         self.handed: list[Message] = []
+        self.given_back: list[int] = []
         on_messages: Callable[[list[Message]], None] | None = None if pull else self.handed.extend
         self.dispatcher = Dispatcher(self.settings, self.owned, FlowGate(FlowControl(max_messages=max_messages)),
                                      self.leases, self.writer, self.pulls, self.dead_letters, self.counts,
-                                     on_messages)
+                                     on_messages, lambda released, now: self.given_back.extend(
+                                         m.record.offset for _, batch in released for m in batch))
 
 
 def test_callback_mode_releases_one_per_key_within_the_budget_and_queues_released_attempts() -> None:
@@ -92,6 +94,22 @@ def test_pull_mode_releases_per_key_batches_only_for_a_waiting_pull() -> None:
     assert [d.record.offset for _, batch in released for d in batch] == [0, 2, 1]
     assert {op[0] for op in unpack_ops(rig.owned.owned[0].take_ops())[1:]} == {OpKind.BATCH_DELIVERED}
     rig.dispatcher.hand_out(released)
+    assert [m.offset() for m in future.result(0)] == [0, 2, 1]
+
+
+def test_a_pull_whose_release_was_given_back_waits_again_for_the_next_release() -> None:
+    """DLQ-3, SUB-1 (pull mode): a release claims the oldest pull; when Redis did not take its attempts
+    the deliveries go back unseen and the pull waits again, first in line, to be answered by the next
+    release whose flush succeeded."""
+    rig = Rig(pull=True)
+    future: Future[list[Message]] = Future()
+    rig.pulls.add(Pull(3, time.monotonic() + 10, future))
+    released = rig.dispatcher.release(0.0)
+    assert rig.pulls.wanted() == 0  # claimed
+    rig.dispatcher.deliver(released, False)
+    assert rig.given_back == [0, 2, 1] and not future.done() and rig.pulls.wanted() == 3
+    rig.pulls.claim()
+    rig.dispatcher.deliver(released, True)
     assert [m.offset() for m in future.result(0)] == [0, 2, 1]
 
 

@@ -113,7 +113,12 @@ def test_a_nudge_ends_any_wait_until_the_next_take() -> None:
     assert not inbox.wait(1, 0.0)
     inbox.put(1)
     done = threading.Event()
-    thread = threading.Thread(target=lambda: (inbox.wait(500, 10.0), done.set()))
+
+    def gather() -> None:
+        inbox.wait(500, 10.0)
+        done.set()
+
+    thread = threading.Thread(target=gather)
     thread.start()
     deadline = time.monotonic() + 10.0
     while inbox._wake_at != 500:

@@ -41,8 +41,8 @@ class VerdictStore(SeekStore):
 
 
 class Rig:
-    def __init__(self) -> None:
-        self.store = VerdictStore()
+    def __init__(self, fake: VerdictStore | None = None) -> None:
+        self.store = fake or VerdictStore()
         store = cast(StateStore, self.store)
         self.owned = Partitions(store, "sub", SETTINGS)
         self.leases = Leases(SETTINGS)
@@ -157,12 +157,8 @@ class AsyncRig(Rig):
     """``Rig`` with a gated store, a wake-up event and the deliveries ``Ownership`` hands back."""
 
     def __init__(self) -> None:
-        super().__init__()
-        self.store = GatedStore()
-        store = cast(StateStore, self.store)
-        self.owned = Partitions(store, "sub", SETTINGS)
-        self.writer = StateWriter(store, "sub")
-        self.commits = Commits(self.owned, self.writer, "t", "sub")
+        self.gated = GatedStore()
+        super().__init__(self.gated)
         self.delivered: list[tuple[list[int], bool]] = []
         self.woken = threading.Event()
         self.ownership = Ownership("sub", SETTINGS, self.changed, self.owned, self.leases, self.writer, self.commits,
@@ -181,7 +177,7 @@ class AsyncRig(Rig):
 
     def answer(self) -> None:
         """Let the write in flight through and wait for its wake-up."""
-        self.store.gate.set()
+        self.gated.gate.set()
         assert self.woken.wait(10)
         self.woken.clear()
 
@@ -193,7 +189,7 @@ def test_a_flush_is_sent_on_its_own_thread_one_at_a_time_and_delivers_after_its_
     rig = AsyncRig()
     rig.release([0, 1])
     rig.ownership.start(0.0)
-    assert rig.store.entered.wait(10) and rig.delivered == []  # Redis at work, the caller free
+    assert rig.gated.entered.wait(10) and rig.delivered == []  # Redis at work, the caller free
     rig.writer.push(rig.owned.owned[0], OpKind.SETTLED, 7, 0, 0.0)
     rig.release([2])
     rig.ownership.start(0.0)  # one in flight: nothing more is sent
@@ -206,7 +202,7 @@ def test_a_flush_is_sent_on_its_own_thread_one_at_a_time_and_delivers_after_its_
     rig.answer()
     rig.ownership.poll()
     assert rig.delivered == [([0, 1], True), ([2], True)]
-    [first], [second] = rig.store.written
+    [first], [second] = rig.gated.written
     assert [(op[0], op[1]) for op in first[1]] == [(OpKind.RELEASED, 0), (OpKind.RELEASED, 1)]
     assert [(op[0], op[1]) for op in second[1]] == [(OpKind.SETTLED, 7), (OpKind.RELEASED, 2)]
 
@@ -218,18 +214,18 @@ def test_a_failed_flush_in_flight_gives_back_and_keeps_its_ops_ahead_of_later_on
     rig.release([0])
     future: Future[AckResponse] = Future()
     rig.writer.add_future(0, future)
-    rig.store.failing = True
+    rig.gated.failing = True
     rig.ownership.start(0.0)
-    assert rig.store.entered.wait(10)
+    assert rig.gated.entered.wait(10)
     rig.writer.push(rig.owned.owned[0], OpKind.SETTLED, 9, 0, 0.0)
     rig.answer()
     rig.ownership.poll()
     assert rig.delivered == [([0], False)] and not future.done()
-    rig.store.failing = False
+    rig.gated.failing = False
     assert rig.writer.due(1.0)  # the failed ops make the next flush due
-    rig.store.gate.set()
+    rig.gated.gate.set()
     assert rig.ownership.flush()
-    [[(_, ops)]] = rig.store.written
+    [[(_, ops)]] = rig.gated.written
     assert [(op[0], op[1]) for op in ops] == [(OpKind.RELEASED, 0), (OpKind.SETTLED, 9)]
     assert future.result(0) is AckResponse.SUCCESS
 
@@ -239,25 +235,25 @@ def test_a_verdict_in_flight_applies_only_to_the_ownership_that_sent_it() -> Non
     verdict does not drop the new ownership, and ops of the old one that failed are not sent for it."""
     rig = AsyncRig()
     rig.release([0])
-    rig.store.verdicts = {0: ApplyResult.FENCED}
+    rig.gated.verdicts = {0: ApplyResult.FENCED}
     rig.ownership.start(0.0)
-    assert rig.store.entered.wait(10)
+    assert rig.gated.entered.wait(10)
     rig.ownership.lost([0])
     rig.ownership.assigned([0], {0: 2})
     claimed = rig.owned.owned[0]
     rig.answer()
     rig.ownership.poll()
     assert rig.owned.owned.get(0) is claimed
-    rig.store.verdicts = {}
-    rig.store.failing = True
+    rig.gated.verdicts = {}
+    rig.gated.failing = True
     rig.release([1])
     rig.ownership.start(0.0)
-    assert rig.store.entered.wait(10)
+    assert rig.gated.entered.wait(10)
     rig.ownership.lost([0])
     rig.ownership.assigned([0], {0: 3})
     rig.answer()
     rig.ownership.poll()
-    rig.store.failing = False
-    rig.store.gate.set()
+    rig.gated.failing = False
+    rig.gated.gate.set()
     assert rig.ownership.flush()
-    assert len(rig.store.written) == 1  # the first flush; nothing of the ownerships before was kept
+    assert len(rig.gated.written) == 1  # the first flush; nothing of the ownerships before was kept
