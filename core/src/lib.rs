@@ -188,6 +188,18 @@ impl PartitionCore {
         self.core.requeue(offset, token, now, delay, uncount)
     }
 
+    /// True while the recovery walk holds releases: records up to the highest offset settled before
+    /// the claim have not all been taken yet.
+    #[getter]
+    fn walking(&self) -> bool {
+        self.core.walking()
+    }
+
+    /// Release during the walk from now on (the fetch is held over a buffer limit).
+    fn end_walk(&mut self) {
+        self.core.end_walk();
+    }
+
     /// Move keys whose backoff has ended back to the ready set.
     fn wake(&mut self, now: f64) {
         self.core.wake(now);

@@ -13,6 +13,7 @@ pub const RELEASED: char = 'r';
 pub const BATCH_RELEASED: char = 'q';
 pub const SETTLED: char = 'a';
 pub const NACKED: char = 'n';
+pub const UNSETTLED: char = 'u';
 
 /// Ops queued since the last `take`.
 #[derive(Default)]

@@ -11,6 +11,12 @@
 //! * the ready keys are released oldest first (insertion order, as a Python dict keeps it): a key
 //!   leaves the ready set when looked at and comes back on an ack, a nack or the end of a backoff;
 //! * records settled before a crash are skipped at intake unless their key cascades (SUB-3);
+//! * a record that was settled and goes out again in a cascade (a rewind over it, or a walk over
+//!   it for a cascading key) is unsettled in Redis (`UNSETTLED`, queued before its release), so
+//!   that an owner that crashes mid-cascade leaves the rest of the cascade to its successor (SUB-4);
+//!   for the walk this holds only if every record settled before was taken before anything is
+//!   released, so nothing is released while the walk lasts (up to the highest offset settled
+//!   before), unless `end_walk` lets it (the fetch is held over a buffer limit meanwhile);
 //! * records an earlier owner handed out and never settled get the attempts charged to them
 //!   (ACK-6) and, with `suspects` (callback mode), are suspects; those charged `QUARANTINE_FROM`
 //!   attempts or more go out alone and one at a time per partition (`Quarantine`, DLQ-3): a batch
@@ -65,6 +71,7 @@ pub struct PartitionCore<T> {
     settled_before: HashSet<i64>,
     horizon: i64,
     cascading: HashSet<QueueKey>,
+    walk_holds: bool,
     attempts_before: HashMap<i64, u32>,
     suspects: bool,
     quarantine: Quarantine,
@@ -95,6 +102,7 @@ impl<T> PartitionCore<T> {
             settled_before,
             horizon,
             cascading: HashSet::new(),
+            walk_holds: true,
             attempts_before,
             suspects,
             quarantine: Quarantine::default(),
@@ -186,15 +194,24 @@ impl<T> PartitionCore<T> {
         self.tracker.add(offset);
         if offset <= self.horizon {
             let qkey = self.queue_key(offset, key);
-            if self.settled_before.contains(&offset) && !self.cascading.contains(&qkey) {
+            let settled = self.settled_before.contains(&offset);
+            let skipped = settled && !self.cascading.contains(&qkey);
+            if skipped {
                 self.tracker.settle(offset);
+            } else {
+                if settled {
+                    self.ops.push(ops::UNSETTLED, offset, 0);
+                }
+                self.cascading.insert(qkey);
+            }
+            if offset == self.horizon {
+                self.end_of_walk();
+            }
+            if skipped {
                 return false;
             }
-            self.cascading.insert(qkey);
         } else if self.horizon >= 0 {
-            self.horizon = -1;
-            self.settled_before.clear();
-            self.cascading.clear();
+            self.end_of_walk();
         }
         let (attempts, suspect) = match self.attempts_before.remove(&offset) {
             Some(charged) => (charged, self.suspects),
@@ -210,6 +227,25 @@ impl<T> PartitionCore<T> {
             self.mark_ready(slot);
         }
         true
+    }
+
+    /// Every record up to the highest offset settled before has been taken (or lies below the log's
+    /// start): nothing more is skipped or cascades.
+    fn end_of_walk(&mut self) {
+        self.horizon = -1;
+        self.settled_before.clear();
+        self.cascading.clear();
+    }
+
+    /// The recovery walk holds releases (see the module's text).
+    pub fn walking(&self) -> bool {
+        self.horizon >= 0 && self.walk_holds
+    }
+
+    /// Release during the walk from now on (the fetch is held over a buffer limit, so the walk
+    /// might never end otherwise).
+    pub fn end_walk(&mut self) {
+        self.walk_holds = false;
     }
 
     // -- release -----------------------------------------------------------------------------------
@@ -230,6 +266,9 @@ impl<T> PartitionCore<T> {
     ) -> ReleaseTotals {
         let mut looked = 0;
         let mut totals = ReleaseTotals { count: 0, bytes: 0 };
+        if self.walking() {
+            return totals;
+        }
         let mark = self.ops.mark();
         let released_kind = match written.lease_ms {
             Some(lease) => {
@@ -407,7 +446,8 @@ impl<T> PartitionCore<T> {
         true
     }
 
-    /// Rewind the key of an outstanding delivery to it: (slot, index of its record).
+    /// Rewind the key of an outstanding delivery to it: (slot, index of its record). The acked
+    /// records after it are unsettled in Redis: they go out again (SUB-4).
     fn rewind(&mut self, offset: i64, token: u64) -> Option<(u32, usize)> {
         let (slot, index) = self.outstanding(offset, token)?;
         let queue = self.slots[slot as usize].as_mut().expect("a live slot");
@@ -417,7 +457,10 @@ impl<T> PartitionCore<T> {
                 queue.outstanding -= 1;
                 self.delivered.remove(&entry.offset);
             }
-            entry.acked = false;
+            if entry.acked {
+                entry.acked = false;
+                self.ops.push(ops::UNSETTLED, entry.offset, 0);
+            }
         }
         self.buffered += (queue.cursor - index) as i64;
         queue.cursor = index;

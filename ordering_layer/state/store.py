@@ -34,7 +34,7 @@ from ordering_layer.state.durable import SettingsLog
 
 _LOGGER = logging.getLogger(__name__)
 
-OpLetter = Literal["d", "l", "b", "e", "r", "q", "s", "a", "n", "w"]
+OpLetter = Literal["d", "l", "b", "e", "r", "q", "s", "a", "n", "u", "w"]
 
 
 class OpKind:
@@ -56,6 +56,8 @@ class OpKind:
     * ``SETTLED``: acked or dead-lettered: added to the settled set, attempts and lease dropped;
     * ``NACKED``: the lease is dropped (the message stays unsettled); a value above 0 is the attempt
       user code nacked, so attempts[offset] = value (it started); 0 for a lapsed lease;
+    * ``UNSETTLED``: a settled record goes out again in a cascade (SUB-4): dropped from the settled set,
+      so that a successor cascades from it if this owner crashes first (value 0);
     * ``WATERMARK``: value is the committed offset: everything settled below it is forgotten (offset 0).
     """
 
@@ -68,6 +70,7 @@ class OpKind:
     STARTED: Final = "s"
     SETTLED: Final = "a"
     NACKED: Final = "n"
+    UNSETTLED: Final = "u"
     WATERMARK: Final = "w"
 
 

@@ -268,9 +268,10 @@ class Engine:
                 self._ownership.apply_seeks()
             for request in commits.take_seeks():
                 self._fetcher.seek(request)
-            leases = self._leases
-            self._gate.update(len(leases.outstanding), leases.bytes,
-                              self._owned.buffered(), now)
+            leases, gate, buffered = self._leases, self._gate, self._owned.buffered()
+            gate.update(len(leases.outstanding), leases.bytes, buffered, now)
+            if gate.state is not Gate.OPEN and buffered >= gate.max_buffered * gate.resume_fraction:
+                self._owned.end_walks()
             self._changed.notify_all()
         return 0.0
 

@@ -4,9 +4,11 @@ Pure logic, no I/O: the pure-Python reference of the compiled core the engine ru
 (``owned_partition``, ``core/src/partition.rs``); ``tests/unit/test_core.py`` drives both with the
 same operations and checks they agree. ``PartitionState`` routes records to key queues
 (``key_queue.KeyQueue``), runs the recovery walk after a claim (records settled before a crash are
-skipped unless their key is cascading), releases what may go out, rewinds a key's cursor on a nack
-or lapse (SUB-4) and holds the key back (``key_queue.KeyBackoff``, DLQ-1), and lets quarantined
-suspects out one at a time (``key_queue.Quarantine``, DLQ-3); its commit point is kept by
+skipped unless their key is cascading; nothing is released until it has taken every record up to
+the highest offset settled before, unless ``end_walk``; settled records that go out again are
+listed in ``unsettled``), releases what may go out, rewinds a key's cursor on a nack or lapse
+(SUB-4) and holds the key back (``key_queue.KeyBackoff``, DLQ-1), and lets quarantined suspects out
+one at a time (``key_queue.Quarantine``, DLQ-3); its commit point is kept by
 ``commit_point.OffsetTracker``.
 """
 
@@ -76,6 +78,8 @@ class PartitionState:
         self._settled_before = set(settled_before)
         self._horizon = max(settled_before) if settled_before else -1
         self._cascading: set[QueueKey] = set()
+        self.unsettled: list[int] = []  # settled records going out again in a cascade (UNSETTLED ops)
+        self._walk_holds = True
         self._attempts_before = dict(attempts_before or {})
         self._suspects = suspects
         self.quarantine = Quarantine()
@@ -96,14 +100,20 @@ class PartitionState:
         self.tracker.add(record.offset)
         qkey = self.queue_key(record)
         if record.offset <= self._horizon:
-            if record.offset in self._settled_before and qkey not in self._cascading:
+            settled = record.offset in self._settled_before
+            skipped = settled and qkey not in self._cascading
+            if skipped:
                 self.tracker.settle(record.offset)
+            else:
+                if settled:
+                    self.unsettled.append(record.offset)
+                self._cascading.add(qkey)
+            if record.offset == self._horizon:
+                self._end_of_walk()
+            if skipped:
                 return False
-            self._cascading.add(qkey)
         elif self._horizon >= 0:
-            self._horizon = -1
-            self._settled_before.clear()
-            self._cascading.clear()
+            self._end_of_walk()
         before = self._attempts_before
         if before:
             attempts = before.pop(record.offset, None)
@@ -119,6 +129,20 @@ class PartitionState:
         if not queue.outstanding and qkey not in self.backing_off:
             self.ready[qkey] = None
         return True
+
+    def _end_of_walk(self) -> None:
+        self._horizon = -1
+        self._settled_before.clear()
+        self._cascading.clear()
+
+    @property
+    def walking(self) -> bool:
+        """The recovery walk holds releases: not every record settled before was taken yet."""
+        return self._horizon >= 0 and self._walk_holds
+
+    def end_walk(self) -> None:
+        """Release during the walk from now on."""
+        self._walk_holds = False
 
     # -- release ---------------------------------------------------------------------------------
     def release(self, qkey: QueueKey, now: float, limit: int) -> list[Delivery]:
@@ -152,6 +176,8 @@ class PartitionState:
         """Release from the ready keys, oldest first: up to ``per_key`` records of each, ``budget``
         records in all, and no further key once ``byte_budget`` payload bytes are used up. The keys
         looked at leave the ready set (an ack, a nack or the end of a backoff brings them back)."""
+        if self.walking:
+            return []
         if per_key == 1:
             return self._release_one_each(now, budget, byte_budget)
         released: list[Delivery] = []
@@ -256,7 +282,9 @@ class PartitionState:
         index = next(i for i, r in enumerate(queue.records) if r.offset == offset)
         for record in itertools.islice(queue.records, index, queue.cursor):
             queue.outstanding.pop(record.offset, None)
-            queue.acked.discard(record.offset)
+            if record.offset in queue.acked:
+                queue.acked.discard(record.offset)
+                self.unsettled.append(record.offset)
         self.buffered += queue.cursor - index
         queue.cursor = index
         if offset == self.quarantine.offset:  # it went out alone: its key has no other outstanding

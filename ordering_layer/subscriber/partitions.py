@@ -226,6 +226,14 @@ class Partitions:
         """Fetched records not yet released, all partitions."""
         return sum(state.buffered for state in self.owned.values())
 
+    def end_walks(self) -> None:
+        """Let partitions still in their recovery walk release: the fetch is held over the buffer
+        limit, so the walks might not end otherwise (a cascade cut by a crash meanwhile may then
+        miss records of its key fetched after its first delivery was settled)."""
+        for state in self.owned.values():
+            if state.core.walking:
+                state.core.end_walk()
+
     def release(self, now: float, budget: int, per_key: int, byte_budget: int, lease_ms: int | None, *,
                 pooled: bool) -> Released:
         """Release up to ``budget`` records and ``byte_budget`` bytes, ``per_key`` per ready key, their

@@ -320,7 +320,7 @@ def test_batched_redis_writes_equal_one_by_one(endpoints: Any, unique_name: Call
     rng = random.Random(3)
     common: list[OpLetter] = [OpKind.DELIVERED, OpKind.LEASE, OpKind.SETTLED, OpKind.NACKED,
                               OpKind.BATCH_DELIVERED, OpKind.BATCH_DELIVERED, OpKind.BATCH_LEASE,
-                              OpKind.BATCH_RELEASED, OpKind.STARTED]
+                              OpKind.BATCH_RELEASED, OpKind.STARTED, OpKind.UNSETTLED]
     rare: list[OpLetter] = [OpKind.DELIVERED, OpKind.LEASE, OpKind.SETTLED, OpKind.NACKED, OpKind.WATERMARK,
                             OpKind.RELEASED]
     for trial in range(40):
@@ -360,6 +360,8 @@ def test_batched_redis_writes_equal_one_by_one(endpoints: Any, unique_name: Call
                     leases.pop(offset, None)
                     if value:
                         attempts[offset] = value
+                elif kind == OpKind.UNSETTLED:
+                    settled.discard(offset)
                 elif kind == OpKind.WATERMARK:
                     settled = {o for o in settled if o >= value}
             assert store.apply_many([(name, 0, epoch, ops)]) == [ApplyResult.APPLIED]

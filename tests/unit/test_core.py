@@ -58,6 +58,7 @@ class Twin:
         assert core.ready_keys() == list(py.ready)
         assert core.next_wake() == py.next_wake()
         assert core.held_keys() == py.held_keys()
+        assert core.walking == py.walking
         assert core.quarantined == py.quarantine.offset
         assert core.waiting_keys() == list(py.quarantine.waiting)
         out = [r.offset for q in py.keys.values() for r in q.records if r.quarantined and r.offset in q.outstanding]
@@ -73,8 +74,14 @@ class Twin:
             self.next_offset = max(self.next_offset, offset + 1)
             records.append(record(offset, _KEYS[key], size))
         taken = [self.py.add(r) for r in records]
+        self.take_unsettled()
         skipped = self.core.add(records)
         assert skipped == [r.offset for r, took in zip(records, taken, strict=True) if not took]
+
+    def take_unsettled(self) -> None:
+        """The reference's settled records going out again in a cascade: the core's UNSETTLED ops."""
+        self.ops.extend(f"u,{offset},0;" for offset in self.py.unsettled)
+        self.py.unsettled.clear()
 
     def release(self, budget: int, per_key: int, byte_budget: int, lease: bool, pooled: bool) -> None:
         """A release into the callback pool (``pooled``) or to a pull, queued as ``Dispatcher._admit``
@@ -132,6 +139,7 @@ class Twin:
 
         accepted = self.py.nack(qkey, offset, py_token, self.now, backoff)
         assert self.core.nack(offset, core_token, self.now, backoff, lapsed=lapsed) == accepted
+        self.take_unsettled()
         if accepted:
             self.ops.append(f"n,{offset},{0 if lapsed else attempt};")
 
@@ -144,12 +152,17 @@ class Twin:
             next(r for r in queue.records if r.offset == offset).attempts -= 1
         accepted = self.py.requeue(qkey, offset, py_token, self.now, delay)
         assert self.core.requeue(offset, core_token, self.now, delay, uncount=uncount) == accepted
+        self.take_unsettled()
 
     def dead_lettered(self, pick: tuple[bool, int]) -> None:
         offset, _, _, qkey, key, _ = self.pick(pick)
         self.py.settle_dead_lettered(qkey, offset)
         self.core.settle_dead_lettered(offset, key)
         self.ops.append(f"a,{offset},0;")
+
+    def end_walk(self) -> None:
+        self.py.end_walk()
+        self.core.end_walk()
 
     def advance(self, seconds: float) -> None:
         self.now += seconds
@@ -169,6 +182,7 @@ _operation = st.one_of(
     st.tuples(st.just("requeue"), _recent, st.sampled_from([0.0, 1.0]), st.booleans()),
     st.tuples(st.just("dead_lettered"), _recent),
     st.tuples(st.just("advance"), st.sampled_from([0.0, 0.25, 0.5, 1.0, 3.0])),
+    st.tuples(st.just("end_walk")),
 )
 
 
@@ -187,7 +201,8 @@ _attempts_before = st.dictionaries(st.integers(0, 24), st.integers(0, 4), max_si
 def test_core_decides_as_partition_state(ordered: bool, settled: frozenset[int], charged: dict[int, int],
                                          suspects: bool, operations: list[tuple[object, ...]]) -> None:
     """SUB-1, SUB-2, SUB-3, SUB-4, SUB-6, SUB-7, ACK-4, ACK-6, DLQ-1, DLQ-3: for any claim and any
-    sequence of fetches, releases, acks, nacks, lapses, requeues, dead-letter settlements and wakes,
+    sequence of fetches, releases, acks, nacks, lapses, requeues, dead-letter settlements, wakes and
+    walks ended early,
     the compiled core releases the same records in the same order with the same attempts and suspect
     flags, gives the same verdicts and keeps the same commit point, ready keys, buffered count,
     backoffs and quarantine (the outstanding quarantined suspect, the keys waiting for it in order)
@@ -279,6 +294,36 @@ def test_op_buffer_keeps_decision_order() -> None:
     assert core.ops_count == 6
     assert core.take_ops() == "b,0,7;e,0,1;e,1,1;l,0,11;a,0,0;a,1,0;"
     assert (core.take_ops(), core.ops_count) == ("", 0)
+
+
+def test_a_cascade_unsettles_in_redis_what_it_delivers_again() -> None:
+    """SUB-4 across a crash: a settled record that goes out again in a cascade is dropped from the
+    settled set (``UNSETTLED``) before its release, so that an owner that dies mid-cascade leaves the
+    rest of it to the next owner's recovery walk. Both the rewind of a nack over acked records and
+    the walk over records settled before a crash, for a key that cascades, queue it."""
+    core: PartitionCore[Record] = PartitionCore(ordered=True)
+    core.add([record(offset, b"k", 1) for offset in range(3)])
+    batch, tokens, _, _, _ = core.release_ready(0.0, 3, 3, 10)  # a pull's batch of the key
+    assert [r.offset for r in batch] == [0, 1, 2]
+    core.ack([1, 2], tokens[1:])
+    core.take_ops()
+    assert core.nack(0, tokens[0], 0.0, lambda failures: 0.0, lapsed=False)
+    assert core.take_ops() == "u,1,0;u,2,0;n,0,1;"
+    # The next owner: 10 unsettled (the cascade's start), 11 and 12 settled before the crash; it
+    # releases nothing until it has taken every record up to 14, the highest settled before: so the
+    # flush that records 10's release carries the unsettling of every later record of its key.
+    walk: PartitionCore[Record] = PartitionCore(ordered=True, settled_before={11, 12, 14})
+    assert walk.add([record(10, b"k", 1), record(11, b"k", 1)]) == []
+    assert walk.walking and walk.release_ready(0.0, 10, 1, 100)[0] == []
+    assert walk.add([record(12, b"k", 1), record(14, b"j", 1)]) == [14]
+    assert not walk.walking
+    assert [r.offset for r in walk.release_ready(0.0, 10, 1, 100)[0]] == [10]
+    assert walk.take_ops() == "u,11,0;u,12,0;d,10,1;"
+    # A walk the fetch cannot finish (held over a buffer limit) lets releases go when told.
+    held: PartitionCore[Record] = PartitionCore(ordered=True, settled_before={50})
+    held.add([record(10, b"k", 1)])
+    held.end_walk()
+    assert [r.offset for r in held.release_ready(0.0, 10, 1, 100)[0]] == [10]
 
 
 def test_a_seek_target_is_the_commit_point_until_records_arrive() -> None:

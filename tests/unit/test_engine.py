@@ -31,10 +31,11 @@ class FakeStore:
     def __init__(self) -> None:
         self.epoch = 0
         self.failing = False
+        self.settled: frozenset[int] = frozenset()  # what a claim finds settled
 
     def claim(self, subscription: str, partition: int) -> ClaimedPartition:
         self.epoch += 1
-        return ClaimedPartition(self.epoch, frozenset(), {})
+        return ClaimedPartition(self.epoch, self.settled, {})
 
     def apply_many(self, batches: Sequence[tuple[str, int, int, Sequence[Op]]]) -> list[ApplyResult]:
         if self.failing:
@@ -171,6 +172,35 @@ def test_a_failed_dead_letter_write_requeues_without_counting_a_failure(store: F
         [again], _ = state.release_ready(held, 1, 1, 10**9, None, pooled=True)
         assert again.attempt == 2
         assert not_a_failure(state, again, held)
+    finally:
+        engine.consumer.close()
+
+
+def test_a_recovery_walk_releases_once_it_reaches_the_last_settled_offset_or_the_buffer_limit(
+        store: FakeStore) -> None:
+    """SUB-4, SUB-7: after a claim nothing is released until the records up to the highest offset
+    settled before have been taken (so the unsettling of a cascade's later records is written with
+    its first release); a walk the fetch cannot finish, held over the buffer limit, releases anyway."""
+    handed: list[Message] = []
+    engine = make_engine(store, handed.extend)
+    try:
+        store.settled = frozenset({5})
+        engine._fetcher._on_assign(engine.consumer, P0)
+        engine._handle([engine._fetcher.fetched([record(o) for o in range(3)])], time.monotonic())
+        step(engine)
+        assert handed == [] and engine._partitions[0].core.walking
+        engine._handle([engine._fetcher.fetched([record(o) for o in range(3, 6)])], time.monotonic())
+        step(engine)
+        assert [m.offset() for m in handed] == [0, 1, 2]  # one per key; 5, settled before, cascades behind 2
+        assert not engine._partitions[0].core.walking
+        store.settled = frozenset({10_000})
+        engine._fetcher._on_assign(engine.consumer, [TopicPartition(TOPIC, 1)])
+        engine._gate.max_buffered = 4
+        engine._handle([engine._fetcher.fetched([record(o, 1) for o in range(5)])], time.monotonic())
+        step(engine)
+        assert [m.offset() for m in handed if m.partition() == 1] == []
+        step(engine)  # the step before saw the fetch held over the buffer limit and ended the walk
+        assert [m.offset() for m in handed if m.partition() == 1] == [0, 1, 2]
     finally:
         engine.consumer.close()
 

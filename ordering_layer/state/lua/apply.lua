@@ -20,6 +20,7 @@
 --            SETTLED         'a': zadd settled offset; drop attempts and lease
 --            NACKED          'n': drop lease (the message stays unsettled); a value above 0 is the
 --                                 attempt user code nacked: attempts[offset] = value (it started)
+--            UNSETTLED       'u': zrem settled offset (a settled record goes out again in a cascade)
 --            WATERMARK       'w': committed offset is value: forget everything settled below it
 -- The attempts and leases hashes keep a field '_' that is not an offset (readers skip it), so that a
 -- hash whose last offset is dropped is not deleted and created again by the next write: Redis 7.0
@@ -38,7 +39,7 @@
 -- one, with a fraction of the calls (and of the AOF entries they propagate).
 local DELIVERED, LEASE, BATCH_LEASE, BATCH_DELIVERED = 'd', 'l', 'b', 'e'
 local RELEASED, BATCH_RELEASED, STARTED = 'r', 'q', 's'
-local SETTLED, NACKED, WATERMARK = 'a', 'n', 'w'
+local SETTLED, NACKED, UNSETTLED, WATERMARK = 'a', 'n', 'u', 'w'
 
 local result = 1
 local current = tonumber(redis.call('GET', KEYS[1]))
@@ -99,6 +100,8 @@ for kind, offset, value in string.gmatch(ARGV[2], '(%a),(%d+),(%d+);') do
     if value ~= '0' then
       add(3, 'HSET', offset, value)
     end
+  elseif kind == UNSETTLED then
+    add(2, 'ZREM', offset)
   elseif kind == WATERMARK then
     send(2)
     command[2] = nil
