@@ -130,8 +130,9 @@ def test_seek_to_a_snapshot_restores_exactly_the_unacked_set(
         admin: Admin, kafka_config: dict[str, Any], endpoints: Endpoints,
         subscription_factory: Callable[..., CreatedSubscription], unique_name: Callable[[str], str]) -> None:
     """GRP-3, SUB-4, ACK-6: a snapshot taken after out-of-order acks above the committed offset keeps
-    them (but not an ack that a nack before it in its key voided); after everything was acked, a seek to it delivers again exactly what was unacked then (and,
-    by cascade, the acked later messages of a key with an unacked one), with delivery attempt 1."""
+    them (but not an ack that a nack before it in its key voided); after everything was acked, a
+    seek to it delivers again exactly what was unacked then (and, by cascade, the acked later
+    messages of a key with an unacked one), with delivery attempt 1."""
     created = subscription_factory(partitions=1, retry_policy=NO_BACKOFF)
     # One partition, keys interleaved: a0 b0 c0 d0 a1 b1 c1 d1 a2 b2 c2 d2.
     publish(kafka_config, created.topic, [(key, f"{key}{n}") for n in range(3) for key in "abcd"])
