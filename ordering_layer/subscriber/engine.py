@@ -1,28 +1,26 @@
 """The engine: one coordinator over the subscriber's components, shared by every front end.
 
-Two threads and one lock. The *fetch* thread (``Fetcher``) owns the Kafka consumer and tells the
+Three threads and one lock. The *fetch* thread (``Fetcher``) owns the Kafka consumer and tells the
 coordinator of assignments, revocations and losses (``ownership``). The *engine* thread runs the
 coordinator: it takes everything waiting in the inbox at once (fetched batches, acks, nacks,
 deadline changes, pulls, commit and dead-letter reports), routes each typed request to where its
-state is kept, and applies the verdicts: partitions release what may go out (``OwnedPartition``: the
-compiled core's key queues), within flow control (``FlowGate``); the released messages become
-outstanding leases (``Leases``); attempts and leases are written to Redis in one pipeline
-(``StateWriter``) *before* the messages are handed out (``handoff``) or dead-lettered
-(``DeadLetters``): the pipeline is sent on a thread of its own, one at a time (``Ownership``), and its
-answer wakes the coordinator, which meanwhile takes acks and releases more; commits go back to the
-fetch thread as queued requests. The components hold no
-references to each other; the coordinator's rules live in modules handed the components they act on:
+state is kept and applies the verdicts: partitions release what may go out (``OwnedPartition``: the
+compiled core's key queues) within flow control (``FlowGate``), as outstanding leases (``Leases``).
+Attempts and leases reach Redis in one pipeline (``StateWriter``) *before* the messages are handed
+out (``handoff``) or dead-lettered (``DeadLetters``); the pipeline goes out on the *sending* thread,
+one at a time (``Ownership``), and its answer wakes the coordinator, which meanwhile takes acks and
+releases more. Commits go back to the fetch thread as queued requests. The components hold no
+references to each other; the rules live in modules handed the components they act on:
 ``dispatch`` (release, hand-out), ``settlement`` (acks, nacks, deadlines, lapses, dead-letter
 reports, start notes), ``commits`` (commit points and seeks, GRP-3) and ``ownership`` (claims,
-revocations, fencing verdicts of each flush).
+revocations, flushes and their fencing verdicts).
 
 Attempt counts (ACK-6, DLQ-3): after a crash the next owner charges an attempt never seen started
 only up to one below the dead-letter limit; in callback mode the records it charges are suspects,
-and those charged two attempts or more go out one at a time per partition
-(``key_queue.Quarantine``), so a poison's crashes charge no innocent up to the limit (a pull may
-hold its batch while pulling again, so pulls have none); a worker
-records a suspect's start in Redis, synchronously, before user code runs (``begin``); other starts
-are noted (``settlement``).
+and those charged two attempts or more go out one at a time per partition (``Quarantine``), so a
+poison's crashes charge no innocent up to the limit (a pull may hold its batch while pulling again,
+so pulls have none); a worker records a suspect's start in Redis, synchronously, before user code
+runs (``begin``); other starts are noted (``settlement``).
 """
 
 from __future__ import annotations
