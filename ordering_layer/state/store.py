@@ -473,8 +473,3 @@ class StateStore:
     def release_key(self, subscription: str, ordering_key: str | bytes) -> bool:
         """Release a parked key (text is taken as UTF-8); True when it was parked."""
         return bool(self.client.srem(f"{settings_key(subscription)}:parked", ordering_key))
-
-    @_redis_call
-    def outstanding(self, subscription: str, partition: int) -> int:
-        """Leases currently held in the partition (delivered, not yet settled)."""
-        return len(offset_fields(self.client.hkeys(partition_keys(subscription, partition)[3])))

@@ -146,15 +146,13 @@ class Ownership:
         """Send the next flush when none is in flight and messages wait for it or ops are due."""
         if self._in_flight is not None or not (self._held or self._writer.due(now)):
             return
-        writer = self._writer
-        flush, releases = writer.begin(self._owned.owned), self._held
-        self._held = []
+        flush, releases = self._take()
         if not flush.batches:
             self._finish(flush, releases)
             return
         if self._sender is None:
             self._sender = ThreadPoolExecutor(1, thread_name_prefix=f"ordering-layer-redis-{self._subscription}")
-        sent = self._sender.submit(writer.send, flush)
+        sent = self._sender.submit(self._writer.send, flush)
         self._in_flight = (flush, releases, sent)
         wake = self._wake
         if wake is not None:
@@ -173,8 +171,7 @@ class Ownership:
         """Write every owned partition's queued ops now, after the flush in flight; False when Redis
         failed."""
         self.settle_in_flight()
-        flush, releases = self._writer.begin(self._owned.owned), self._held
-        self._held = []
+        flush, releases = self._take()
         self._writer.send(flush)
         return self._finish(flush, releases)
 
@@ -191,6 +188,11 @@ class Ownership:
         sent.result()
         self._in_flight = None
         self._finish(flush, releases)
+
+    def _take(self) -> tuple[Flush, list[Released]]:
+        """The queued ops of every owned partition, and the releases waiting for them."""
+        releases, self._held = self._held, []
+        return self._writer.begin(self._owned.owned), releases
 
     def _finish(self, flush: Flush, releases: list[Released]) -> bool:
         """Apply a flush's verdicts to the partitions still owned as they were when it began, then

@@ -231,8 +231,7 @@ class Partitions:
         limit, so the walks might not end otherwise (a cascade cut by a crash meanwhile may then
         miss records of its key fetched after its first delivery was settled)."""
         for state in self.owned.values():
-            if state.core.walking:
-                state.core.end_walk()
+            state.core.end_walk()
 
     def release(self, now: float, budget: int, per_key: int, byte_budget: int, lease_ms: int | None, *,
                 pooled: bool) -> Released:
