@@ -12,6 +12,9 @@
 (e) 10,000 keys, 1 ms handler, 16 workers: an ordered subscription vs an unordered one on the same
     topic (the cost of per-key ordering when keys are plentiful).
 
+Every consumer, raw or the layer's, fetches with ``fetch.queue.backoff.ms`` at the layer's default
+(``FETCH_QUEUE_BACKOFF_MS``).
+
 (a) and (e) run ``--rounds`` interleaved rounds on the same topic (each reader has its own group
 from the earliest offset) and print every round and the median of the per-round ratios.
 
@@ -38,6 +41,7 @@ from bench.common import bench_stack, ratio_line
 from ordering_layer import Admin, FlowControl, Message, OrderedConsumer, OrderedProducer, RetryPolicy, Subscriber
 from ordering_layer.stack import Endpoints
 from ordering_layer.state.client import redis_client
+from ordering_layer.subscriber.client_config import FETCH_QUEUE_BACKOFF_MS
 
 
 def publish(endpoints: Endpoints, topic: str, keys: list[str], count: int, payload: bytes = b"x" * 100) -> None:
@@ -48,9 +52,12 @@ def publish(endpoints: Endpoints, topic: str, keys: list[str], count: int, paylo
 
 def raw_consume(endpoints: Endpoints, topic: str, count: int, handler_seconds: float = 0.0,
                 one_at_a_time: bool = False) -> float:
-    """A plain consumer: consume, handle, commit (per batch, or per message when one at a time)."""
+    """A plain consumer: consume, handle, commit (per batch, or per message when one at a time). It
+    gets the subscriber's ``fetch.queue.backoff.ms`` too, so that neither side meets librdkafka's
+    one-second fetch stall that the other is spared."""
     consumer = Consumer({**endpoints.kafka_config(), "group.id": f"raw-{uuid.uuid4().hex}",
-                         "enable.auto.commit": False, "auto.offset.reset": "earliest"})
+                         "enable.auto.commit": False, "auto.offset.reset": "earliest",
+                         "fetch.queue.backoff.ms": FETCH_QUEUE_BACKOFF_MS})
     consumer.subscribe([topic])
     seen = 0
     start = 0.0

@@ -13,7 +13,7 @@ and samples the engine every ~2 ms from a thread of its own: outstanding, buffer
 flush in flight (sent and its answer not yet applied), ready keys.
 
     PYTHONPATH=. .venv/bin/python bench/profile_wall.py [--messages 200000] [--runs 2]
-        [--max-messages 1000]
+        [--max-messages 1000] [--no-redis]
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from bench.common import bench_stack
 from bench.profile_subscribe import thread_cpu, thread_role
 from ordering_layer import Admin, FlowControl, Message, RetryPolicy, Subscriber
 from ordering_layer.stack import Endpoints
+from ordering_layer.state import ApplyResult
 from ordering_layer.state.client import redis_client
 from ordering_layer.subscriber import engine as engine_module
 from ordering_layer.subscriber import inbox, state_writer
@@ -59,10 +60,11 @@ def _timed(owner: Any, name: str, label: str) -> None:
     setattr(owner, name, timed)
 
 
-def _instrument() -> None:
-    """Wrap the methods timed (see the module's text); engines are remembered for the sampler."""
+def _instrument(no_redis: bool) -> None:
+    """Wrap the methods timed (see the module's text); engines are remembered for the sampler. With
+    ``no_redis`` each flush is answered at once without a round trip (a ceiling, not a mode)."""
     _timed(inbox.Inbox, "wait", "coordinator waiting for events")
-    send = StateWriter.send
+    send = _answer_at_once if no_redis else StateWriter.send
 
     def timed_send(self: StateWriter, flush: Flush) -> None:
         wall, cpu = time.perf_counter(), time.thread_time()
@@ -97,6 +99,10 @@ def _instrument() -> None:
     engine_module.Engine.__init__ = remembered  # type: ignore[method-assign]
 
 
+def _answer_at_once(self: StateWriter, flush: Flush) -> None:
+    flush.answers = [ApplyResult.APPLIED] * len(flush.batches)
+
+
 def machine_cpu() -> tuple[int, int]:
     """(all jiffies, idle jiffies) of the machine so far."""
     fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
@@ -114,7 +120,8 @@ def sample(engine: Any, done: threading.Event) -> list[tuple[int, int, str, bool
     return samples
 
 
-def one_run(endpoints: Endpoints, admin: Admin, topic: str, count: int, max_messages: int) -> None:
+def one_run(endpoints: Endpoints, admin: Admin, topic: str, count: int, max_messages: int,
+            kafka: dict[str, Any]) -> None:
     name = f"wall-{uuid.uuid4().hex[:8]}"
     admin.create_subscription(name, topic=topic, retry_policy=RetryPolicy(0, 0))
     redis = redis_client(endpoints.redis_url)
@@ -142,7 +149,7 @@ def one_run(endpoints: Endpoints, admin: Admin, topic: str, count: int, max_mess
                 marks["last"] = snapshot()
                 finished.set()
 
-    subscriber = Subscriber({"bootstrap.servers": endpoints.bootstrap}, redis_url=endpoints.redis_url)
+    subscriber = Subscriber({"bootstrap.servers": endpoints.bootstrap, **kafka}, redis_url=endpoints.redis_url)
     handle = subscriber.subscribe(name, callback, max_workers=16, flow_control=FlowControl(max_messages=max_messages))
     started.wait(120)
     samples = sample(ENGINES[-1], finished)
@@ -185,15 +192,20 @@ def main() -> None:
     parser.add_argument("--messages", type=int, default=200_000)
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--max-messages", type=int, default=1000)
+    parser.add_argument("--no-redis", action="store_true",
+                        help="answer each flush at once without Redis: the engine's ceiling (measurement only)")
+    parser.add_argument("--fetch-queue-backoff-ms", type=int, default=None,
+                        help="set librdkafka's fetch.queue.backoff.ms in the subscriber (the layer's default: 10)")
     args = parser.parse_args()
-    _instrument()
+    kafka = {} if args.fetch_queue_backoff_ms is None else {"fetch.queue.backoff.ms": args.fetch_queue_backoff_ms}
+    _instrument(args.no_redis)
     with bench_stack() as endpoints:
         admin = Admin({"bootstrap.servers": endpoints.bootstrap}, redis_url=endpoints.redis_url)
         topic = f"wall-{uuid.uuid4().hex[:8]}"
         admin.create_topic(topic, partitions=6)
         publish(endpoints, topic, [f"key-{i}" for i in range(10_000)], args.messages)
         for _ in range(args.runs):
-            one_run(endpoints, admin, topic, args.messages, args.max_messages)
+            one_run(endpoints, admin, topic, args.messages, args.max_messages, kafka)
 
 
 if __name__ == "__main__":

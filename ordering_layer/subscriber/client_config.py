@@ -1,5 +1,5 @@
-"""The subscriber's Kafka settings as other clients of it take them, the credential check, and the
-layer's Redis URL.
+"""The subscriber's Kafka settings: as its consumer takes them, as other clients of it take them; the
+credential check and the layer's Redis URL.
 
 The subscriber's settings feed a consumer, but also the dead-letter producer and the credential
 probe, which take no consumer-only keys (librdkafka warns on each one it is given).
@@ -7,6 +7,7 @@ probe, which take no consumer-only keys (librdkafka warns on each one it is give
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -15,7 +16,25 @@ from ordering_layer.errors import ConfigError
 from ordering_layer.scheduler.settings import REDIS_URL_ENV, redis_url_or_env
 
 CONSUMER_ONLY = ("group.", "session.", "heartbeat.", "max.poll", "auto.", "enable.auto",
-                 "partition.assignment", "isolation", "on_commit")
+                 "partition.assignment", "isolation", "on_commit", "fetch.", "queued.")
+
+# librdkafka's fetch.queue.backoff.ms (default 1000): how long it postpones the next fetch of a
+# partition once its local queue was over queued.min.messages. A consumer that drains the queue
+# faster than that waits the rest of the second with an empty queue (bench/RESULTS.md, "Measured
+# ceilings"); 10 ms refetches as soon as the subscriber has taken what was prefetched. A value in
+# the user's settings wins.
+FETCH_QUEUE_BACKOFF_MS = 10
+
+
+def consumer_settings(kafka_config: Mapping[str, Any], subscription: str) -> dict[str, Any]:
+    """The engine's consumer settings: the user's, with the group, commits and assignor the engine
+    needs, and the layer's defaults for what the user did not set."""
+    conf = {k: v for k, v in kafka_config.items() if k != "group.id"}
+    conf.update({"group.id": subscription, "enable.auto.commit": False, "enable.auto.offset.store": False,
+                 "auto.offset.reset": "earliest", "partition.assignment.strategy": "cooperative-sticky"})
+    conf.setdefault("fetch.queue.backoff.ms", FETCH_QUEUE_BACKOFF_MS)
+    conf.setdefault("logger", logging.getLogger("ordering_layer.kafka.consumer"))
+    return conf
 
 
 def without_consumer_keys(kafka_config: Mapping[str, Any]) -> dict[str, Any]:

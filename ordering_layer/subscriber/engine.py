@@ -38,6 +38,7 @@ from confluent_kafka import Consumer
 from ordering_layer.config import FlowControl, SubscriptionSettings
 from ordering_layer.state import ApplyResult, StateStore
 from ordering_layer.state.store import OpKind
+from ordering_layer.subscriber.client_config import consumer_settings
 from ordering_layer.subscriber.commits import Commits
 from ordering_layer.subscriber.dead_letters import DeadLetters
 from ordering_layer.subscriber.dispatch import Dispatcher
@@ -89,10 +90,7 @@ class Engine:
         self.topic = settings.topic
         self.flow_control = flow_control
         self._on_messages = on_messages
-        conf = {k: v for k, v in kafka_config.items() if k != "group.id"}
-        conf.update({"group.id": subscription, "enable.auto.commit": False, "enable.auto.offset.store": False,
-                     "auto.offset.reset": "earliest", "partition.assignment.strategy": "cooperative-sticky"})
-        conf.setdefault("logger", logging.getLogger("ordering_layer.kafka.consumer"))
+        conf = consumer_settings(kafka_config, subscription)
         self._inbox: Inbox[Any] = Inbox()
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)

@@ -1,0 +1,32 @@
+"""The engine's consumer settings and the settings its other clients take."""
+
+from __future__ import annotations
+
+from ordering_layer.subscriber.client_config import (
+    FETCH_QUEUE_BACKOFF_MS,
+    consumer_settings,
+    without_consumer_keys,
+)
+
+
+def test_consumer_settings_fix_the_group_commits_and_assignor() -> None:
+    conf = consumer_settings({"bootstrap.servers": "b:9092", "group.id": "theirs", "enable.auto.commit": True},
+                             "orders-sub")
+    assert conf["bootstrap.servers"] == "b:9092"
+    assert conf["group.id"] == "orders-sub"
+    assert conf["enable.auto.commit"] is False
+    assert conf["enable.auto.offset.store"] is False
+    assert conf["partition.assignment.strategy"] == "cooperative-sticky"
+
+
+def test_fetch_queue_backoff_defaults_short_and_the_users_value_wins() -> None:
+    assert consumer_settings({"bootstrap.servers": "b"}, "s")["fetch.queue.backoff.ms"] == FETCH_QUEUE_BACKOFF_MS
+    assert FETCH_QUEUE_BACKOFF_MS < 1000  # librdkafka's default, which stalls a fast consumer for a second
+    conf = consumer_settings({"bootstrap.servers": "b", "fetch.queue.backoff.ms": 500}, "s")
+    assert conf["fetch.queue.backoff.ms"] == 500
+
+
+def test_fetch_and_queue_settings_are_kept_from_producers() -> None:
+    conf = {"bootstrap.servers": "b", "fetch.queue.backoff.ms": 5, "queued.min.messages": 1000,
+            "fetch.wait.max.ms": 10, "linger.ms": 5}
+    assert without_consumer_keys(conf) == {"bootstrap.servers": "b", "linger.ms": 5}
