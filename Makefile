@@ -25,23 +25,26 @@ system-deps:
 
 python-deps: $(VENV)/.installed
 
+# The package carries the subscriber's compiled dispatch core (core/: Rust through PyO3, abi3, as
+# ordering_layer._core; pyproject.toml builds it with maturin), so installing it needs cargo; cargo
+# fetches the crates from crates.io. Rust comes from rustup (~/.cargo/bin): it needs rustc >= 1.85,
+# newer than Debian bookworm's.
+export PATH := $(HOME)/.cargo/bin:$(PATH)
+
 $(VENV)/.installed: pyproject.toml
+	@command -v cargo >/dev/null || { echo "cargo not found: install Rust >= 1.85 (rustup) to build core/"; exit 1; }
 	@[ -x $(PY) ] || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[spark,test,dev]'
 	@touch $@
 
-# The compiled dispatch core (core/: Rust through PyO3, abi3), built by maturin into the venv; cargo
-# fetches its crates from crates.io. Rust comes from rustup (~/.cargo/bin): it needs rustc >= 1.85,
-# newer than Debian bookworm's.
-export PATH := $(HOME)/.cargo/bin:$(PATH)
-CORE_SOURCES := core/Cargo.toml core/Cargo.lock core/pyproject.toml core/ordering_layer_core.pyi $(wildcard core/src/*.rs)
+# After a change to core/ the editable install builds the extension again, in place.
+CORE_SOURCES := core/Cargo.toml core/Cargo.lock $(wildcard core/src/*.rs)
 
 core: $(VENV)/.core-built
 
 $(VENV)/.core-built: $(VENV)/.installed $(CORE_SOURCES)
-	@command -v cargo >/dev/null || { echo "cargo not found: install Rust >= 1.85 (rustup) to build core/"; exit 1; }
-	VIRTUAL_ENV=$(abspath $(VENV)) $(VENV)/bin/maturin develop --release --locked --quiet -m core/Cargo.toml
+	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	@touch $@
 
 # Kafka broker jars and Spark's Kafka source, pinned in ordering_layer/stack/poms/, into the cache.
@@ -122,4 +125,4 @@ soak-short: setup
 
 clean:
 	-$(VENV)/bin/ordering-layer stack down
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache core/target
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache core/target ordering_layer/_core*.so

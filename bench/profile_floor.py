@@ -57,11 +57,10 @@ from confluent_kafka import Consumer, TopicPartition
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ordering_layer_core import PartitionCore, kafka_partition_runs, partition_runs
-
 from bench.bench_subscribe import publish, raw_consume
 from bench.common import bench_stack
 from ordering_layer import Admin, Message
+from ordering_layer._core import PartitionCore, kafka_partition_runs, partition_runs
 from ordering_layer.config import SubscriptionSettings
 from ordering_layer.stack import Endpoints
 from ordering_layer.state.client import redis_client

@@ -158,7 +158,8 @@ def reserved_names(names: Iterable[str]) -> list[str]:
 
 # -- the layer's own records (Avro) ------------------------------------------------------------------
 def _schema_path(name: str) -> Path:
-    """``schemas/<name>.avsc`` (``ordering_layer/_schemas`` links to the top-level folder)."""
+    """``schemas/<name>.avsc``: the top-level ``schemas`` links to ``ordering_layer/_schemas``, which
+    the package carries."""
     return Path(str(resources.files("ordering_layer"))) / "_schemas" / f"{name}.avsc"
 
 

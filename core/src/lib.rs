@@ -1,13 +1,13 @@
-//! ordering_layer_core: the subscriber's per-partition dispatch bookkeeping, compiled (issue 11).
+//! ordering_layer._core: the subscriber's per-partition dispatch bookkeeping, compiled.
 //!
-//! A prototype measured against `ordering_layer/subscriber/partition.py`, whose semantics it keeps
-//! (see `partition.rs`). Python crosses into it once per batch: a fetched batch in, a release of up
-//! to a budget of ready keys out as parallel lists, a batch of acks in with the new commit point
-//! out. Records stay Python objects: the core keeps a reference to each and hands it back on
-//! release, reading only `offset`, `key` and `size`; which of them are suspects (ACK-6, DLQ-3) it
-//! says with the release. The ops for Redis (`apply.lua`'s packed argument) are written as the
-//! decisions are made. Assignment generations, epochs, leases, start notes and dead-letter policy
-//! stay in Python.
+//! The engine runs on it; `ordering_layer/subscriber/partition.py` is its reference, whose
+//! semantics it keeps (see `partition.rs`). Python crosses into it once per batch: a fetched batch
+//! in, a release of up to a budget of ready keys out as parallel lists, a batch of acks in with the
+//! new commit point out. Records stay Python objects: the core keeps a reference to each and hands
+//! it back on release, reading only `offset`, `key` and `size`; which of them are suspects (ACK-6,
+//! DLQ-3) it says with the release. The ops for Redis (`apply.lua`'s packed argument) are written
+//! as the decisions are made. Assignment generations, epochs, leases, start notes and dead-letter
+//! policy stay in Python.
 
 mod key_queue;
 mod ops;
@@ -28,7 +28,7 @@ use partition::{Admission, PartitionCore as Core, QueueKey};
 type Released<'py> = (Bound<'py, PyList>, Bound<'py, PyList>, Bound<'py, PyList>, i64, Vec<usize>);
 
 /// Dispatch state of one owned partition (see the module's documentation).
-#[pyclass(module = "ordering_layer_core", name = "PartitionCore")]
+#[pyclass(module = "ordering_layer._core", name = "PartitionCore")]
 struct PartitionCore {
     core: Core<Py<PyAny>>,
 }
@@ -311,6 +311,7 @@ fn kafka_partition_runs(messages: &Bound<'_, PyList>) -> PyResult<Vec<(i64, usiz
 }
 
 #[pymodule]
+#[pyo3(name = "_core")]
 fn ordering_layer_core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<PartitionCore>()?;
     module.add_function(wrap_pyfunction!(partition_runs, module)?)?;

@@ -2,7 +2,7 @@
 
 The per-message bookkeeping of a partition (key queues, the recovery walk, release, cascade
 rewinds, backoff, the quarantine of suspects, the commit point, and the Redis ops those decisions
-make) runs in ``ordering_layer_core.PartitionCore`` (``core/``), which keeps ``PartitionState``'s
+make) runs in ``ordering_layer._core.PartitionCore`` (``core/``), which keeps ``PartitionState``'s
 semantics: ``PartitionState`` is the pure-Python reference it is tested against
 (``tests/unit/test_core.py``). What stays here is what the engine knows about the ownership: the
 owner epoch (ACK-5), the assignment generation records must be fetched under (SUB-3), the seek the
@@ -19,8 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ordering_layer_core import PartitionCore
-
+from ordering_layer._core import PartitionCore
 from ordering_layer.state.store import OpLetter
 from ordering_layer.subscriber.key_queue import Delivery, QueueKey, Record
 from ordering_layer.subscriber.message import Message, unattached

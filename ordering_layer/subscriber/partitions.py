@@ -24,8 +24,8 @@ from typing import Any
 
 import redis
 from confluent_kafka import TopicPartition
-from ordering_layer_core import partition_runs
 
+from ordering_layer._core import partition_runs
 from ordering_layer.config import SubscriptionSettings
 from ordering_layer.offsets import seek_tag
 from ordering_layer.state import ClaimedPartition, StateStore

@@ -1,4 +1,4 @@
-"""The compiled dispatch core (``ordering_layer_core``) against ``PartitionState``, its reference.
+"""The compiled dispatch core (``ordering_layer._core``) against ``PartitionState``, its reference.
 
 Both are driven with the same random operation sequences (hypothesis) after the same claim (a
 recovery walk's settled offsets, attempts charged to records an earlier owner handed out, in
@@ -20,8 +20,8 @@ from typing import Any
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from ordering_layer_core import PartitionCore, kafka_partition_runs, partition_runs
 
+from ordering_layer._core import PartitionCore, kafka_partition_runs, partition_runs
 from ordering_layer.record import RecordMetadata
 from ordering_layer.subscriber.partition import PartitionState, QueueKey, Record
 
