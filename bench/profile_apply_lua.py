@@ -1,0 +1,92 @@
+"""Where Redis's time per flush goes inside ``apply.lua`` (issue 11).
+
+Runs the subscriber's flush shape on one partition, ``--flushes`` times: a batch lease, ``--messages``
+BATCH_RELEASED ops, a start note for every tenth message of the previous flush and the SETTLED ops
+of the previous flush's messages (the steady state of callback mode), with a WATERMARK every 50
+flushes (a commit). Each of three scripts gets the same flushes on keys of its own:
+
+* ``apply.lua`` itself;
+* ``no calls``: the same parsing and argument tables, without the HSET / HDEL / ZADD calls;
+* ``parse only``: the packed argument parsed and nothing else (with the round trip and the transfer
+  of the argument, the floor of any script that takes the ops this way).
+
+It prints the median wall time of an EVALSHA per flush as the client sees it and Redis's own
+``usec_per_call`` of each command.
+
+    PYTHONPATH=. .venv/bin/python bench/profile_apply_lua.py [--messages 500] [--flushes 300]
+        [--redis-url redis://...]   (default: the bench stack's Redis)
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import bench_stack
+from ordering_layer.state.client import redis_client
+from ordering_layer.state.store import partition_keys
+
+SCRIPT = Path(__file__).resolve().parent.parent / "ordering_layer" / "state" / "lua" / "apply.lua"
+_CALL = "    redis.call(command[k], KEYS[k], unpack(list, i, math.min(i + CHUNK - 1, #list)))\n"
+_LOOP = "for kind, offset, value in string.gmatch(ARGV[2], '(%a),(%d+),(%d+);') do\n"
+
+
+def variants() -> dict[str, str]:
+    """The script and its two cut-down copies (see the module's text)."""
+    source = SCRIPT.read_text()
+    if _CALL not in source or _LOOP not in source:
+        raise SystemExit("apply.lua changed shape: update this script's cuts")
+    parse_only = source[:source.index(_LOOP)] + _LOOP + "end\nreturn result\n"
+    return {"apply.lua": source, "no calls": source.replace(_CALL, ""), "parse only": parse_only}
+
+
+def flushes(messages: int, count: int) -> list[str]:
+    """The packed ops of ``count`` steady-state flushes of ``messages`` messages each."""
+    packed, base = [], 0
+    for n in range(count):
+        ops = [f"b,0,{10**12};"]
+        ops += [f"q,{base + i},1;" for i in range(messages)]
+        ops += [f"s,{base - messages + i},1;" for i in range(0, messages, 10)]
+        ops += [f"a,{base - messages + i},0;" for i in range(messages)]
+        if n % 50 == 49:
+            ops.append(f"w,0,{base - 20 * messages};")
+        packed.append("".join(ops))
+        base += messages
+    return packed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--messages", type=int, default=500)
+    parser.add_argument("--flushes", type=int, default=300)
+    parser.add_argument("--redis-url", default=None)
+    args = parser.parse_args()
+    work = flushes(args.messages, args.flushes)
+    with bench_stack() as endpoints:
+        client = redis_client(args.redis_url or endpoints.redis_url)
+        for name, source in variants().items():
+            sha = client.script_load(source)
+            keys = partition_keys(f"profile-apply-{time.time_ns()}", 0)
+            client.set(keys[0], 1)
+            client.config_resetstat()
+            times = []
+            for packed in work:
+                start = time.perf_counter()
+                client.evalsha(sha, len(keys), *keys, 1, packed)
+                times.append(time.perf_counter() - start)
+            stats = client.info("commandstats")
+            calls = ", ".join(f"{command[8:]} {value['usec_per_call']:.0f} us x {value['calls'] / len(work):.1f}"
+                              for command, value in sorted(stats.items(), key=lambda kv: -kv[1]["usec"])
+                              if command not in ("cmdstat_config|resetstat", "cmdstat_info"))
+            print(f"{name}: {statistics.median(times) * 1e3:.3f} ms per flush of {len(work[-1].split(';')) - 1} ops "
+                  f"(median of {len(work)}); per flush: {calls}")
+            client.delete(*keys)
+
+
+if __name__ == "__main__":
+    main()
