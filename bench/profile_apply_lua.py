@@ -27,8 +27,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import redis
+
 from bench.common import bench_stack
-from ordering_layer.state.client import redis_client
 from ordering_layer.state.store import partition_keys
 
 SCRIPT = Path(__file__).resolve().parent.parent / "ordering_layer" / "state" / "lua" / "apply.lua"
@@ -68,16 +69,16 @@ def main() -> None:
     args = parser.parse_args()
     work = flushes(args.messages, args.flushes)
     with bench_stack() as endpoints:
-        client = redis_client(args.redis_url or endpoints.redis_url)
+        client = redis.Redis.from_url(args.redis_url or endpoints.redis_url)  # one server: not a cluster
         for name, source in variants().items():
-            sha = client.script_load(source)
+            sha = client.execute_command("SCRIPT", "LOAD", source)
             keys = partition_keys(f"profile-apply-{time.time_ns()}", 0)
             client.set(keys[0], 1)
             client.config_resetstat()
             times = []
             for packed in work:
                 start = time.perf_counter()
-                client.evalsha(sha, len(keys), *keys, 1, packed)
+                client.execute_command("EVALSHA", sha, len(keys), *keys, 1, packed)
                 times.append(time.perf_counter() - start)
             stats = client.info("commandstats")
             calls = ", ".join(f"{command[8:]} {value['usec_per_call']:.0f} us x {value['calls'] / len(work):.1f}"
