@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+from typing import Any, cast
+
+import pytest
+
+from ordering_layer.config import FlowControl, SubscriptionSettings
+from ordering_layer.state import StateStore
+from ordering_layer.subscriber import fetcher
 from ordering_layer.subscriber.client_config import (
     FETCH_QUEUE_BACKOFF_MS,
     consumer_settings,
     without_consumer_keys,
 )
+from ordering_layer.subscriber.engine import Engine
 
 
 def test_consumer_settings_fix_the_group_commits_and_assignor() -> None:
@@ -30,3 +38,20 @@ def test_fetch_and_queue_settings_are_kept_from_producers() -> None:
     conf = {"bootstrap.servers": "b", "fetch.queue.backoff.ms": 5, "queued.min.messages": 1000,
             "fetch.wait.max.ms": 10, "linger.ms": 5}
     assert without_consumer_keys(conf) == {"bootstrap.servers": "b", "linger.ms": 5}
+
+
+def test_the_engine_builds_its_consumer_from_these_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's Kafka consumer is made with ``consumer_settings`` (the fetch backoff included)."""
+    made: list[dict[str, Any]] = []
+
+    class Recording:
+        def __init__(self, conf: dict[str, Any]) -> None:
+            made.append(conf)
+
+    monkeypatch.setattr(fetcher, "Consumer", Recording)
+    Engine({"bootstrap.servers": "127.0.0.1:1"}, cast(StateStore, object()), "orders-sub",
+           SubscriptionSettings(topic="orders"), flow_control=FlowControl(), on_messages=None)
+    [conf] = made
+    assert conf["fetch.queue.backoff.ms"] == FETCH_QUEUE_BACKOFF_MS
+    assert conf["group.id"] == "orders-sub"
+    assert callable(conf["on_commit"])
