@@ -319,18 +319,21 @@ class Admin:
             error = exc.args[0]
             if isinstance(error, KafkaError) and error.code() == KafkaError.TOPIC_ALREADY_EXISTS:
                 if exist_ok:
-                    return self.describe_topic(name)
+                    # Created by a concurrent caller: the broker answering may not show it yet.
+                    return self._await_topic(name)
                 raise TopicExistsError(f"topic {name!r} exists already", topic=name) from exc
             raise TopicError(f"creating topic {name!r} failed: {error}", topic=name) from exc
         return self._await_topic(name, partitions)
 
-    def _await_topic(self, name: str, partitions: int) -> TopicDescription:
-        """The new topic's description once metadata shows all its partitions (creation is async)."""
+    def _await_topic(self, name: str, partitions: int | None = None) -> TopicDescription:
+        """The topic's description once metadata shows ``partitions`` partitions (default: as many as
+        it has, at least one), each with a leader; creation is asynchronous."""
         deadline = time.monotonic() + _TIMEOUT
         while True:
             try:
                 described = self.describe_topic(name)
-                if described.partitions >= partitions and described.partitions_with_leader >= partitions:
+                wanted = max(1, described.partitions) if partitions is None else partitions
+                if described.partitions >= wanted and described.partitions_with_leader >= wanted:
                     return described
             except TopicError:
                 if time.monotonic() > deadline:
