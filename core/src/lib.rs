@@ -66,13 +66,14 @@ fn key_bytes<'a>(key: &'a Bound<'_, PyAny>) -> PyResult<Option<&'a [u8]>> {
 impl PartitionCore {
     #[new]
     #[pyo3(signature = (*, ordered, settled_before = None, attempts_before = None, suspects = true,
-                        start_offset = None))]
+                        start_offset = None, cascades = None))]
     fn new(
         ordered: bool,
         settled_before: Option<StdHashSet<i64>>,
         attempts_before: Option<StdHashMap<i64, u32>>,
         suspects: bool,
         start_offset: Option<i64>,
+        cascades: Option<StdHashSet<i64>>,
     ) -> Self {
         PartitionCore {
             core: Core::new(
@@ -81,6 +82,7 @@ impl PartitionCore {
                 attempts_before.unwrap_or_default().into_iter().collect(),
                 suspects,
                 start_offset,
+                cascades.unwrap_or_default().into_iter().collect(),
             ),
         }
     }

@@ -14,6 +14,8 @@ pub const BATCH_RELEASED: char = 'q';
 pub const SETTLED: char = 'a';
 pub const NACKED: char = 'n';
 pub const UNSETTLED: char = 'u';
+pub const CASCADE_FROM: char = 'c';
+pub const CASCADE_DONE: char = 'x';
 
 /// Ops queued since the last `take`.
 #[derive(Default)]

@@ -17,6 +17,11 @@
 //!   for the walk this holds only if every record settled before was taken before anything is
 //!   released, so nothing is released while the walk lasts (up to the highest offset settled
 //!   before), unless `end_walk` lets it (the fetch is held over a buffer limit meanwhile);
+//! * from `end_walk` on, each cascading key is marked in Redis by the offset it cascades from
+//!   (`CASCADE_FROM`, queued before anything of the key is released) and the commit point stays at
+//!   or below the lowest mark, so that an owner that crashes before the walk's end leaves its
+//!   successor both the marks (`cascades`, from the claim) and the marked records: a record of a
+//!   mark cascades its key even when settled, and the marks go (`CASCADE_DONE`) when a walk ends;
 //! * records an earlier owner handed out and never settled get the attempts charged to them
 //!   (ACK-6) and, with `suspects` (callback mode), are suspects; those charged `QUARANTINE_FROM`
 //!   attempts or more go out alone and one at a time per partition (`Quarantine`, DLQ-3): a batch
@@ -25,10 +30,10 @@
 //! Queues live in a slab (`slots`) so that the ready list, the quarantine's waiting list and the
 //! outstanding offsets refer to them by index (see `key_queue`).
 
-use std::collections::{BinaryHeap, VecDeque};
+use std::collections::{BTreeSet, BinaryHeap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering as AtomicOrdering};
 
-use foldhash::{HashMap, HashMapExt, HashSet, HashSetExt};
+use foldhash::{HashMap, HashMapExt, HashSet};
 
 pub use crate::key_queue::{Entry, QueueKey};
 use crate::key_queue::{KeyQueue, Quarantine, Wake, QUARANTINE_FROM};
@@ -70,7 +75,9 @@ pub struct PartitionCore<T> {
     pub buffered: i64,
     settled_before: HashSet<i64>,
     horizon: i64,
-    cascading: HashSet<QueueKey>,
+    cascading: HashMap<QueueKey, i64>, // cascading key -> the offset it cascades from
+    cascades: HashSet<i64>,            // marks from the claim: their records' keys cascade
+    marks: BTreeSet<i64>,              // marks in Redis or queued for it (the claim's and own)
     walk_holds: bool,
     attempts_before: HashMap<i64, u32>,
     suspects: bool,
@@ -82,10 +89,12 @@ impl<T> PartitionCore<T> {
     /// `settled_before` and `attempts_before` come from the claim (the recovery walk, ACK-6); with
     /// `suspects` the records charged attempts are suspects, quarantined from `QUARANTINE_FROM`.
     /// `start_offset` is where a seek restarted the partition: the commit point until records
-    /// arrive, and nothing below it is taken.
+    /// arrive, and nothing below it is taken. `cascades` are the marks of an earlier owner whose
+    /// walk did not end (see the module's text).
     pub fn new(ordered: bool, settled_before: HashSet<i64>, attempts_before: HashMap<i64, u32>,
-               suspects: bool, start_offset: Option<i64>) -> Self {
-        let horizon = settled_before.iter().copied().max().unwrap_or(-1);
+               suspects: bool, start_offset: Option<i64>, cascades: HashSet<i64>) -> Self {
+        let horizon = settled_before.iter().chain(cascades.iter()).copied().max().unwrap_or(-1);
+        let marks = cascades.iter().copied().collect();
         PartitionCore {
             ordered,
             tracker: OffsetTracker::starting_at(start_offset),
@@ -101,7 +110,9 @@ impl<T> PartitionCore<T> {
             buffered: 0,
             settled_before,
             horizon,
-            cascading: HashSet::new(),
+            cascading: HashMap::new(),
+            cascades,
+            marks,
             walk_holds: true,
             attempts_before,
             suspects,
@@ -110,8 +121,13 @@ impl<T> PartitionCore<T> {
         }
     }
 
+    /// The commit point: the lowest unsettled offset, held at the lowest cascade mark.
     pub fn watermark(&self) -> Option<i64> {
-        self.tracker.watermark()
+        let watermark = self.tracker.watermark();
+        match (watermark, self.marks.first()) {
+            (Some(offset), Some(&mark)) => Some(offset.min(mark)),
+            _ => watermark,
+        }
     }
 
     pub fn next_offset(&self) -> Option<i64> {
@@ -195,14 +211,20 @@ impl<T> PartitionCore<T> {
         if offset <= self.horizon {
             let qkey = self.queue_key(offset, key);
             let settled = self.settled_before.contains(&offset);
-            let skipped = settled && !self.cascading.contains(&qkey);
+            let cascades = self.cascading.contains_key(&qkey);
+            let skipped = settled && !cascades && !self.cascades.contains(&offset);
             if skipped {
                 self.tracker.settle(offset);
             } else {
                 if settled {
                     self.ops.push(ops::UNSETTLED, offset, 0);
                 }
-                self.cascading.insert(qkey);
+                if !cascades {
+                    self.cascading.insert(qkey, offset);
+                    if !self.walk_holds {
+                        self.mark(offset);
+                    }
+                }
             }
             if offset == self.horizon {
                 self.end_of_walk();
@@ -235,6 +257,17 @@ impl<T> PartitionCore<T> {
         self.horizon = -1;
         self.settled_before.clear();
         self.cascading.clear();
+        self.cascades.clear();
+        for mark in std::mem::take(&mut self.marks) {
+            self.ops.push(ops::CASCADE_DONE, mark, 0);
+        }
+    }
+
+    /// Mark in Redis that a key cascades from `offset` (unless marked already).
+    fn mark(&mut self, offset: i64) {
+        if self.marks.insert(offset) {
+            self.ops.push(ops::CASCADE_FROM, offset, 0);
+        }
     }
 
     /// The recovery walk holds releases (see the module's text).
@@ -244,8 +277,19 @@ impl<T> PartitionCore<T> {
 
     /// Release during the walk from now on (the fetch is held over a buffer limit, so the walk
     /// might never end otherwise).
+    /// The keys found cascading so far are marked, lowest offset first.
     pub fn end_walk(&mut self) {
+        if !self.walk_holds {
+            return;
+        }
         self.walk_holds = false;
+        if self.horizon >= 0 {
+            let mut from: Vec<i64> = self.cascading.values().copied().collect();
+            from.sort_unstable();
+            for offset in from {
+                self.mark(offset);
+            }
+        }
     }
 
     // -- release -----------------------------------------------------------------------------------
@@ -547,7 +591,7 @@ mod tests {
 
     fn claimed(ordered: bool, keys: &[&[u8]], charged: &[(i64, u32)], suspects: bool) -> PartitionCore<()> {
         let mut core = PartitionCore::new(ordered, HashSet::new(), charged.iter().copied().collect::<HashMap<_, _>>(),
-                                          suspects, None);
+                                          suspects, None, HashSet::new());
         for (offset, key) in keys.iter().enumerate() {
             assert!(core.add(offset as i64, Some(key), 1, ()));
         }
@@ -600,6 +644,36 @@ mod tests {
         assert_eq!(offsets(&release(&mut core, 1)), vec![2]);
         assert_eq!(core.watermark(), Some(2));
         assert_eq!(core.ops.take(), "d,0,1;d,1,1;a,1,0;d,3,1;a,0,0;d,2,1;");
+    }
+
+    /// A walk ended early by a buffer limit marks the cascading keys, and holds the commit point at
+    /// the lowest mark; a successor that claims after a crash cascades a marked key from its mark,
+    /// though the mark's record and the rest of the key were settled meanwhile (SUB-4).
+    #[test]
+    fn a_walk_ended_early_marks_its_cascades_for_a_successor() {
+        // 0: k unsettled (the cascade's start), 1: j settled, 2: k settled before the crash.
+        let mut first = PartitionCore::new(true, [1, 2].into_iter().collect(), HashMap::default(), true, None,
+                                           HashSet::new());
+        assert!(first.add(0, Some(b"k"), 1, ()));
+        assert!(!first.add(1, Some(b"j"), 1, ()));
+        first.end_walk();
+        first.end_walk();
+        assert_eq!(first.ops.take(), "c,0,0;", "marked once, before the release");
+        let out = release(&mut first, 1);
+        assert!(first.ack(0, out[0].1));
+        assert_eq!(first.watermark(), Some(0), "held at the mark, not 2");
+        // The owner crashed before offset 2 came: Redis has 0, 1, 2 settled and the mark 0.
+        let mut next = PartitionCore::new(true, [0, 1, 2].into_iter().collect(), HashMap::default(), true, None,
+                                          [0].into_iter().collect());
+        assert!(next.add(0, Some(b"k"), 1, ()), "the mark's record cascades its key, settled or not");
+        assert!(!next.add(1, Some(b"j"), 1, ()));
+        assert!(next.add(2, Some(b"k"), 1, ()));
+        assert!(!next.walking());
+        assert_eq!(next.ops.take(), "u,0,0;u,2,0;x,0,0;");
+        assert_eq!(next.watermark(), Some(0));
+        let again = release(&mut next, 1);
+        assert!(next.ack(0, again[0].1));
+        assert_eq!(offsets(&release(&mut next, 1)), vec![2]);
     }
 
     #[test]

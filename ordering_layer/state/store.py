@@ -1,6 +1,6 @@
 """The Redis state store: one hash tag per (subscription, partition), Lua scripts for every write.
 
-Keys: ``ol:{<subscription>:<partition>}:epoch|settled|attempts|leases|seek`` (one slot per partition,
+Keys: ``ol:{<subscription>:<partition>}:epoch|settled|attempts|leases|seek|cascades`` (one slot per partition,
 so every script touches one slot of a Redis Cluster; the attempts and leases hashes, offset -> value,
 keep one more field, ``KEEP_FIELD``, so that Redis does not delete and recreate them as they empty),
 ``ol:sub:<subscription>`` for the settings, ``ol:sub:<subscription>:parked`` for parked keys, ``:seek``
@@ -34,7 +34,7 @@ from ordering_layer.state.durable import SettingsLog
 
 _LOGGER = logging.getLogger(__name__)
 
-OpLetter = Literal["d", "l", "b", "e", "r", "q", "s", "a", "n", "u", "w"]
+OpLetter = Literal["d", "l", "b", "e", "r", "q", "s", "a", "n", "u", "c", "x", "w"]
 
 
 class OpKind:
@@ -58,6 +58,9 @@ class OpKind:
       user code nacked, so attempts[offset] = value (it started); 0 for a lapsed lease;
     * ``UNSETTLED``: a settled record goes out again in a cascade (SUB-4): dropped from the settled set,
       so that a successor cascades from it if this owner crashes first (value 0);
+    * ``CASCADE_FROM``: the key of the record at offset cascades from it, found by a recovery walk
+      that released before its end (SUB-4): added to the partition's cascades set (value 0);
+    * ``CASCADE_DONE``: a walk has ended: the mark at offset is dropped from the cascades set (value 0);
     * ``WATERMARK``: value is the committed offset: everything settled below it is forgotten (offset 0).
     """
 
@@ -71,6 +74,8 @@ class OpKind:
     SETTLED: Final = "a"
     NACKED: Final = "n"
     UNSETTLED: Final = "u"
+    CASCADE_FROM: Final = "c"
+    CASCADE_DONE: Final = "x"
     WATERMARK: Final = "w"
 
 
@@ -103,6 +108,7 @@ class ClaimedPartition:
     unstarted: frozenset[int] = frozenset()
     seek_generation: int = 0
     seek_offset: int | None = None
+    cascades: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -129,14 +135,17 @@ def unpack_ops(packed: str) -> list[Op]:
 
 def parse_claim(raw: Sequence[Any]) -> ClaimedPartition:
     """``claim.lua``'s answer: ``[epoch, settled offsets..., "|", offset, attempt, ..., "|", seek
-    generation, seek target]``, an attempt negated while it waited in a callback pool, the target -1
-    when the claim applied no seek (the seek part may be left out: no seek)."""
+    generation, seek target, "|", cascade marks...]``, an attempt negated while it waited in a
+    callback pool, the target -1 when the claim applied no seek (the parts after the attempts may be
+    left out: no seek, no marks)."""
     split = raw.index(b"|")
     rest = list(raw[split + 1:])
     seek_generation, target = 0, -1
+    cascades: frozenset[int] = frozenset()
     if b"|" in rest:
         second = rest.index(b"|")
         seek_generation, target = int(rest[second + 1]), int(rest[second + 2])
+        cascades = frozenset(int(o) for o in rest[second + 4:])
         rest = rest[:second]
     stored = {int(rest[i]): int(rest[i + 1]) for i in range(0, len(rest), 2)}
     return ClaimedPartition(
@@ -146,6 +155,7 @@ def parse_claim(raw: Sequence[Any]) -> ClaimedPartition:
         unstarted=frozenset(offset for offset, n in stored.items() if n < 0),
         seek_generation=seek_generation,
         seek_offset=target if target >= 0 else None,
+        cascades=cascades,
     )
 
 
@@ -165,6 +175,12 @@ def partition_keys(subscription: str, partition: int) -> list[str]:
     """epoch, settled, attempts and leases keys of one partition (one hash slot)."""
     tag = f"ol:{{{subscription}:{partition}}}"
     return [f"{tag}:epoch", f"{tag}:settled", f"{tag}:attempts", f"{tag}:leases"]
+
+
+def cascades_key(subscription: str, partition: int) -> str:
+    """The key of a partition's cascade marks (same slot as ``partition_keys``): the offsets from which
+    keys cascade, written by an owner whose recovery walk released before its end."""
+    return f"ol:{{{subscription}:{partition}}}:cascades"
 
 
 def seek_key(subscription: str, partition: int) -> str:
@@ -356,7 +372,8 @@ class StateStore:
 
     @staticmethod
     def _claim_keys(subscription: str, partition: int) -> list[str]:
-        return [*partition_keys(subscription, partition), seek_key(subscription, partition)]
+        return [*partition_keys(subscription, partition), seek_key(subscription, partition),
+                cascades_key(subscription, partition)]
 
     @_redis_call
     def apply_many(self, batches: Sequence[tuple[str, int, int, Sequence[Op]]]) -> list[ApplyResult]:
@@ -376,7 +393,7 @@ class StateStore:
         return self._apply(batches)
 
     def _apply(self, batches: Sequence[tuple[str, int, int, str]]) -> list[ApplyResult]:
-        calls = [(partition_keys(subscription, partition), [epoch, packed])
+        calls = [([*partition_keys(subscription, partition), cascades_key(subscription, partition)], [epoch, packed])
                  for subscription, partition, epoch, packed in batches]
         return [ApplyResult(int(r)) for r in self._eval_many("apply", calls)]
 

@@ -25,7 +25,9 @@ names, checked against it by ``tests/unit/test_core.py``:
 - SUB-3 nothing lost (generations on fetched batches, claims, recovery walk, commit point):
   ``fetcher``, ``partitions``, the core (``add``: recovery walk; ``tracker.rs``: commit point)
 - SUB-4 cascade redelivery (cursor rewind): the core (``nack``; reference ``PartitionState.nack``),
-  applied by ``settlement`` (nacks, and lapses from ``leases``)
+  applied by ``settlement`` (nacks, and lapses from ``leases``); across crashes, ``UNSETTLED`` ops
+  and, for a recovery walk ended early (``engine``, ``partitions.end_walks``), cascade marks and the
+  commit point held at them: the core (``end_walk``, ``cascades`` of the claim), ``state/``
 - SUB-5 affinity (revoke waits for deliveries in progress): ``ownership`` (``revoking``)
 - SUB-6 unordered subscriptions (one queue per record): the core (``queue_key``)
 - SUB-7 flow control (budget, held/paused fetch): ``flow``, applied by ``fetcher`` and ``dispatch``

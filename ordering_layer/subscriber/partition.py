@@ -5,8 +5,9 @@ Pure logic, no I/O: the pure-Python reference of the compiled core the engine ru
 same operations and checks they agree. ``PartitionState`` routes records to key queues
 (``key_queue.KeyQueue``), runs the recovery walk after a claim (records settled before a crash are
 skipped unless their key is cascading; nothing is released until it has taken every record up to
-the highest offset settled before, unless ``end_walk``; settled records that go out again are
-listed in ``unsettled``), releases what may go out, rewinds a key's cursor on a nack or lapse
+the highest offset settled before, unless ``end_walk``, which marks the cascading keys in Redis
+and holds the commit point at the lowest mark until a walk ends; settled records that go out again
+and the marks are listed in ``cascade_ops``), releases what may go out, rewinds a key's cursor on a nack or lapse
 (SUB-4) and holds the key back (``key_queue.KeyBackoff``, DLQ-1), and lets quarantined suspects out
 one at a time (``key_queue.Quarantine``, DLQ-3); its commit point is kept by
 ``commit_point.OffsetTracker``.
@@ -54,12 +55,15 @@ class PartitionState:
             belong to it (``AWAITING_SEEK``: none, until the consumer has sought to ``start_offset``).
         start_offset: where a seek (GRP-3) restarted the partition; None: at the committed offset.
         seek_generation: the partition's latest seek applied (0: none); its commits carry it.
+        cascades: the marks of an earlier owner whose walk was ended early: the key of each
+            mark's record cascades from it (SUB-4).
     """
 
     def __init__(self, partition: int, epoch: int, *, ordered: bool,
                  settled_before: frozenset[int] = frozenset(),
                  attempts_before: dict[int, int] | None = None, suspects: bool = True, generation: int = 0,
-                 start_offset: int | None = None, seek_generation: int = 0) -> None:
+                 start_offset: int | None = None, seek_generation: int = 0,
+                 cascades: frozenset[int] = frozenset()) -> None:
         self.partition = partition
         self.epoch = epoch
         self.generation = generation
@@ -76,9 +80,13 @@ class PartitionState:
         self.buffered = 0
         self.revoking = False
         self._settled_before = set(settled_before)
-        self._horizon = max(settled_before) if settled_before else -1
-        self._cascading: set[QueueKey] = set()
-        self.unsettled: list[int] = []  # settled records going out again in a cascade (UNSETTLED ops)
+        self._horizon = max(settled_before | cascades, default=-1)
+        self._cascading: dict[QueueKey, int] = {}  # cascading key -> the offset it cascades from
+        self._cascades = set(cascades)
+        self._marks = set(cascades)  # marks in Redis or queued for it
+        # The cascade's ops in order: ("u", offset) a settled record goes out again (UNSETTLED),
+        # ("c", offset) a key cascades from offset (CASCADE_FROM), ("x", offset) a mark is dropped.
+        self.cascade_ops: list[tuple[str, int]] = []
         self._walk_holds = True
         self._attempts_before = dict(attempts_before or {})
         self._suspects = suspects
@@ -101,13 +109,17 @@ class PartitionState:
         qkey = self.queue_key(record)
         if record.offset <= self._horizon:
             settled = record.offset in self._settled_before
-            skipped = settled and qkey not in self._cascading
+            cascades = qkey in self._cascading
+            skipped = settled and not cascades and record.offset not in self._cascades
             if skipped:
                 self.tracker.settle(record.offset)
             else:
                 if settled:
-                    self.unsettled.append(record.offset)
-                self._cascading.add(qkey)
+                    self.cascade_ops.append(("u", record.offset))
+                if not cascades:
+                    self._cascading[qkey] = record.offset
+                    if not self._walk_holds:
+                        self._mark(record.offset)
             if record.offset == self._horizon:
                 self._end_of_walk()
             if skipped:
@@ -134,6 +146,22 @@ class PartitionState:
         self._horizon = -1
         self._settled_before.clear()
         self._cascading.clear()
+        self._cascades.clear()
+        self.cascade_ops.extend(("x", mark) for mark in sorted(self._marks))
+        self._marks.clear()
+
+    def _mark(self, offset: int) -> None:
+        if offset not in self._marks:
+            self._marks.add(offset)
+            self.cascade_ops.append(("c", offset))
+
+    @property
+    def watermark(self) -> int | None:
+        """The commit point: the lowest unsettled offset, held at the lowest cascade mark."""
+        watermark = self.tracker.watermark
+        if watermark is None or not self._marks:
+            return watermark
+        return min(watermark, min(self._marks))
 
     @property
     def walking(self) -> bool:
@@ -141,8 +169,14 @@ class PartitionState:
         return self._horizon >= 0 and self._walk_holds
 
     def end_walk(self) -> None:
-        """Release during the walk from now on."""
+        """Release during the walk from now on; the keys found cascading so far are marked, lowest
+        offset first."""
+        if not self._walk_holds:
+            return
         self._walk_holds = False
+        if self._horizon >= 0:
+            for offset in sorted(self._cascading.values()):
+                self._mark(offset)
 
     # -- release ---------------------------------------------------------------------------------
     def release(self, qkey: QueueKey, now: float, limit: int) -> list[Delivery]:
@@ -284,7 +318,7 @@ class PartitionState:
             queue.outstanding.pop(record.offset, None)
             if record.offset in queue.acked:
                 queue.acked.discard(record.offset)
-                self.unsettled.append(record.offset)
+                self.cascade_ops.append(("u", record.offset))
         self.buffered += queue.cursor - index
         queue.cursor = index
         if offset == self.quarantine.offset:  # it went out alone: its key has no other outstanding

@@ -118,9 +118,10 @@ class Partitions:
         if waited == generation and waiting:
             state.add(waiting)
         sought = "" if claimed.seek_offset is None else f", seek {claimed.seek_generation} to {claimed.seek_offset}"
+        marks = f", {len(claimed.cascades)} cascade marks" if claimed.cascades else ""
         _LOGGER.info("%s: claimed partition %d (epoch %d, %d settled above the commit, %d handed out "
-                     "before, %d of them never seen started%s)", self._subscription, partition, claimed.epoch,
-                     len(claimed.settled), len(claimed.attempts), len(claimed.unstarted), sought)
+                     "before, %d of them never seen started%s%s)", self._subscription, partition, claimed.epoch,
+                     len(claimed.settled), len(claimed.attempts), len(claimed.unstarted), marks, sought)
         return True
 
     def _new_state(self, partition: int, claimed: ClaimedPartition, generation: int) -> OwnedPartition:
@@ -133,7 +134,7 @@ class Partitions:
             partition, claimed.epoch, ordered=self._settings.enable_message_ordering,
             settled_before=claimed.settled, attempts_before=attempts, suspects=self._suspects,
             generation=generation, start_offset=claimed.seek_offset, seek_generation=claimed.seek_generation,
-            topic=self._settings.topic, submit=self._submit)
+            cascades=claimed.cascades, topic=self._settings.topic, submit=self._submit)
         return state
 
     def _restart(self, partition: int, claimed: ClaimedPartition) -> None:
@@ -228,8 +229,9 @@ class Partitions:
 
     def end_walks(self) -> None:
         """Let partitions still in their recovery walk release: the fetch is held over the buffer
-        limit, so the walks might not end otherwise (a cascade cut by a crash meanwhile may then
-        miss records of its key fetched after its first delivery was settled)."""
+        limit, so the walks might not end otherwise. Each marks its cascading keys in Redis first and
+        holds its commit point at the marks until its walk ends, so that a successor after a crash
+        cascades them from the same records (SUB-4)."""
         for state in self.owned.values():
             state.core.end_walk()
 

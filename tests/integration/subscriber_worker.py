@@ -36,6 +36,8 @@ def main() -> None:
     parser.add_argument("--crash-with", type=int, default=0,
                         help=f"the crash waits (up to {CRASH_WAIT:.0f} s) until this many other messages started here")
     parser.add_argument("--workers", type=int, default=8, help="callback workers")
+    parser.add_argument("--hold-unless-key", default=None,
+                        help="messages of every other ordering key are held by their handler until the process ends")
     parser.add_argument("--seconds", type=float, default=300.0)
     parser.add_argument("--session-ms", type=int, default=6000, help="Kafka session timeout")
     args = parser.parse_args()
@@ -62,6 +64,8 @@ def main() -> None:
         with started:
             others[0] += 1
             started.notify_all()
+        if args.hold_unless_key is not None and message.ordering_key != args.hold_unless_key:
+            threading.Event().wait()
         if args.delay_ms:
             time.sleep(args.delay_ms / 1000)
         log(message, "release")

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from ordering_layer.state import ApplyResult, StateStore
-from ordering_layer.state.store import Op, OpKind, partition_keys, seek_key
+from ordering_layer.state.store import Op, OpKind, cascades_key, partition_keys, seek_key
 
 pytestmark = pytest.mark.integration
 
@@ -58,13 +58,14 @@ def test_a_claim_after_a_loss_of_redis_state_fences_every_earlier_owner(endpoint
 def test_a_pending_seek_is_applied_by_a_claim_or_by_its_owner_and_fences_earlier_writes(
         endpoints: Any, unique_name: Callable[[str], str]) -> None:
     """GRP-3, ACK-5, ACK-6: a recorded seek is pending until applied; a claim, or a re-claim by the
-    owner of the current epoch, applies it atomically (settled set replaced, attempts and leases
-    dropped, a new epoch that fences the writes of before); a stale epoch cannot re-claim; a later
+    owner of the current epoch, applies it atomically (settled set replaced, attempts, leases and
+    cascade marks dropped, a new epoch that fences the writes of before); a stale epoch cannot re-claim; a later
     seek wins over an earlier one still being recorded; 'applied' is marked by the owner only."""
     store = StateStore(endpoints.redis_url)
     name = unique_name("seek")
     owner = store.claim(name, 0).epoch
-    store.apply_many([(name, 0, owner, [(OpKind.SETTLED, 5, 0), (OpKind.DELIVERED, 6, 3), (OpKind.LEASE, 6, 99)])])
+    store.apply_many([(name, 0, owner, [(OpKind.SETTLED, 5, 0), (OpKind.DELIVERED, 6, 3), (OpKind.LEASE, 6, 99),
+                                        (OpKind.CASCADE_FROM, 3, 0)])])
     assert store.claim_for_seek(name, {0: owner}) == {}  # nothing pending: nothing changes
 
     generation = store.post_seek(name, {0: (4, (4, 7)), 1: (0, ())})
@@ -73,8 +74,8 @@ def test_a_pending_seek_is_applied_by_a_claim_or_by_its_owner_and_fences_earlier
     assert store.claim_for_seek(name, {0: owner - 1}) == {0: None}  # a stale owner is fenced
     [(partition, claimed)] = store.claim_for_seek(name, {0: owner}).items()
     assert partition == 0 and claimed is not None
-    assert (claimed.settled, claimed.attempts, claimed.seek_offset, claimed.seek_generation) == (
-        frozenset({4, 7}), {}, 4, generation)
+    assert (claimed.settled, claimed.attempts, claimed.seek_offset, claimed.seek_generation, claimed.cascades) == (
+        frozenset({4, 7}), {}, 4, generation, frozenset())
     assert claimed.epoch > owner
     assert store.client.hlen(partition_keys(name, 0)[3]) == 0  # leases dropped
     assert store.apply_many([(name, 0, owner, [(OpKind.SETTLED, 9, 0)])]) == [ApplyResult.FENCED]
@@ -95,5 +96,9 @@ def test_a_pending_seek_is_applied_by_a_claim_or_by_its_owner_and_fences_earlier
     claimed_later = store.claim(name, 0)
     assert (claimed_later.seek_offset, claimed_later.seek_generation) == (10, later)
     assert store.claim_for_seek(name, {1: fresh.epoch}, generation=later) == {}  # p1 has no seek `later`
+    store.apply_many([(name, 0, claimed_later.epoch, [(OpKind.CASCADE_FROM, 12, 0)])])
+    assert store.seek_applied(name, 0, claimed_later.epoch, later)
+    assert store.claim(name, 0).cascades == {12}  # marks outlive a claim that applies no seek
     store.delete_subscription(name)
-    assert not store.client.exists(seek_key(name, 0), f"ol:sub:{name}:seek", f"ol:sub:{name}:seek-counter")
+    assert not store.client.exists(seek_key(name, 0), f"ol:sub:{name}:seek", f"ol:sub:{name}:seek-counter",
+                                   cascades_key(name, 0))

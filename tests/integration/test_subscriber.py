@@ -22,7 +22,15 @@ from ordering_layer import (
 from ordering_layer.errors import ConfigError, SubscriptionExistsError, SubscriptionNotFoundError
 from ordering_layer.state import ApplyResult, StateStore
 from ordering_layer.state.client import redis_client
-from ordering_layer.state.store import KEEP_FIELD, Op, OpKind, OpLetter, offset_fields, partition_keys
+from ordering_layer.state.store import (
+    KEEP_FIELD,
+    Op,
+    OpKind,
+    OpLetter,
+    cascades_key,
+    offset_fields,
+    partition_keys,
+)
 from tests.checker import DeliveryChecker, wait_until
 from tests.integration.conftest import publish_keys, pull_until, recording_callback
 
@@ -320,7 +328,8 @@ def test_batched_redis_writes_equal_one_by_one(endpoints: Any, unique_name: Call
     rng = random.Random(3)
     common: list[OpLetter] = [OpKind.DELIVERED, OpKind.LEASE, OpKind.SETTLED, OpKind.NACKED,
                               OpKind.BATCH_DELIVERED, OpKind.BATCH_DELIVERED, OpKind.BATCH_LEASE,
-                              OpKind.BATCH_RELEASED, OpKind.STARTED, OpKind.UNSETTLED]
+                              OpKind.BATCH_RELEASED, OpKind.STARTED, OpKind.UNSETTLED, OpKind.CASCADE_FROM,
+                              OpKind.CASCADE_DONE]
     rare: list[OpLetter] = [OpKind.DELIVERED, OpKind.LEASE, OpKind.SETTLED, OpKind.NACKED, OpKind.WATERMARK,
                             OpKind.RELEASED]
     for trial in range(40):
@@ -329,6 +338,7 @@ def test_batched_redis_writes_equal_one_by_one(endpoints: Any, unique_name: Call
         settled: set[int] = set()
         attempts: dict[int, int] = {}
         leases: dict[int, int] = {}
+        cascades: set[int] = set()
         for size in (rng.choice([1, 40, 3000]), 2500):
             batch_lease = rng.randrange(1, 10**6)
             ops: list[Op] = [(OpKind.BATCH_LEASE, 0, batch_lease)]
@@ -362,6 +372,10 @@ def test_batched_redis_writes_equal_one_by_one(endpoints: Any, unique_name: Call
                         attempts[offset] = value
                 elif kind == OpKind.UNSETTLED:
                     settled.discard(offset)
+                elif kind == OpKind.CASCADE_FROM:
+                    cascades.add(offset)
+                elif kind == OpKind.CASCADE_DONE:
+                    cascades.discard(offset)
                 elif kind == OpKind.WATERMARK:
                     settled = {o for o in settled if o >= value}
             assert store.apply_many([(name, 0, epoch, ops)]) == [ApplyResult.APPLIED]
@@ -371,9 +385,11 @@ def test_batched_redis_writes_equal_one_by_one(endpoints: Any, unique_name: Call
         assert offset_values(store.client.hgetall(keys[3])) == leases
         # The hashes outlive their last offset (KEEP_FIELD): Redis does not recreate them at each write.
         assert store.client.exists(keys[2], keys[3]) == 2
+        assert {int(o) for o in store.client.smembers(cascades_key(name, 0))} == cascades
         claimed = store.claim(name, 0)  # ACK-6: a negative count is an attempt never seen started
         assert claimed.attempts == {o: abs(n) for o, n in attempts.items()}
         assert claimed.unstarted == {o for o, n in attempts.items() if n < 0}
+        assert claimed.cascades == cascades  # SUB-4: the marks of a walk ended early reach the successor
     name = unique_name("lua-run")
     epoch = store.claim(name, 0).epoch
     run: list[Op] = [(OpKind.DELIVERED, o, 1) for o in range(5001)] + [(OpKind.LEASE, o, 7) for o in range(5001)]

@@ -52,7 +52,7 @@ class Twin:
 
     def check(self) -> None:
         py, core = self.py, self.core
-        assert core.watermark == py.tracker.watermark
+        assert core.watermark == py.watermark
         assert core.next_offset == py.tracker.next_offset
         assert core.buffered == py.buffered
         assert core.ready_keys() == list(py.ready)
@@ -74,14 +74,14 @@ class Twin:
             self.next_offset = max(self.next_offset, offset + 1)
             records.append(record(offset, _KEYS[key], size))
         taken = [self.py.add(r) for r in records]
-        self.take_unsettled()
+        self.take_cascade_ops()
         skipped = self.core.add(records)
         assert skipped == [r.offset for r, took in zip(records, taken, strict=True) if not took]
 
-    def take_unsettled(self) -> None:
-        """The reference's settled records going out again in a cascade: the core's UNSETTLED ops."""
-        self.ops.extend(f"u,{offset},0;" for offset in self.py.unsettled)
-        self.py.unsettled.clear()
+    def take_cascade_ops(self) -> None:
+        """The reference's cascade ops: the core's UNSETTLED, CASCADE_FROM and CASCADE_DONE ops."""
+        self.ops.extend(f"{kind},{offset},0;" for kind, offset in self.py.cascade_ops)
+        self.py.cascade_ops.clear()
 
     def release(self, budget: int, per_key: int, byte_budget: int, lease: bool, pooled: bool) -> None:
         """A release into the callback pool (``pooled``) or to a pull, queued as ``Dispatcher._admit``
@@ -113,7 +113,7 @@ class Twin:
                 self.ops.append(f"a,{offset},0;")
         refused, watermark = self.core.ack([d[0] for d in chosen], [d[2] for d in chosen])
         assert refused == [i for i, accepted in enumerate(verdicts) if not accepted]
-        assert watermark == self.py.tracker.watermark
+        assert watermark == self.py.watermark
 
     def pick(self, choice: tuple[bool, int]) -> Delivered:
         """A delivery outstanding now, or (``stale``) any delivery made so far."""
@@ -139,7 +139,7 @@ class Twin:
 
         accepted = self.py.nack(qkey, offset, py_token, self.now, backoff)
         assert self.core.nack(offset, core_token, self.now, backoff, lapsed=lapsed) == accepted
-        self.take_unsettled()
+        self.take_cascade_ops()
         if accepted:
             self.ops.append(f"n,{offset},{0 if lapsed else attempt};")
 
@@ -152,7 +152,7 @@ class Twin:
             next(r for r in queue.records if r.offset == offset).attempts -= 1
         accepted = self.py.requeue(qkey, offset, py_token, self.now, delay)
         assert self.core.requeue(offset, core_token, self.now, delay, uncount=uncount) == accepted
-        self.take_unsettled()
+        self.take_cascade_ops()
 
     def dead_lettered(self, pick: tuple[bool, int]) -> None:
         offset, _, _, qkey, key, _ = self.pick(pick)
@@ -163,6 +163,7 @@ class Twin:
     def end_walk(self) -> None:
         self.py.end_walk()
         self.core.end_walk()
+        self.take_cascade_ops()
 
     def advance(self, seconds: float) -> None:
         self.now += seconds
@@ -192,24 +193,27 @@ _ON_DELIVERIES = {"ack", "nack", "requeue", "dead_lettered"}
 # A claim: offsets settled above the commit point, attempts charged to unsettled ones (0 included:
 # ``charged_attempts`` caps an unstarted attempt at max_attempts - 1).
 _settled_before = st.frozensets(st.integers(0, 15), max_size=8)
+_cascades = st.frozensets(st.integers(0, 15), max_size=3)  # marks of an owner whose walk ended early
 _attempts_before = st.dictionaries(st.integers(0, 24), st.integers(0, 4), max_size=16)
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ordered=st.booleans(), settled=_settled_before, charged=_attempts_before, suspects=st.booleans(),
-       operations=st.lists(_operation, min_size=20, max_size=80))
+       cascades=_cascades, operations=st.lists(_operation, min_size=20, max_size=80))
 def test_core_decides_as_partition_state(ordered: bool, settled: frozenset[int], charged: dict[int, int],
-                                         suspects: bool, operations: list[tuple[object, ...]]) -> None:
+                                         suspects: bool, cascades: frozenset[int],
+                                         operations: list[tuple[object, ...]]) -> None:
     """SUB-1, SUB-2, SUB-3, SUB-4, SUB-6, SUB-7, ACK-4, ACK-6, DLQ-1, DLQ-3: for any claim and any
     sequence of fetches, releases, acks, nacks, lapses, requeues, dead-letter settlements, wakes and
-    walks ended early,
+    walks ended early (with the marks of an earlier owner's),
     the compiled core releases the same records in the same order with the same attempts and suspect
     flags, gives the same verdicts and keeps the same commit point, ready keys, buffered count,
     backoffs and quarantine (the outstanding quarantined suspect, the keys waiting for it in order)
     as ``PartitionState``, and packs the engine's Redis ops."""
     twin = Twin(PartitionState(0, 1, ordered=ordered, settled_before=settled, attempts_before=charged,
-                               suspects=suspects),
-                PartitionCore(ordered=ordered, settled_before=settled, attempts_before=charged, suspects=suspects),
+                               suspects=suspects, cascades=cascades),
+                PartitionCore(ordered=ordered, settled_before=settled, attempts_before=charged, suspects=suspects,
+                              cascades=cascades),
                 ordered)
     twin.check()
     for name, *args in operations:
@@ -324,6 +328,44 @@ def test_a_cascade_unsettles_in_redis_what_it_delivers_again() -> None:
     held.add([record(10, b"k", 1)])
     held.end_walk()
     assert [r.offset for r in held.release_ready(0.0, 10, 1, 100)[0]] == [10]
+    assert held.take_ops() == "c,10,0;d,10,1;"  # its cascade is marked before anything goes out
+
+
+def test_a_cascade_of_a_walk_ended_early_survives_a_crash() -> None:
+    """SUB-4 across a crash during a walk ended early (the fetch held over a buffer limit): key k
+    cascades from 10 (unsettled) over 12 (settled before the crash), which was not fetched yet when
+    the walk ended. The owner marks k's cascade in Redis before releasing 10 and holds its commit
+    point at the mark; it acks 10 and dies. Its successor, whose claim shows 10, 11, 12 settled and
+    the mark, delivers 10 and 12 again, in order; the mark goes once its walk has ended."""
+    keys = (b"k", b"j")
+    owner = Twin(PartitionState(0, 1, ordered=True, settled_before=frozenset({11, 12})),
+                 PartitionCore(ordered=True, settled_before={11, 12}), True)
+    fetched = [record(10, keys[0], 1), record(11, keys[1], 1)]
+    assert [owner.py.add(r) for r in fetched] == [True, False]
+    assert owner.core.add(fetched) == [11]
+    owner.end_walk()
+    owner.release(10, 1, 100, False, False)
+    owner.check()
+    assert owner.deliveries[0][0] == 10
+    owner.ack([(False, 0)])
+    assert owner.core.watermark == owner.py.watermark == 10  # held at the mark, not 13
+    owner.check()
+    # Crash: Redis holds 10, 11, 12 settled and the mark 10.
+    successor = Twin(PartitionState(0, 1, ordered=True, settled_before=frozenset({10, 11, 12}),
+                                    cascades=frozenset({10})),
+                     PartitionCore(ordered=True, settled_before={10, 11, 12}, cascades={10}), True)
+    records = [record(10, keys[0], 1), record(11, keys[1], 1), record(12, keys[0], 1)]
+    assert [successor.py.add(r) for r in records] == [True, False, True]
+    successor.take_cascade_ops()
+    assert successor.core.add(records) == [11]
+    assert successor.ops == ["u,10,0;", "u,12,0;", "x,10,0;"]
+    successor.check()
+    for _ in range(2):
+        successor.release(10, 1, 100, False, False)
+        successor.ack([(False, 0)])
+        successor.check()
+    assert [d[0] for d in successor.deliveries] == [10, 12]
+    assert successor.core.watermark == successor.py.watermark == 13
 
 
 def test_a_seek_target_is_the_commit_point_until_records_arrive() -> None:

@@ -13,7 +13,7 @@ from confluent_kafka import Consumer, TopicPartition
 from ordering_layer.config import FlowControl, RetryPolicy, SubscriptionSettings
 from ordering_layer.record import RecordMetadata
 from ordering_layer.state import ApplyResult, StateStore
-from ordering_layer.state.store import ClaimedPartition, Op, unpack_ops
+from ordering_layer.state.store import ClaimedPartition, Op, OpKind, unpack_ops
 from ordering_layer.subscriber.engine import Engine
 from ordering_layer.subscriber.message import Message
 from ordering_layer.subscriber.owned_partition import OwnedPartition
@@ -32,14 +32,17 @@ class FakeStore:
         self.epoch = 0
         self.failing = False
         self.settled: frozenset[int] = frozenset()  # what a claim finds settled
+        self.cascades: frozenset[int] = frozenset()  # the cascade marks a claim finds
+        self.op_log: list[tuple[int, Op]] = []  # (partition, op) of every batch applied, in order
 
     def claim(self, subscription: str, partition: int) -> ClaimedPartition:
         self.epoch += 1
-        return ClaimedPartition(self.epoch, self.settled, {})
+        return ClaimedPartition(self.epoch, self.settled, {}, cascades=self.cascades)
 
     def apply_many(self, batches: Sequence[tuple[str, int, int, Sequence[Op]]]) -> list[ApplyResult]:
         if self.failing:
             raise redis.ConnectionError("Redis is down")
+        self.op_log.extend((partition, op) for _, partition, _, ops in batches for op in ops)
         return [ApplyResult.APPLIED for _ in batches]
 
     def apply_packed(self, batches: Sequence[tuple[str, int, int, str]]) -> list[ApplyResult]:
@@ -203,6 +206,47 @@ def test_a_recovery_walk_releases_once_it_reaches_the_last_settled_offset_or_the
         assert [m.offset() for m in handed if m.partition() == 1] == [0, 1, 2]
     finally:
         engine.consumer.close()
+
+
+def test_a_walk_ended_at_the_buffer_limit_marks_its_cascades_and_holds_the_commit(store: FakeStore) -> None:
+    """SUB-4 across a crash: a walk ended early writes each cascading key's mark before the key's first
+    release, and the commit point stays at the lowest mark, so that a successor finds the marked
+    records and the marks in its claim; its claim's marks cascade their keys again, settled records
+    included, and are dropped once its walk has ended."""
+    handed: list[Message] = []
+    engine = make_engine(store, handed.extend)
+    try:
+        store.settled = frozenset({10_000})
+        engine._fetcher._on_assign(engine.consumer, P0)
+        engine._gate.max_buffered = 4
+        engine._handle([engine._fetcher.fetched([record(o) for o in range(5)])], time.monotonic())
+        step(engine)
+        step(engine)  # the walk ends at the buffer limit
+        assert [m.offset() for m in handed] == [0, 1, 2]
+        released = {OpKind.RELEASED, OpKind.BATCH_RELEASED}
+        kinds = [("r" if op[0] in released else op[0], op[1]) for _, op in store.op_log
+                 if op[0] == OpKind.CASCADE_FROM or op[0] in released]
+        assert kinds == [("c", 0), ("c", 1), ("c", 2), ("r", 0), ("r", 1), ("r", 2)]
+        for message in handed:
+            message.ack()
+        step(engine)
+        assert engine._partitions[0].watermark == 0  # not 3: held at the lowest mark
+    finally:
+        engine.consumer.close()
+    # A successor after a crash: 0-2 were acked, 4 (key-1) was settled by an owner before them.
+    handed.clear()
+    store.op_log.clear()
+    store.settled, store.cascades = frozenset({0, 1, 2, 4}), frozenset({0, 1, 2})
+    successor = make_engine(store, handed.extend)
+    try:
+        successor._fetcher._on_assign(successor.consumer, P0)
+        successor._handle([successor._fetcher.fetched([record(o) for o in range(5)])], time.monotonic())
+        step(successor)
+        assert [m.offset() for m in handed] == [0, 1, 2]  # settled, but their keys cascade from the marks
+        assert [(op[0], op[1]) for _, op in store.op_log if op[0] in "ux"] == [
+            ("u", 0), ("u", 1), ("u", 2), ("u", 4), ("x", 0), ("x", 1), ("x", 2)]
+    finally:
+        successor.consumer.close()
 
 
 def test_metrics_snapshot_counts_deliveries_settlements_and_drains_observations(store: FakeStore) -> None:

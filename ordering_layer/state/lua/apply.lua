@@ -6,6 +6,8 @@
 --          only): n when user code has it (handed out by a pull, or started by a callback worker),
 --          -n while it waits in a callback pool (user code not yet seen to start it)
 -- KEYS[4]  leases   hash: offset -> lease deadline, epoch milliseconds
+-- KEYS[5]  cascades set: offsets from which keys cascade, marked by an owner whose recovery walk
+--          released before its end (SUB-4); kept until a walk ends
 -- ARGV[1]  the caller's epoch
 -- ARGV[2]  the ops, one string "kind,offset,value;" each (one argument keeps client-side encoding
 --          cheap for batches of hundreds of ops); the kinds are the constants below, the same
@@ -21,6 +23,8 @@
 --            NACKED          'n': drop lease (the message stays unsettled); a value above 0 is the
 --                                 attempt user code nacked: attempts[offset] = value (it started)
 --            UNSETTLED       'u': zrem settled offset (a settled record goes out again in a cascade)
+--            CASCADE_FROM    'c': sadd cascades offset (the key of offset's record cascades from it)
+--            CASCADE_DONE    'x': srem cascades offset (a walk ended: the mark is done with)
 --            WATERMARK       'w': committed offset is value: forget everything settled below it
 -- The attempts and leases hashes keep a field '_' that is not an offset (readers skip it), so that a
 -- hash whose last offset is dropped is not deleted and created again by the next write: Redis 7.0
@@ -40,6 +44,7 @@
 local DELIVERED, LEASE, BATCH_LEASE, BATCH_DELIVERED = 'd', 'l', 'b', 'e'
 local RELEASED, BATCH_RELEASED, STARTED = 'r', 'q', 's'
 local SETTLED, NACKED, UNSETTLED, WATERMARK = 'a', 'n', 'u', 'w'
+local CASCADE_FROM, CASCADE_DONE = 'c', 'x'
 
 local result = 1
 local current = tonumber(redis.call('GET', KEYS[1]))
@@ -54,7 +59,7 @@ redis.call('HSETNX', KEYS[3], '_', '0')
 redis.call('HSETNX', KEYS[4], '_', '0')
 local CHUNK = 4000  -- arguments per call (even, so pairs stay whole); keeps unpack() within Lua's stack
 local command = {}
-local args = {{}, {}, {}, {}}
+local args = {{}, {}, {}, {}, {}}
 local function send(k)
   local list = args[k]
   for i = 1, #list, CHUNK do
@@ -102,13 +107,17 @@ for kind, offset, value in string.gmatch(ARGV[2], '(%a),(%d+),(%d+);') do
     end
   elseif kind == UNSETTLED then
     add(2, 'ZREM', offset)
+  elseif kind == CASCADE_FROM then
+    add(5, 'SADD', offset)
+  elseif kind == CASCADE_DONE then
+    add(5, 'SREM', offset)
   elseif kind == WATERMARK then
     send(2)
     command[2] = nil
     redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', '(' .. value)
   end
 end
-for k = 2, 4 do
+for k = 2, 5 do
   send(k)
 end
 return result

@@ -8,6 +8,7 @@
 -- KEYS[5]  seek     hash: the partition's latest seek (GRP-3): gen, offset (the target), settled
 --                   (comma-separated offsets above the target that count as settled), applied
 --                   (the last gen whose target is committed in Kafka)
+-- KEYS[6]  cascades set: offsets from which keys cascade (see apply.lua)
 -- ARGV[1]  ''       claim: a new owner, whatever the stored epoch;
 --          <epoch>  re-claim for a pending seek: only by the owner of that epoch (a running
 --                   subscriber, or the admin of an empty group that read it), and only when a seek
@@ -16,10 +17,12 @@
 -- ARGV[2]  '1': mark the pending seek applied here (the caller has committed its target already)
 -- ARGV[3]  re-claim only: the seek generation expected ('' any); another pending one returns {0}
 -- Returns {epoch, settled offsets..., '|', attempts as offset, count pairs..., '|', seek gen,
---          seek target offset (-1: no seek pending, start at the committed offset)}
+--          seek target offset (-1: no seek pending, start at the committed offset), '|',
+--          cascade marks...}
 --
 -- A pending seek (gen above applied) is applied with the claim, atomically: settled is replaced by
--- the seek's set, attempts and leases are dropped (delivery attempts restart at 1, ACK-6), and the
+-- the seek's set, attempts, leases and cascade marks are dropped (delivery attempts restart at 1,
+-- ACK-6; what was delivered before the seek is not redelivered as a cascade), and the
 -- new epoch fences every write of the ownership before the seek (ACK-5).
 --
 -- The new epoch is above the stored one and at least Redis's clock in microseconds (no two claims
@@ -47,7 +50,7 @@ redis.call('SET', KEYS[1], string.format('%d', epoch))
 local target = -1
 if pending then
   target = tonumber(seek[2])
-  redis.call('DEL', KEYS[2], KEYS[3], KEYS[4])
+  redis.call('DEL', KEYS[2], KEYS[3], KEYS[4], KEYS[6])
   local pairs_ = {}
   for offset in string.gmatch(seek[3] or '', '%d+') do
     pairs_[#pairs_ + 1] = offset
@@ -76,4 +79,8 @@ end
 table.insert(out, '|')
 table.insert(out, gen)
 table.insert(out, target)
+table.insert(out, '|')
+for _, offset in ipairs(redis.call('SMEMBERS', KEYS[6])) do
+  table.insert(out, offset)
+end
 return out
