@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import redis
 
 from bench.common import bench_stack
-from ordering_layer.state.store import partition_keys
+from ordering_layer.state.store import cascades_key, partition_keys
 
 SCRIPT = Path(__file__).resolve().parent.parent / "ordering_layer" / "state" / "lua" / "apply.lua"
 _CALL = "    redis.call(command[k], KEYS[k], unpack(list, i, math.min(i + CHUNK - 1, #list)))\n"
@@ -72,7 +72,8 @@ def main() -> None:
         client = redis.Redis.from_url(args.redis_url or endpoints.redis_url)  # one server: not a cluster
         for name, source in variants().items():
             sha = client.execute_command("SCRIPT", "LOAD", source)
-            keys = partition_keys(f"profile-apply-{time.time_ns()}", 0)
+            subscription = f"profile-apply-{time.time_ns()}"
+            keys = [*partition_keys(subscription, 0), cascades_key(subscription, 0)]
             client.set(keys[0], 1)
             client.config_resetstat()
             times = []
