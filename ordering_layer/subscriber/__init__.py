@@ -15,19 +15,21 @@ loss, fencing verdicts of each flush); the engine hands them the components they
 
 Which module keeps which property of ``SEMANTICS.md``. "The core" is ``owned_partition`` and the
 compiled ``core/src/partition.rs`` it holds (``key_queue.rs``, ``tracker.rs``); the pure-Python
-``partition`` (``key_queue``, ``commit_point``) is its reference, with the same rules under the same
-names, checked against it by ``tests/unit/test_core.py``:
+``partition`` (``key_queue``, ``commit_point``, ``recovery_walk``) is its reference, with the same
+rules under the same names, checked against it by ``tests/unit/test_core.py``:
 
 - SUB-1 in-key order (one outstanding per key; one batch per key in pull mode): the core
   (``release_ready``; reference ``PartitionState.release``), ``dispatch`` (per-key release size)
 - SUB-2 no head-of-line blocking (per-key queues, per-key backoff heap): the core (reference
   ``key_queue.KeyBackoff``)
 - SUB-3 nothing lost (generations on fetched batches, claims, recovery walk, commit point):
-  ``fetcher``, ``partitions``, the core (``add``: recovery walk; ``tracker.rs``: commit point)
+  ``fetcher``, ``partitions``, the core (``add``: recovery walk, reference ``recovery_walk``;
+  ``tracker.rs``: commit point)
 - SUB-4 cascade redelivery (cursor rewind): the core (``nack``; reference ``PartitionState.nack``),
   applied by ``settlement`` (nacks, and lapses from ``leases``); across crashes, ``UNSETTLED`` ops
   and, for a recovery walk ended early (``engine``, ``partitions.end_walks``), cascade marks and the
-  commit point held at them: the core (``end_walk``, ``cascades`` of the claim), ``state/``
+  commit point held at them: the core (``end_walk``, ``cascades`` of the claim; reference
+  ``recovery_walk``), ``state/``
 - SUB-5 affinity (revoke waits for deliveries in progress): ``ownership`` (``revoking``)
 - SUB-6 unordered subscriptions (one queue per record): the core (``queue_key``)
 - SUB-7 flow control (budget, held/paused fetch): ``flow``, applied by ``fetcher`` and ``dispatch``

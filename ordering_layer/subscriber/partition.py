@@ -3,14 +3,11 @@
 Pure logic, no I/O: the pure-Python reference of the compiled core the engine runs
 (``owned_partition``, ``core/src/partition.rs``); ``tests/unit/test_core.py`` drives both with the
 same operations and checks they agree. ``PartitionState`` routes records to key queues
-(``key_queue.KeyQueue``), runs the recovery walk after a claim (records settled before a crash are
-skipped unless their key is cascading; nothing is released until it has taken every record up to
-the highest offset settled before, unless ``end_walk``, which marks the cascading keys in Redis
-and holds the commit point at the lowest mark until a walk ends; settled records that go out again
-and the marks are listed in ``cascade_ops``), releases what may go out, rewinds a key's cursor on a nack or lapse
-(SUB-4) and holds the key back (``key_queue.KeyBackoff``, DLQ-1), and lets quarantined suspects out
-one at a time (``key_queue.Quarantine``, DLQ-3); its commit point is kept by
-``commit_point.OffsetTracker``.
+(``key_queue.KeyQueue``), runs the recovery walk after a claim (``recovery_walk.RecoveryWalk``; its
+ops and the rewinds' ``UNSETTLED`` are listed in ``cascade_ops``), releases what may go out, rewinds
+a key's cursor on a nack or lapse (SUB-4) and holds the key back (``key_queue.KeyBackoff``, DLQ-1),
+and lets quarantined suspects out one at a time (``key_queue.Quarantine``, DLQ-3); its commit point
+is kept by ``commit_point.OffsetTracker``.
 """
 
 from __future__ import annotations
@@ -28,6 +25,7 @@ from ordering_layer.subscriber.key_queue import (
     QueueKey,
     Record,
 )
+from ordering_layer.subscriber.recovery_walk import RecoveryWalk
 
 __all__ = ["AWAITING_SEEK", "Delivery", "PartitionState", "QueueKey", "Record"]
 
@@ -79,15 +77,10 @@ class PartitionState:
         self.backing_off = self._backoff.held  # read per message: the dict itself, not the holder
         self.buffered = 0
         self.revoking = False
-        self._settled_before = set(settled_before)
-        self._horizon = max(settled_before | cascades, default=-1)
-        self._cascading: dict[QueueKey, int] = {}  # cascading key -> the offset it cascades from
-        self._cascades = set(cascades)
-        self._marks = set(cascades)  # marks in Redis or queued for it
         # The cascade's ops in order: ("u", offset) a settled record goes out again (UNSETTLED),
         # ("c", offset) a key cascades from offset (CASCADE_FROM), ("x", offset) a mark is dropped.
         self.cascade_ops: list[tuple[str, int]] = []
-        self._walk_holds = True
+        self._walk = RecoveryWalk(settled_before, cascades, self.cascade_ops)
         self._attempts_before = dict(attempts_before or {})
         self._suspects = suspects
         self.quarantine = Quarantine()
@@ -107,25 +100,9 @@ class PartitionState:
             return False
         self.tracker.add(record.offset)
         qkey = self.queue_key(record)
-        if record.offset <= self._horizon:
-            settled = record.offset in self._settled_before
-            cascades = qkey in self._cascading
-            skipped = settled and not cascades and record.offset not in self._cascades
-            if skipped:
-                self.tracker.settle(record.offset)
-            else:
-                if settled:
-                    self.cascade_ops.append(("u", record.offset))
-                if not cascades:
-                    self._cascading[qkey] = record.offset
-                    if not self._walk_holds:
-                        self._mark(record.offset)
-            if record.offset == self._horizon:
-                self._end_of_walk()
-            if skipped:
-                return False
-        elif self._horizon >= 0:
-            self._end_of_walk()
+        if not self._walk.take(record.offset, qkey):
+            self.tracker.settle(record.offset)
+            return False
         before = self._attempts_before
         if before:
             attempts = before.pop(record.offset, None)
@@ -142,41 +119,19 @@ class PartitionState:
             self.ready[qkey] = None
         return True
 
-    def _end_of_walk(self) -> None:
-        self._horizon = -1
-        self._settled_before.clear()
-        self._cascading.clear()
-        self._cascades.clear()
-        self.cascade_ops.extend(("x", mark) for mark in sorted(self._marks))
-        self._marks.clear()
-
-    def _mark(self, offset: int) -> None:
-        if offset not in self._marks:
-            self._marks.add(offset)
-            self.cascade_ops.append(("c", offset))
-
     @property
     def watermark(self) -> int | None:
         """The commit point: the lowest unsettled offset, held at the lowest cascade mark."""
-        watermark = self.tracker.watermark
-        if watermark is None or not self._marks:
-            return watermark
-        return min(watermark, min(self._marks))
+        return self._walk.hold(self.tracker.watermark)
 
     @property
     def walking(self) -> bool:
         """The recovery walk holds releases: not every record settled before was taken yet."""
-        return self._horizon >= 0 and self._walk_holds
+        return self._walk.holding
 
     def end_walk(self) -> None:
-        """Release during the walk from now on; the keys found cascading so far are marked, lowest
-        offset first."""
-        if not self._walk_holds:
-            return
-        self._walk_holds = False
-        if self._horizon >= 0:
-            for offset in sorted(self._cascading.values()):
-                self._mark(offset)
+        """Release during the walk from now on (``RecoveryWalk.end_early``)."""
+        self._walk.end_early()
 
     # -- release ---------------------------------------------------------------------------------
     def release(self, qkey: QueueKey, now: float, limit: int) -> list[Delivery]:
