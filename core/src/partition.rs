@@ -17,7 +17,7 @@
 //!   for the walk this holds only if every record settled before was taken before anything is
 //!   released, so nothing is released while the walk lasts (up to the highest offset settled
 //!   before), unless `end_walk` lets it (the fetch is held over a buffer limit meanwhile);
-//! * from `end_walk` on, each cascading key is marked in Redis by the offset it cascades from
+//! * from `end_walk` on, each cascading ordering key is marked in Redis by the offset it cascades from
 //!   (`CASCADE_FROM`, queued before anything of the key is released) and the commit point stays at
 //!   or below the lowest mark, so that an owner that crashes before the walk's end leaves its
 //!   successor both the marks (`cascades`, from the claim) and the marked records: a record of a
@@ -219,7 +219,8 @@ impl<T> PartitionCore<T> {
                 if settled {
                     self.ops.push(ops::UNSETTLED, offset, 0);
                 }
-                if !cascades {
+                // A record that queues alone (no ordering key) has no later records to cascade over.
+                if !cascades && matches!(qkey, QueueKey::Key(_)) {
                     self.cascading.insert(qkey, offset);
                     if !self.walk_holds {
                         self.mark(offset);

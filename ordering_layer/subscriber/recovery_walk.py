@@ -7,7 +7,7 @@ owner left. A settled record that goes out again in a cascade is unsettled in Re
 (``UNSETTLED``). Nothing is released until every record up to the highest offset settled before
 (the horizon) has been taken, so that the flush of a cascade's first release carries the
 unsettling of the key's later records; when the walk is ended early (``end_walk``: the fetch is held
-over a buffer limit), each cascading key is marked in Redis by the offset it cascades from
+over a buffer limit), each cascading ordering key is marked in Redis by the offset it cascades from
 (``CASCADE_FROM``, before anything is released) and the commit point is held at the lowest mark
 (``hold``), so that a successor after a crash cascades the same keys; the marks are dropped
 (``CASCADE_DONE``) when a walk ends.
@@ -54,7 +54,8 @@ class RecoveryWalk:
         if not skipped:
             if settled:
                 self._ops.append(("u", offset))
-            if not cascades:
+            # A record that queues alone (its queue key is its offset) has nothing to cascade over.
+            if not cascades and not isinstance(qkey, int):
                 self._cascading[qkey] = offset
                 if not self._holds:
                     self._mark(offset)

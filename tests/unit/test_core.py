@@ -329,6 +329,14 @@ def test_a_cascade_unsettles_in_redis_what_it_delivers_again() -> None:
     held.end_walk()
     assert [r.offset for r in held.release_ready(0.0, 10, 1, 100)[0]] == [10]
     assert held.take_ops() == "c,10,0;d,10,1;"  # its cascade is marked before anything goes out
+    # Records that queue alone (an unordered subscription, or no ordering key) have nothing to
+    # cascade over: no marks, and the commit point is not held.
+    for ordered, key in ((False, b"k"), (True, None)):
+        alone: PartitionCore[Record] = PartitionCore(ordered=ordered, settled_before={50})
+        alone.add([record(10, key, 1), record(11, b"", 1)])
+        alone.end_walk()
+        assert len(alone.release_ready(0.0, 10, 1, 100)[0]) == 2
+        assert "c," not in alone.take_ops() and alone.watermark == 10
 
 
 def test_a_cascade_of_a_walk_ended_early_survives_a_crash() -> None:
