@@ -76,8 +76,9 @@ pub struct PartitionCore<T> {
     settled_before: HashSet<i64>,
     horizon: i64,
     cascading: HashMap<QueueKey, i64>, // cascading key -> the offset it cascades from
-    cascades: HashSet<i64>,            // marks from the claim: their records' keys cascade
-    marks: BTreeSet<i64>,              // marks in Redis or queued for it (the claim's and own)
+    // Marks in Redis or queued for it: the claim's, whose records cascade their keys when taken
+    // (an own mark's record was taken already: offsets are taken once), and own.
+    marks: BTreeSet<i64>,
     walk_holds: bool,
     attempts_before: HashMap<i64, u32>,
     suspects: bool,
@@ -94,7 +95,7 @@ impl<T> PartitionCore<T> {
     pub fn new(ordered: bool, settled_before: HashSet<i64>, attempts_before: HashMap<i64, u32>,
                suspects: bool, start_offset: Option<i64>, cascades: HashSet<i64>) -> Self {
         let horizon = settled_before.iter().chain(cascades.iter()).copied().max().unwrap_or(-1);
-        let marks = cascades.iter().copied().collect();
+        let marks = cascades.into_iter().collect();
         PartitionCore {
             ordered,
             tracker: OffsetTracker::starting_at(start_offset),
@@ -111,7 +112,6 @@ impl<T> PartitionCore<T> {
             settled_before,
             horizon,
             cascading: HashMap::new(),
-            cascades,
             marks,
             walk_holds: true,
             attempts_before,
@@ -212,7 +212,7 @@ impl<T> PartitionCore<T> {
             let qkey = self.queue_key(offset, key);
             let settled = self.settled_before.contains(&offset);
             let cascades = self.cascading.contains_key(&qkey);
-            let skipped = settled && !cascades && !self.cascades.contains(&offset);
+            let skipped = settled && !cascades && !self.marks.contains(&offset);
             if skipped {
                 self.tracker.settle(offset);
             } else {
@@ -258,7 +258,6 @@ impl<T> PartitionCore<T> {
         self.horizon = -1;
         self.settled_before.clear();
         self.cascading.clear();
-        self.cascades.clear();
         for mark in std::mem::take(&mut self.marks) {
             self.ops.push(ops::CASCADE_DONE, mark, 0);
         }

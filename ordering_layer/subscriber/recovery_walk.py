@@ -34,8 +34,9 @@ class RecoveryWalk:
         self._settled_before = set(settled_before)
         self._horizon = max(settled_before | cascades, default=-1)
         self._cascading: dict[Hashable, int] = {}  # cascading key -> the offset it cascades from
-        self._cascades = set(cascades)
-        self._marks = set(cascades)  # marks in Redis or queued for it
+        # Marks in Redis or queued for it: the claim's, whose records cascade their keys when taken
+        # (an own mark's record was taken already: offsets are taken once), and own.
+        self._marks = set(cascades)
         self._holds = True
         self._ops = ops
 
@@ -50,7 +51,7 @@ class RecoveryWalk:
             return True
         settled = offset in self._settled_before
         cascades = qkey in self._cascading
-        skipped = settled and not cascades and offset not in self._cascades
+        skipped = settled and not cascades and offset not in self._marks
         if not skipped:
             if settled:
                 self._ops.append(("u", offset))
@@ -93,6 +94,5 @@ class RecoveryWalk:
         self._horizon = -1
         self._settled_before.clear()
         self._cascading.clear()
-        self._cascades.clear()
         self._ops.extend(("x", mark) for mark in sorted(self._marks))
         self._marks.clear()
