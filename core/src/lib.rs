@@ -9,6 +9,7 @@
 //! as the decisions are made. Assignment generations, epochs, leases, start notes and dead-letter
 //! policy stay in Python.
 
+mod fetch;
 mod key_queue;
 mod ops;
 mod partition;
@@ -315,6 +316,7 @@ fn kafka_partition_runs(messages: &Bound<'_, PyList>) -> PyResult<Vec<(i64, usiz
 #[pymodule]
 #[pyo3(name = "_core")]
 fn ordering_layer_core(module: &Bound<'_, PyModule>) -> PyResult<()> {
+    module.add_class::<fetch::NativeFetch>()?;
     module.add_class::<PartitionCore>()?;
     module.add_function(wrap_pyfunction!(partition_runs, module)?)?;
     module.add_function(wrap_pyfunction!(kafka_partition_runs, module)?)?;

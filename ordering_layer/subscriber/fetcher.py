@@ -23,6 +23,7 @@ from confluent_kafka import Message as KafkaMessage
 from ordering_layer.offsets import tagged_generation
 from ordering_layer.record import HEADER_PARTITION_COUNT, HeaderPairs, RecordMetadata, read_metadata
 from ordering_layer.subscriber.flow import FlowGate, Gate
+from ordering_layer.subscriber.native_fetch import open_native_fetch
 from ordering_layer.subscriber.partition import Record
 from ordering_layer.subscriber.requests import Committed, Fetched, SeekPartition, Sought
 from ordering_layer.worker import Worker
@@ -104,10 +105,13 @@ class Fetcher:
         ownership: the coordinator's side of rebalances.
         post: receives ``Fetched`` batches and ``Committed`` and ``Sought`` reports.
         rebalance: user callbacks, told after a claim and before a revoke lets go.
+        native: fetch with ``NativeFetch`` where it can be used (``native_fetch``); False always
+            fetches through ``consume()``.
     """
 
     def __init__(self, config: Mapping[str, Any], subscription: str, topic: str, gate: FlowGate,
-                 ownership: Ownership, post: Callable[[Any], None], rebalance: RebalanceHooks) -> None:
+                 ownership: Ownership, post: Callable[[Any], None], rebalance: RebalanceHooks, *,
+                 native: bool = True) -> None:
         self.subscription = subscription
         self.topic = topic
         self._gate = gate
@@ -120,6 +124,8 @@ class Fetcher:
         self.generations: dict[int, int] = {}  # fetch thread: bumped on each assign, revoke, loss
         self.paused = False  # the assignment is paused in the consumer
         self.malformed_records = 0  # records whose ol- metadata was ignored (DLQ-4)
+        self.native = open_native_fetch(self.consumer, dict(config), topic, self._malformed_metadata) \
+            if native else None
         self._worker = Worker(f"ordering-layer-fetch-{subscription}", self.step)
 
     def start(self) -> None:
@@ -134,6 +140,8 @@ class Fetcher:
 
     def close(self) -> None:
         """Leave the group and close the consumer (after ``stop``)."""
+        if self.native is not None:
+            self.native.close()
         try:
             self.consumer.close()
         except (KafkaException, RuntimeError) as exc:
@@ -180,8 +188,13 @@ class Fetcher:
         if (state is Gate.PAUSED) != self.paused:
             self.paused = state is Gate.PAUSED
             self._pause(self.consumer.assignment(), self.paused)
-        messages = self.consumer.consume(_FETCH_BATCH, _PAUSED_POLL if self.paused else 0.1)
-        records = []
+        timeout = _PAUSED_POLL if self.paused else 0.1
+        native = self.native
+        # With the native fetch the consumer's queue carries events only (served here: rebalance
+        # callbacks, commit reports); a record it still returns was queued before its partition was
+        # attached, and is taken as one fetched by consume().
+        messages = self.consumer.consume(_FETCH_BATCH, 0 if native is not None else timeout)
+        records: list[Record] = []
         for msg in messages:
             if msg.error() is not None:
                 _LOGGER.warning("fetch error on %s: %s", self.subscription, msg.error())
@@ -190,6 +203,12 @@ class Fetcher:
             if record.metadata.malformed is not None:
                 self._malformed_metadata(record)
             records.append(record)
+        if native is not None:
+            fetched, errors = native.fetch(_FETCH_BATCH, timeout if not records else 0)
+            records.extend(fetched)
+            for partition, offset, error in errors:
+                _LOGGER.warning("fetch error on %s: partition %d offset %d: %s", self.subscription, partition,
+                                offset, error)
         if records:
             self._gate.posted(len(records))
             self._post(self.fetched(records))
@@ -246,15 +265,23 @@ class Fetcher:
         # (SUB-7), and resumed otherwise, as librdkafka may keep a pause from an earlier ownership
         # of the partition, which no later resume of the then assignment reached.
         consumer.incremental_assign(partitions)
+        if self.native is not None:
+            self.native.attach([tp.partition for tp in partitions])
         self._pause(partitions, self.paused)
         _tell(self._rebalance.on_assign, partitions, "on_assign")
 
+    def _detach(self, partitions: list[TopicPartition]) -> None:
+        if self.native is not None:
+            self.native.detach([tp.partition for tp in partitions])
+
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self._detach(partitions)
         self._next_generation(partitions)
         _tell(self._rebalance.on_revoke, partitions, "on_revoke")
         self.commit_sync(self._ownership.revoking([tp.partition for tp in partitions]))
 
     def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self._detach(partitions)
         self._next_generation(partitions)
         self._ownership.lost([tp.partition for tp in partitions])
         _tell(self._rebalance.on_lost, partitions, "on_lost")

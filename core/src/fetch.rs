@@ -1,0 +1,374 @@
+//! The subscriber's fetch without a Python object per fetched message.
+//!
+//! confluent-kafka's `Consumer` keeps the group membership, the rebalance callbacks, commits,
+//! seeks and pauses; its `consume()` makes a Python `Message` for every record, under the GIL. The
+//! fetch here takes the records from librdkafka itself, from the very `rd_kafka_t` the `Consumer`
+//! wraps (the library confluent-kafka loaded, found with `dlopen(RTLD_NOLOAD)`): each assigned
+//! partition's fetch queue is forwarded to a queue of this fetch (`rd_kafka_queue_forward`, the
+//! documented way to split partitions off the consumer queue), so the consumer queue keeps only
+//! events, which `Consumer.poll` serves as before. `fetch` waits for and copies a batch without the
+//! GIL, then makes the `Record`s the engine takes, with the layer metadata read once per distinct
+//! header set (`metadata_of`, a Python function, is called only for header sets not shared).
+//! librdkafka drops messages of an outdated fetch version (after a revoke, an unassign or a seek)
+//! before they are returned, as it does for `consume()`.
+
+use std::collections::HashMap;
+use std::ffi::{c_char, c_int, c_void, CStr, CString};
+use std::ptr;
+use std::sync::Mutex;
+
+use pyo3::exceptions::PyRuntimeError;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyList, PyString, PyTuple};
+
+const RTLD_NOW: c_int = 2;
+const RTLD_NOLOAD: c_int = 4;
+const RD_KAFKA_CONSUMER: c_int = 1;
+const BATCH_MAX: usize = 10_000;
+
+extern "C" {
+    fn dlopen(filename: *const c_char, flag: c_int) -> *mut c_void;
+    fn dlsym(handle: *mut c_void, symbol: *const c_char) -> *mut c_void;
+}
+
+/// `rd_kafka_message_t` (rdkafka.h, public and stable).
+#[repr(C)]
+struct RawMessage {
+    err: c_int,
+    rkt: *mut c_void,
+    partition: i32,
+    payload: *const u8,
+    len: usize,
+    key: *const u8,
+    key_len: usize,
+    offset: i64,
+    private: *mut c_void,
+}
+
+/// The librdkafka functions this fetch calls, looked up in the loaded library.
+struct Api {
+    kind: unsafe extern "C" fn(*mut c_void) -> c_int,
+    name: unsafe extern "C" fn(*mut c_void) -> *const c_char,
+    queue_new: unsafe extern "C" fn(*mut c_void) -> *mut c_void,
+    queue_get_partition: unsafe extern "C" fn(*mut c_void, *const c_char, i32) -> *mut c_void,
+    queue_forward: unsafe extern "C" fn(*mut c_void, *mut c_void),
+    queue_destroy: unsafe extern "C" fn(*mut c_void),
+    consume_batch_queue: unsafe extern "C" fn(*mut c_void, c_int, *mut *mut RawMessage, usize) -> isize,
+    message_destroy: unsafe extern "C" fn(*mut RawMessage),
+    message_timestamp: unsafe extern "C" fn(*const RawMessage, *mut c_int) -> i64,
+    message_headers: unsafe extern "C" fn(*const RawMessage, *mut *mut c_void) -> c_int,
+    header_cnt: unsafe extern "C" fn(*const c_void) -> usize,
+    header_get_all: unsafe extern "C" fn(*const c_void, usize, *mut *const c_char, *mut *const u8, *mut usize) -> c_int,
+    err2str: unsafe extern "C" fn(c_int) -> *const c_char,
+}
+
+fn symbol(lib: *mut c_void, name: &str) -> PyResult<*mut c_void> {
+    let cname = CString::new(name).expect("no NUL in a symbol name");
+    // SAFETY: lib is a handle dlopen returned; dlsym only reads the library's symbol table.
+    let found = unsafe { dlsym(lib, cname.as_ptr()) };
+    if found.is_null() {
+        return Err(PyRuntimeError::new_err(format!("librdkafka has no {name}")));
+    }
+    Ok(found)
+}
+
+impl Api {
+    fn load(path: &str) -> PyResult<Api> {
+        let cpath = CString::new(path).map_err(|_| PyRuntimeError::new_err("bad library path"))?;
+        // SAFETY: RTLD_NOLOAD only returns a library already loaded (confluent-kafka's), else null.
+        let lib = unsafe { dlopen(cpath.as_ptr(), RTLD_NOW | RTLD_NOLOAD) };
+        if lib.is_null() {
+            return Err(PyRuntimeError::new_err(format!("{path} is not loaded")));
+        }
+        // SAFETY: each symbol has the C signature of rdkafka.h that its field declares.
+        unsafe {
+            Ok(Api {
+                kind: std::mem::transmute::<*mut c_void, _>(symbol(lib, "rd_kafka_type")?),
+                name: std::mem::transmute::<*mut c_void, _>(symbol(lib, "rd_kafka_name")?),
+                queue_new: std::mem::transmute::<*mut c_void, _>(symbol(lib, "rd_kafka_queue_new")?),
+                queue_get_partition: std::mem::transmute::<*mut c_void, _>(symbol(lib, "rd_kafka_queue_get_partition")?),
+                queue_forward: std::mem::transmute::<*mut c_void, _>(symbol(lib, "rd_kafka_queue_forward")?),
+                queue_destroy: std::mem::transmute::<*mut c_void, _>(symbol(lib, "rd_kafka_queue_destroy")?),
+                consume_batch_queue: std::mem::transmute::<*mut c_void, _>(symbol(lib, "rd_kafka_consume_batch_queue")?),
+                message_destroy: std::mem::transmute::<*mut c_void, _>(symbol(lib, "rd_kafka_message_destroy")?),
+                message_timestamp: std::mem::transmute::<*mut c_void, _>(symbol(lib, "rd_kafka_message_timestamp")?),
+                message_headers: std::mem::transmute::<*mut c_void, _>(symbol(lib, "rd_kafka_message_headers")?),
+                header_cnt: std::mem::transmute::<*mut c_void, _>(symbol(lib, "rd_kafka_header_cnt")?),
+                header_get_all: std::mem::transmute::<*mut c_void, _>(symbol(lib, "rd_kafka_header_get_all")?),
+                err2str: std::mem::transmute::<*mut c_void, _>(symbol(lib, "rd_kafka_err2str")?),
+            })
+        }
+    }
+}
+
+type Headers = Vec<(String, Option<Vec<u8>>)>;
+
+/// A record copied out of librdkafka (no GIL needed to make it).
+struct Fetched {
+    partition: i32,
+    offset: i64,
+    key: Option<Vec<u8>>,
+    value: Option<Vec<u8>>,
+    headers: Option<Headers>,
+    timestamp_ms: i64,
+}
+
+struct Queues {
+    own: *mut c_void,
+    partitions: HashMap<i32, *mut c_void>,
+}
+
+/// The fetch of one consumer's partitions (see the module's documentation).
+#[pyclass(module = "ordering_layer._core", name = "NativeFetch")]
+pub struct NativeFetch {
+    api: Api,
+    rk: *mut c_void,
+    topic: CString,
+    queues: Mutex<Queues>,
+    record: Py<PyAny>,
+    metadata_of: Py<PyAny>,
+    plain: HashMap<Vec<u8>, (Py<PyAny>, Py<PyAny>)>,
+    empty: Py<PyAny>,
+}
+
+// SAFETY: librdkafka's handles are thread-safe; the queue map is behind a mutex and the rest is
+// read-only after construction (the metadata cache is only touched with `&mut self`).
+unsafe impl Send for NativeFetch {}
+unsafe impl Sync for NativeFetch {}
+
+/// Packs a record's headers into one key (for the metadata cache): names and values with lengths.
+fn header_key(headers: &Headers) -> Vec<u8> {
+    let mut key = Vec::new();
+    for (name, value) in headers {
+        key.extend_from_slice(&(name.len() as u32).to_le_bytes());
+        key.extend_from_slice(name.as_bytes());
+        match value {
+            None => key.extend_from_slice(&u32::MAX.to_le_bytes()),
+            Some(value) => {
+                key.extend_from_slice(&(value.len() as u32).to_le_bytes());
+                key.extend_from_slice(value);
+            }
+        }
+    }
+    key
+}
+
+impl NativeFetch {
+    /// Copies up to `max` messages out of librdkafka, waiting up to `timeout_ms` (no GIL held).
+    fn take(&self, max: usize, timeout_ms: c_int) -> (Vec<Fetched>, Vec<(i32, i64, String)>) {
+        let queues = self.queues.lock().expect("fetch queues lock");
+        if queues.own.is_null() {
+            return (Vec::new(), Vec::new());
+        }
+        let mut raw: Vec<*mut RawMessage> = vec![ptr::null_mut(); max.clamp(1, BATCH_MAX)];
+        let api = &self.api;
+        // SAFETY: queues.own is a live queue (destroyed only in close, under this lock); raw has room
+        // for the count asked for; every message returned is destroyed below.
+        let count = unsafe { (api.consume_batch_queue)(queues.own, timeout_ms, raw.as_mut_ptr(), raw.len()) };
+        let mut records = Vec::with_capacity(count.max(0) as usize);
+        let mut errors = Vec::new();
+        for &message in raw.iter().take(count.max(0) as usize) {
+            // SAFETY: librdkafka returned it; its fields are valid until message_destroy.
+            unsafe {
+                let m = &*message;
+                if m.err != 0 {
+                    let text = CStr::from_ptr((api.err2str)(m.err)).to_string_lossy().into_owned();
+                    errors.push((m.partition, m.offset, text));
+                } else {
+                    records.push(Fetched {
+                        partition: m.partition,
+                        offset: m.offset,
+                        key: copy(m.key, m.key_len),
+                        value: copy(m.payload, m.len),
+                        headers: self.headers(message),
+                        timestamp_ms: (api.message_timestamp)(message, ptr::null_mut()),
+                    });
+                }
+                (api.message_destroy)(message);
+            }
+        }
+        (records, errors)
+    }
+
+    /// A message's headers, or None when it has none.
+    ///
+    /// # Safety
+    /// `message` is a live message librdkafka returned.
+    unsafe fn headers(&self, message: *const RawMessage) -> Option<Headers> {
+        let api = &self.api;
+        let mut hdrs: *mut c_void = ptr::null_mut();
+        if (api.message_headers)(message, &mut hdrs) != 0 || hdrs.is_null() {
+            return None;
+        }
+        let count = (api.header_cnt)(hdrs);
+        let mut headers = Vec::with_capacity(count);
+        for index in 0..count {
+            let (mut name, mut value, mut size): (*const c_char, *const u8, usize) = (ptr::null(), ptr::null(), 0);
+            if (api.header_get_all)(hdrs, index, &mut name, &mut value, &mut size) != 0 {
+                break;
+            }
+            let name = CStr::from_ptr(name).to_string_lossy().into_owned();
+            headers.push((name, if value.is_null() { None } else { Some(std::slice::from_raw_parts(value, size).to_vec()) }));
+        }
+        Some(headers)
+    }
+
+    /// The metadata of a record and the headers it keeps: shared per distinct header set.
+    fn metadata<'py>(&mut self, py: Python<'py>, headers: Option<Headers>, partition: i32, offset: i64) -> PyResult<(Py<PyAny>, Py<PyAny>)> {
+        let Some(headers) = headers else {
+            return Ok((self.empty.clone_ref(py), py.None()));
+        };
+        let key = header_key(&headers);
+        if let Some((metadata, shared)) = self.plain.get(&key) {
+            return Ok((metadata.clone_ref(py), shared.clone_ref(py)));
+        }
+        let pairs = PyList::empty(py);
+        for (name, value) in &headers {
+            let value: Bound<'py, PyAny> = match value {
+                None => py.None().into_bound(py),
+                Some(value) => PyBytes::new(py, value).into_any(),
+            };
+            pairs.append(PyTuple::new(py, [PyString::new(py, name).into_any(), value])?)?;
+        }
+        // metadata_of(headers, partition, offset) -> (metadata, headers to keep, shareable)
+        let (metadata, kept, shareable): (Py<PyAny>, Py<PyAny>, bool) = self.metadata_of.call1(py, (pairs, partition, offset))?.extract(py)?;
+        if shareable && self.plain.len() < 64 {
+            self.plain.insert(key, (metadata.clone_ref(py), kept.clone_ref(py)));
+        }
+        Ok((metadata, kept))
+    }
+}
+
+/// A copy of `len` bytes at `data`, None for a null pointer.
+///
+/// # Safety
+/// `data` is null or points to `len` readable bytes.
+unsafe fn copy(data: *const u8, len: usize) -> Option<Vec<u8>> {
+    if data.is_null() {
+        None
+    } else {
+        Some(std::slice::from_raw_parts(data, len).to_vec())
+    }
+}
+
+#[pymethods]
+impl NativeFetch {
+    /// Wrap the `rd_kafka_t` of a confluent-kafka `Consumer`.
+    ///
+    /// `handle` is the `rd_kafka_t` pointer, `library` the path of the librdkafka confluent-kafka
+    /// loaded, `name_prefix` how the name librdkafka reports for the handle begins (checked before use),
+    /// `record` the class of the records made, `metadata_of(headers, partition, offset)` gives
+    /// `(metadata, headers to keep, shareable)` of a record's header list, `empty` the metadata of a record without headers.
+    #[new]
+    #[allow(clippy::too_many_arguments)]
+    fn new(handle: usize, library: &str, name_prefix: &str, topic: &str, record: Py<PyAny>, metadata_of: Py<PyAny>,
+           empty: Py<PyAny>) -> PyResult<Self> {
+        let api = Api::load(library)?;
+        let rk = handle as *mut c_void;
+        if rk.is_null() {
+            return Err(PyRuntimeError::new_err("no rd_kafka_t"));
+        }
+        // SAFETY: rk is the handle of a live consumer (the caller keeps the Consumer open).
+        let (kind, name) = unsafe { ((api.kind)(rk), CStr::from_ptr((api.name)(rk)).to_string_lossy().into_owned()) };
+        if kind != RD_KAFKA_CONSUMER || !name.starts_with(name_prefix) {
+            return Err(PyRuntimeError::new_err(format!("handle is {name} (type {kind}), not a consumer named {name_prefix}...")));
+        }
+        // SAFETY: rk is a live consumer handle.
+        let own = unsafe { (api.queue_new)(rk) };
+        Ok(NativeFetch {
+            api,
+            rk,
+            topic: CString::new(topic).map_err(|_| PyRuntimeError::new_err("bad topic name"))?,
+            queues: Mutex::new(Queues { own, partitions: HashMap::new() }),
+            record,
+            metadata_of,
+            plain: HashMap::new(),
+            empty,
+        })
+    }
+
+    /// Forward the fetch queues of newly assigned partitions to this fetch (after they are assigned).
+    fn attach(&self, partitions: Vec<i32>) -> PyResult<()> {
+        let mut queues = self.queues.lock().expect("fetch queues lock");
+        if queues.own.is_null() {
+            return Err(PyRuntimeError::new_err("fetch closed"));
+        }
+        for partition in partitions {
+            if queues.partitions.contains_key(&partition) {
+                continue;
+            }
+            // SAFETY: rk and own are live; the partition queue handle is kept until detach or close.
+            unsafe {
+                let queue = (self.api.queue_get_partition)(self.rk, self.topic.as_ptr(), partition);
+                if queue.is_null() {
+                    return Err(PyRuntimeError::new_err(format!("no queue for partition {partition}")));
+                }
+                (self.api.queue_forward)(queue, queues.own);
+                queues.partitions.insert(partition, queue);
+            }
+        }
+        Ok(())
+    }
+
+    /// Stop forwarding the fetch queues of partitions let go (before they are unassigned).
+    fn detach(&self, partitions: Vec<i32>) {
+        let mut queues = self.queues.lock().expect("fetch queues lock");
+        for partition in partitions {
+            if let Some(queue) = queues.partitions.remove(&partition) {
+                // SAFETY: queue is a handle attach got and nobody else destroys.
+                unsafe {
+                    (self.api.queue_forward)(queue, ptr::null_mut());
+                    (self.api.queue_destroy)(queue);
+                }
+            }
+        }
+    }
+
+    /// The partitions forwarded to this fetch.
+    fn attached(&self) -> Vec<i32> {
+        let mut partitions: Vec<i32> = self.queues.lock().expect("fetch queues lock").partitions.keys().copied().collect();
+        partitions.sort_unstable();
+        partitions
+    }
+
+    /// Wait up to `timeout` s for records; returns (records, errors as (partition, offset, text)).
+    fn fetch<'py>(&mut self, py: Python<'py>, max: usize, timeout: f64) -> PyResult<(Bound<'py, PyList>, Vec<(i32, i64, String)>)> {
+        let timeout_ms = (timeout * 1000.0).round().clamp(0.0, f64::from(i32::MAX)) as c_int;
+        let this = &*self;
+        let (fetched, errors) = py.detach(|| this.take(max, timeout_ms));
+        let records = PyList::empty(py);
+        let record = self.record.clone_ref(py);
+        for item in fetched {
+            let size = item.value.as_ref().map_or(0, Vec::len);
+            let (metadata, headers) = self.metadata(py, item.headers, item.partition, item.offset)?;
+            let key = match item.key {
+                Some(key) if !key.is_empty() => PyBytes::new(py, &key).into_any().unbind(),
+                _ => py.None(),
+            };
+            let value = match item.value {
+                Some(value) => PyBytes::new(py, &value).into_any().unbind(),
+                None => py.None(),
+            };
+            records.append(record.call1(py, (item.partition, item.offset, key, value, headers, metadata, size,
+                                             item.timestamp_ms))?)?;
+        }
+        Ok((records, errors))
+    }
+
+    /// Give every queue back to librdkafka (before the consumer closes).
+    fn close(&self) {
+        let mut queues = self.queues.lock().expect("fetch queues lock");
+        for (_, queue) in queues.partitions.drain() {
+            // SAFETY: handles attach got; the fetch's own queue goes last.
+            unsafe {
+                (self.api.queue_forward)(queue, ptr::null_mut());
+                (self.api.queue_destroy)(queue);
+            }
+        }
+        if !queues.own.is_null() {
+            // SAFETY: own is live until here; no fetch runs (it needs this lock).
+            unsafe { (self.api.queue_destroy)(queues.own) };
+            queues.own = ptr::null_mut();
+        }
+    }
+}

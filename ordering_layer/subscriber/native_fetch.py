@@ -1,0 +1,86 @@
+"""The fetch without a Python object per fetched message: ``_core.NativeFetch`` on the consumer's
+own librdkafka handle.
+
+confluent-kafka's ``consume()`` makes a ``Message`` per record under the GIL, which the fetcher then
+reads into a ``Record``. ``NativeFetch`` takes the records from librdkafka itself: the assigned
+partitions' fetch queues are forwarded to a queue of its own (``attach`` after an assignment,
+``detach`` before a revocation or loss), it waits for a batch and copies it without the GIL, and it
+makes the ``Record``s directly, reading the layer metadata once per distinct header set. The
+``Consumer`` keeps everything else: membership, rebalance callbacks, commits, seeks, pauses; its
+queue carries only events, served by ``consume`` on the fetch thread as before.
+
+The handle is the ``rd_kafka_t`` pointer that confluent-kafka's consumer object holds first after
+its object header, in the librdkafka it loaded (looked up in the process's mappings); the handle
+must be a consumer whose name begins with the consumer's ``client.id``, or the fetch is not used.
+``open_native_fetch`` returns None whenever anything does not match (another platform, another
+build of confluent-kafka) and the fetcher uses ``consume()``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from confluent_kafka import Consumer
+
+from ordering_layer.record import HEADER_PARTITION_COUNT, HeaderPairs, RecordMetadata, read_metadata
+from ordering_layer.subscriber.key_queue import Record
+
+_LOGGER = logging.getLogger(__name__)
+
+_HANDLE_OFFSET = 2 * ctypes.sizeof(ctypes.c_void_p)  # after ob_refcnt and ob_type
+DEFAULT_CLIENT_ID = "rdkafka"  # librdkafka's default client.id
+
+Malformed = Callable[[Record], None]
+
+
+def loaded_librdkafka() -> str | None:
+    """The path of the librdkafka this process has loaded (Linux: from ``/proc/self/maps``)."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as maps:
+            for line in maps:
+                path = line.rstrip("\n").split(maxsplit=5)[-1]
+                if "/librdkafka" in path and ".so" in path:
+                    return path
+    except OSError:
+        return None
+    return None
+
+
+def header_metadata(malformed: Malformed) -> Callable[[HeaderPairs, int, int], tuple[RecordMetadata, Any, bool]]:
+    """``NativeFetch``'s ``metadata_of``: a record's metadata, the headers it keeps, and whether
+    records with the same headers may share both (the one-header records of the layer, only
+    ``ol-partition-count``, as ``fetcher.to_record`` shares them). Malformed metadata is reported
+    (DLQ-4) with the record's position."""
+
+    def metadata_of(headers: HeaderPairs, partition: int, offset: int) -> tuple[RecordMetadata, Any, bool]:
+        metadata = read_metadata(headers)
+        if metadata.malformed is not None:
+            malformed(Record(partition, offset, None, None, headers, metadata, 0, 0))
+        shareable = (len(headers) == 1 and headers[0][0] == HEADER_PARTITION_COUNT
+                     and metadata.message_id is None and metadata.malformed is None)
+        return metadata, tuple(headers) if shareable else headers, shareable
+
+    return metadata_of
+
+
+def open_native_fetch(consumer: Consumer, config: dict[str, Any], topic: str, malformed: Malformed) -> Any:
+    """A ``NativeFetch`` on ``consumer``, or None when it cannot be used here (logged)."""
+    try:
+        from ordering_layer._core import NativeFetch  # noqa: PLC0415 - optional in the compiled core
+    except ImportError:
+        return None
+    library = loaded_librdkafka()
+    if library is None or type(consumer) is not Consumer:
+        _LOGGER.info("fetching through consume(): no librdkafka mapping or not a plain Consumer")
+        return None
+    handle = ctypes.c_void_p.from_address(id(consumer) + _HANDLE_OFFSET).value
+    prefix = f"{config.get('client.id', DEFAULT_CLIENT_ID)}#consumer-"
+    try:
+        return NativeFetch(handle or 0, library, prefix, topic, Record, header_metadata(malformed),
+                           read_metadata(None))
+    except RuntimeError as exc:
+        _LOGGER.info("fetching through consume(): %s", exc)
+        return None
