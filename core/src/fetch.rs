@@ -45,21 +45,35 @@ struct RawMessage {
     private: *mut c_void,
 }
 
+type KindFn = unsafe extern "C" fn(*mut c_void) -> c_int;
+type NameFn = unsafe extern "C" fn(*mut c_void) -> *const c_char;
+type QueueNewFn = unsafe extern "C" fn(*mut c_void) -> *mut c_void;
+type QueuePartitionFn = unsafe extern "C" fn(*mut c_void, *const c_char, i32) -> *mut c_void;
+type QueueForwardFn = unsafe extern "C" fn(*mut c_void, *mut c_void);
+type QueueDestroyFn = unsafe extern "C" fn(*mut c_void);
+type ConsumeBatchFn = unsafe extern "C" fn(*mut c_void, c_int, *mut *mut RawMessage, usize) -> isize;
+type MessageDestroyFn = unsafe extern "C" fn(*mut RawMessage);
+type TimestampFn = unsafe extern "C" fn(*const RawMessage, *mut c_int) -> i64;
+type HeadersFn = unsafe extern "C" fn(*const RawMessage, *mut *mut c_void) -> c_int;
+type HeaderCountFn = unsafe extern "C" fn(*const c_void) -> usize;
+type HeaderGetFn = unsafe extern "C" fn(*const c_void, usize, *mut *const c_char, *mut *const u8, *mut usize) -> c_int;
+type ErrorTextFn = unsafe extern "C" fn(c_int) -> *const c_char;
+
 /// The librdkafka functions this fetch calls, looked up in the loaded library.
 struct Api {
-    kind: unsafe extern "C" fn(*mut c_void) -> c_int,
-    name: unsafe extern "C" fn(*mut c_void) -> *const c_char,
-    queue_new: unsafe extern "C" fn(*mut c_void) -> *mut c_void,
-    queue_get_partition: unsafe extern "C" fn(*mut c_void, *const c_char, i32) -> *mut c_void,
-    queue_forward: unsafe extern "C" fn(*mut c_void, *mut c_void),
-    queue_destroy: unsafe extern "C" fn(*mut c_void),
-    consume_batch_queue: unsafe extern "C" fn(*mut c_void, c_int, *mut *mut RawMessage, usize) -> isize,
-    message_destroy: unsafe extern "C" fn(*mut RawMessage),
-    message_timestamp: unsafe extern "C" fn(*const RawMessage, *mut c_int) -> i64,
-    message_headers: unsafe extern "C" fn(*const RawMessage, *mut *mut c_void) -> c_int,
-    header_cnt: unsafe extern "C" fn(*const c_void) -> usize,
-    header_get_all: unsafe extern "C" fn(*const c_void, usize, *mut *const c_char, *mut *const u8, *mut usize) -> c_int,
-    err2str: unsafe extern "C" fn(c_int) -> *const c_char,
+    kind: KindFn,
+    name: NameFn,
+    queue_new: QueueNewFn,
+    queue_get_partition: QueuePartitionFn,
+    queue_forward: QueueForwardFn,
+    queue_destroy: QueueDestroyFn,
+    consume_batch_queue: ConsumeBatchFn,
+    message_destroy: MessageDestroyFn,
+    message_timestamp: TimestampFn,
+    message_headers: HeadersFn,
+    header_cnt: HeaderCountFn,
+    header_get_all: HeaderGetFn,
+    err2str: ErrorTextFn,
 }
 
 fn symbol(lib: *mut c_void, name: &str) -> PyResult<*mut c_void> {
@@ -72,6 +86,16 @@ fn symbol(lib: *mut c_void, name: &str) -> PyResult<*mut c_void> {
     Ok(found)
 }
 
+/// `$name` of `$lib` as a function of type `$ty`.
+macro_rules! load {
+    ($lib:expr, $name:literal, $ty:ty) => {{
+        let found = symbol($lib, $name)?;
+        // SAFETY: the symbol is librdkafka's function of that name, whose C signature (rdkafka.h)
+        // `$ty` declares.
+        unsafe { std::mem::transmute::<*mut c_void, $ty>(found) }
+    }};
+}
+
 impl Api {
     fn load(path: &str) -> PyResult<Api> {
         let cpath = CString::new(path).map_err(|_| PyRuntimeError::new_err("bad library path"))?;
@@ -80,28 +104,27 @@ impl Api {
         if lib.is_null() {
             return Err(PyRuntimeError::new_err(format!("{path} is not loaded")));
         }
-        // SAFETY: each symbol has the C signature of rdkafka.h that its field declares.
-        unsafe {
-            Ok(Api {
-                kind: std::mem::transmute::<*mut c_void, _>(symbol(lib, "rd_kafka_type")?),
-                name: std::mem::transmute::<*mut c_void, _>(symbol(lib, "rd_kafka_name")?),
-                queue_new: std::mem::transmute::<*mut c_void, _>(symbol(lib, "rd_kafka_queue_new")?),
-                queue_get_partition: std::mem::transmute::<*mut c_void, _>(symbol(lib, "rd_kafka_queue_get_partition")?),
-                queue_forward: std::mem::transmute::<*mut c_void, _>(symbol(lib, "rd_kafka_queue_forward")?),
-                queue_destroy: std::mem::transmute::<*mut c_void, _>(symbol(lib, "rd_kafka_queue_destroy")?),
-                consume_batch_queue: std::mem::transmute::<*mut c_void, _>(symbol(lib, "rd_kafka_consume_batch_queue")?),
-                message_destroy: std::mem::transmute::<*mut c_void, _>(symbol(lib, "rd_kafka_message_destroy")?),
-                message_timestamp: std::mem::transmute::<*mut c_void, _>(symbol(lib, "rd_kafka_message_timestamp")?),
-                message_headers: std::mem::transmute::<*mut c_void, _>(symbol(lib, "rd_kafka_message_headers")?),
-                header_cnt: std::mem::transmute::<*mut c_void, _>(symbol(lib, "rd_kafka_header_cnt")?),
-                header_get_all: std::mem::transmute::<*mut c_void, _>(symbol(lib, "rd_kafka_header_get_all")?),
-                err2str: std::mem::transmute::<*mut c_void, _>(symbol(lib, "rd_kafka_err2str")?),
-            })
-        }
+        Ok(Api {
+            kind: load!(lib, "rd_kafka_type", KindFn),
+            name: load!(lib, "rd_kafka_name", NameFn),
+            queue_new: load!(lib, "rd_kafka_queue_new", QueueNewFn),
+            queue_get_partition: load!(lib, "rd_kafka_queue_get_partition", QueuePartitionFn),
+            queue_forward: load!(lib, "rd_kafka_queue_forward", QueueForwardFn),
+            queue_destroy: load!(lib, "rd_kafka_queue_destroy", QueueDestroyFn),
+            consume_batch_queue: load!(lib, "rd_kafka_consume_batch_queue", ConsumeBatchFn),
+            message_destroy: load!(lib, "rd_kafka_message_destroy", MessageDestroyFn),
+            message_timestamp: load!(lib, "rd_kafka_message_timestamp", TimestampFn),
+            message_headers: load!(lib, "rd_kafka_message_headers", HeadersFn),
+            header_cnt: load!(lib, "rd_kafka_header_cnt", HeaderCountFn),
+            header_get_all: load!(lib, "rd_kafka_header_get_all", HeaderGetFn),
+            err2str: load!(lib, "rd_kafka_err2str", ErrorTextFn),
+        })
     }
 }
 
 type Headers = Vec<(String, Option<Vec<u8>>)>;
+/// Fetch errors: (partition, offset, librdkafka's text).
+type Errors = Vec<(i32, i64, String)>;
 
 /// A record copied out of librdkafka (no GIL needed to make it).
 struct Fetched {
@@ -155,7 +178,7 @@ fn header_key(headers: &Headers) -> Vec<u8> {
 
 impl NativeFetch {
     /// Copies up to `max` messages out of librdkafka, waiting up to `timeout_ms` (no GIL held).
-    fn take(&self, max: usize, timeout_ms: c_int) -> (Vec<Fetched>, Vec<(i32, i64, String)>) {
+    fn take(&self, max: usize, timeout_ms: c_int) -> (Vec<Fetched>, Errors) {
         let queues = self.queues.lock().expect("fetch queues lock");
         if queues.own.is_null() {
             return (Vec::new(), Vec::new());
@@ -332,7 +355,7 @@ impl NativeFetch {
     }
 
     /// Wait up to `timeout` s for records; returns (records, errors as (partition, offset, text)).
-    fn fetch<'py>(&mut self, py: Python<'py>, max: usize, timeout: f64) -> PyResult<(Bound<'py, PyList>, Vec<(i32, i64, String)>)> {
+    fn fetch<'py>(&mut self, py: Python<'py>, max: usize, timeout: f64) -> PyResult<(Bound<'py, PyList>, Errors)> {
         let timeout_ms = (timeout * 1000.0).round().clamp(0.0, f64::from(i32::MAX)) as c_int;
         let this = &*self;
         let (fetched, errors) = py.detach(|| this.take(max, timeout_ms));

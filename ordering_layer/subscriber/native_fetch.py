@@ -13,18 +13,21 @@ The handle is the ``rd_kafka_t`` pointer that confluent-kafka's consumer object 
 its object header, in the librdkafka it loaded (looked up in the process's mappings); the handle
 must be a consumer whose name begins with the consumer's ``client.id``, or the fetch is not used.
 ``open_native_fetch`` returns None whenever anything does not match (another platform, another
-build of confluent-kafka) and the fetcher uses ``consume()``.
+build of confluent-kafka), or when ``ORDERING_LAYER_NATIVE_FETCH=0`` is set, and the fetcher then
+uses ``consume()``.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
 from confluent_kafka import Consumer
 
+from ordering_layer._core import NativeFetch
 from ordering_layer.record import HEADER_PARTITION_COUNT, HeaderPairs, RecordMetadata, read_metadata
 from ordering_layer.subscriber.key_queue import Record
 
@@ -66,11 +69,11 @@ def header_metadata(malformed: Malformed) -> Callable[[HeaderPairs, int, int], t
     return metadata_of
 
 
-def open_native_fetch(consumer: Consumer, config: dict[str, Any], topic: str, malformed: Malformed) -> Any:
-    """A ``NativeFetch`` on ``consumer``, or None when it cannot be used here (logged)."""
-    try:
-        from ordering_layer._core import NativeFetch  # noqa: PLC0415 - optional in the compiled core
-    except ImportError:
+def open_native_fetch(consumer: Consumer, config: dict[str, Any], topic: str,
+                      malformed: Malformed) -> NativeFetch | None:
+    """A ``NativeFetch`` on ``consumer``, or None when it cannot be used here (logged) or is switched
+    off (``ORDERING_LAYER_NATIVE_FETCH=0`` in the environment)."""
+    if os.environ.get("ORDERING_LAYER_NATIVE_FETCH", "1") == "0":
         return None
     library = loaded_librdkafka()
     if library is None or type(consumer) is not Consumer:

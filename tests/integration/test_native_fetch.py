@@ -1,0 +1,133 @@
+"""The native fetch (``_core.NativeFetch``) makes the same records as ``consume()`` and ``to_record``.
+
+Records of every shape (null and empty keys and values, binary bytes, user headers with null values,
+the layer's metadata, malformed metadata) are read twice from one topic: by a plain confluent-kafka
+consumer through ``to_record``, and by the subscriber's ``Fetcher`` with its native fetch; every field
+of every record must match, and malformed metadata must be counted the same (DLQ-4).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from confluent_kafka import Consumer, Producer, TopicPartition
+
+from ordering_layer import FlowControl, OrderedProducer
+from ordering_layer.record import HEADER_MESSAGE_ID, HEADER_PARTITION_COUNT
+from ordering_layer.subscriber.fetcher import Fetcher, RebalanceHooks, to_record
+from ordering_layer.subscriber.flow import FlowGate
+from ordering_layer.subscriber.key_queue import Record
+from ordering_layer.subscriber.requests import Fetched
+
+FIELDS = ("partition", "offset", "key", "value", "headers", "metadata", "size", "timestamp_ms")
+
+
+class Owner:
+    """The coordinator's side of rebalances, for a fetcher alone: claims everything at once."""
+
+    def assigned(self, partitions: list[int], generations: Mapping[int, int]) -> Mapping[int, int]:
+        return {}
+
+    def revoking(self, partitions: list[int]) -> list[TopicPartition]:
+        return []
+
+    def lost(self, partitions: list[int]) -> None:
+        return None
+
+
+def produce_shapes(kafka_config: dict[str, Any], topic: str) -> int:
+    """Records of every shape, on both partitions; returns how many."""
+    shapes: list[tuple[bytes | None, bytes | None, list[tuple[str, str | bytes | None]] | None]] = [
+        (None, None, None),
+        (b"", b"", None),
+        (b"k", b"v", [(HEADER_MESSAGE_ID, b"id-1"), ("attr", b"x"), ("empty", None)]),
+        (b"\xff\x00key", bytes(range(256)), [("attr", b"\xff\xfe")]),
+        (b"m", b"bad count", [(HEADER_PARTITION_COUNT, b"abc")]),
+        (b"m", b"bad id", [(HEADER_MESSAGE_ID, b"")]),
+        (b"dup", b"two", [("a", b"1"), ("a", b"2")]),
+    ]
+    producer = Producer(kafka_config)
+    count = 0
+    for partition in (0, 1):
+        for key, value, headers in shapes:
+            producer.produce(topic, value, key=key, partition=partition, headers=headers)
+            count += 1
+    producer.flush(30)
+    with OrderedProducer(kafka_config) as ordered:
+        for n in range(20):
+            ordered.produce(topic, b"plain-%d" % n, key=b"key-%d" % (n % 4))
+            count += 1
+    return count
+
+
+def by_consume(kafka_config: dict[str, Any], topic: str, count: int) -> dict[tuple[int, int], Record]:
+    consumer = Consumer({**kafka_config, "group.id": f"plain-{uuid.uuid4().hex}", "auto.offset.reset": "earliest",
+                         "enable.auto.commit": False})
+    consumer.subscribe([topic])
+    records: dict[tuple[int, int], Record] = {}
+    deadline = time.monotonic() + 60
+    while len(records) < count and time.monotonic() < deadline:
+        for msg in consumer.consume(100, 0.5):
+            if msg.error() is None:
+                record = to_record(msg)
+                records[record.partition, record.offset] = record
+    consumer.close()
+    return records
+
+
+def by_fetcher(kafka_config: dict[str, Any], topic: str, count: int,
+               native: bool) -> tuple[dict[tuple[int, int], Record], Fetcher]:
+    posted: list[Any] = []
+    config = {**kafka_config, "group.id": f"native-{uuid.uuid4().hex}", "auto.offset.reset": "earliest",
+              "enable.auto.commit": False, "partition.assignment.strategy": "cooperative-sticky"}
+    gate = FlowGate(FlowControl(max_messages=10_000))
+    fetcher = Fetcher(config, "native-test", topic, gate, Owner(), posted.append, RebalanceHooks(), native=native)
+    fetcher.consumer.subscribe([topic], on_assign=fetcher._on_assign, on_revoke=fetcher._on_revoke,
+                               on_lost=fetcher._on_lost)
+    records: dict[tuple[int, int], Record] = {}
+    deadline = time.monotonic() + 60
+    try:
+        while len(records) < count and time.monotonic() < deadline:
+            fetcher.step()
+            for event in posted:
+                if isinstance(event, Fetched):
+                    gate.taken(len(event.records))
+                    records.update(((r.partition, r.offset), r) for r in event.records)
+            posted.clear()
+    finally:
+        fetcher.close()
+    return records, fetcher
+
+
+def fields(record: Record) -> tuple[Any, ...]:
+    values = [getattr(record, name) for name in FIELDS]
+    values[FIELDS.index("headers")] = None if record.headers is None else list(record.headers)
+    return tuple(values)
+
+
+def test_native_fetch_makes_the_records_consume_makes(kafka_config: dict[str, Any],
+                                                       topic_factory: Callable[..., str]) -> None:
+    topic = topic_factory(partitions=2)
+    count = produce_shapes(kafka_config, topic)
+    expected = by_consume(kafka_config, topic, count)
+    assert len(expected) == count
+    got, fetcher = by_fetcher(kafka_config, topic, count, native=True)
+    assert fetcher.native is not None, "the native fetch was not used"
+    assert sorted(got) == sorted(expected)
+    for position, record in expected.items():
+        assert fields(got[position]) == fields(record), position
+    malformed = sum(1 for record in expected.values() if record.metadata.malformed is not None)
+    assert malformed == 4
+    assert fetcher.malformed_records == malformed  # DLQ-4: counted once per record, as consume() counts
+
+
+def test_without_the_native_fetch_the_fetcher_consumes(kafka_config: dict[str, Any],
+                                                        topic_factory: Callable[..., str]) -> None:
+    topic = topic_factory(partitions=2)
+    count = produce_shapes(kafka_config, topic)
+    got, fetcher = by_fetcher(kafka_config, topic, count, native=False)
+    assert fetcher.native is None
+    assert len(got) == count

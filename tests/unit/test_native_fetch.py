@@ -1,0 +1,69 @@
+"""The native fetch is used only on a handle it recognises (``native_fetch.open_native_fetch``)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from confluent_kafka import Consumer
+
+from ordering_layer._core import NativeFetch
+from ordering_layer.record import HEADER_MESSAGE_ID, HEADER_PARTITION_COUNT, read_metadata
+from ordering_layer.subscriber import native_fetch
+from ordering_layer.subscriber.key_queue import Record
+
+CONFIG = {"bootstrap.servers": "127.0.0.1:9", "group.id": "native-unit", "client.id": "native-unit"}
+
+
+def test_the_loaded_librdkafka_is_found() -> None:
+    path = native_fetch.loaded_librdkafka()
+    assert path is not None and "librdkafka" in path
+
+
+def test_a_consumer_handle_is_recognised_and_released() -> None:
+    consumer = Consumer(CONFIG)
+    try:
+        fetch = native_fetch.open_native_fetch(consumer, CONFIG, "t", lambda record: None)
+        assert isinstance(fetch, NativeFetch)
+        assert fetch.attached() == []
+        records, errors = fetch.fetch(10, 0.0)  # nothing assigned: an empty batch, at once
+        assert records == [] and errors == []
+        fetch.close()
+        assert fetch.fetch(10, 0.0) == ([], [])  # closed: empty, never a dangling queue
+    finally:
+        consumer.close()
+
+
+def test_a_handle_of_another_name_is_refused(caplog: pytest.LogCaptureFixture) -> None:
+    consumer = Consumer(CONFIG)
+    try:
+        with caplog.at_level(logging.INFO, logger=native_fetch.__name__):
+            assert native_fetch.open_native_fetch(consumer, {**CONFIG, "client.id": "other"}, "t",
+                                                  lambda record: None) is None
+        assert "not a consumer named other#consumer-" in caplog.text
+    finally:
+        consumer.close()
+
+
+def test_switched_off_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ORDERING_LAYER_NATIVE_FETCH", "0")
+    consumer = Consumer(CONFIG)
+    try:
+        assert native_fetch.open_native_fetch(consumer, CONFIG, "t", lambda record: None) is None
+    finally:
+        consumer.close()
+
+
+def test_metadata_is_shared_only_for_the_layers_one_header_records() -> None:
+    malformed: list[Record] = []
+    metadata_of = native_fetch.header_metadata(malformed.append)
+    plain = [(HEADER_PARTITION_COUNT, b"6")]
+    metadata, kept, shareable = metadata_of(plain, 0, 1)
+    assert shareable and kept == tuple(plain) and metadata == read_metadata(plain)
+    with_id = [(HEADER_PARTITION_COUNT, b"6"), (HEADER_MESSAGE_ID, b"m-1")]
+    metadata, kept, shareable = metadata_of(with_id, 0, 2)
+    assert not shareable and kept == with_id and metadata.message_id == "m-1"
+    assert not malformed
+    metadata, kept, shareable = metadata_of([(HEADER_PARTITION_COUNT, b"x")], 3, 7)
+    assert not shareable and metadata.malformed is not None
+    assert [(r.partition, r.offset) for r in malformed] == [(3, 7)]  # DLQ-4: reported with its position
