@@ -9,12 +9,17 @@ CPU time, not wall time: it holds on a machine shared with other work. Three sou
 * micro-measurements on the run's own records for the per-message steps that are not batched
   (``to_record``, metadata read, a user's ``ack``), timed over a copy of the fetched messages.
 
-    .venv/bin/python bench/profile_subscribe.py [--messages 200000] [--workers 16]
+    .venv/bin/python bench/profile_subscribe.py [--messages 200000] [--workers 16] [--consume-fetch]
+
+The subscriber fetches natively (``native_fetch``) where it can; ``--consume-fetch`` profiles it
+fetching through ``consume()`` (``ORDERING_LAYER_NATIVE_FETCH=0``), whose fetch loop makes a
+``Record`` per message with ``to_record`` (a row of its own then).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import threading
 import time
@@ -72,13 +77,18 @@ def micro_costs(sample: list[KafkaMessage]) -> dict[str, float]:
 
 
 def table(figures: dict[str, float], probed: dict[str, float], micro: dict[str, float],
-          count: int) -> list[tuple[str, float]]:
+          count: int, native: bool) -> list[tuple[str, float]]:
     """(row, CPU seconds in all) for the run."""
     rows: list[tuple[str, float]] = []
     fetch = figures.get("thread:fetch", 0.0)
     rows.append(("fetch thread", fetch))
-    rows.append(("  consume() and the rest of the fetch loop", fetch - micro["to_record"] * count))
-    rows.append(("  to_record (Record and metadata read, as the fetch does them)", micro["to_record"] * count))
+    if native:
+        rows.append(("  native fetch (copied without the GIL, Records made in the core) and the loop", fetch))
+        rows.append(("  (to_record over consume()'s messages, the fetch without it: for reference)",
+                     micro["to_record"] * count))
+    else:
+        rows.append(("  consume() and the rest of the fetch loop", fetch - micro["to_record"] * count))
+        rows.append(("  to_record (Record and metadata read, as the fetch does them)", micro["to_record"] * count))
     rows.append(("  (read_metadata alone, uncached: for reference)", micro["metadata"] * count))
     engine = figures.get("thread:engine", 0.0)
     rows.append(("engine thread", engine))
@@ -172,7 +182,8 @@ def per_message(step: Callable[[Any], Any], items: list[Any]) -> float:
 
 
 def callback_run(endpoints: Endpoints, admin: Admin, topic: str, count: int, workers: int,
-                 ) -> dict[str, float]:
+                 ) -> tuple[dict[str, float], bool]:
+    """The CPU figures of one callback-mode run, and whether its fetch was native."""
     name = f"profile-{uuid.uuid4().hex[:8]}"
     admin.create_subscription(name, topic=topic, retry_policy=RetryPolicy(0, 0))
     acked = 0
@@ -199,8 +210,9 @@ def callback_run(endpoints: Endpoints, admin: Admin, topic: str, count: int, wor
         roles[thread_role(thread.name)].append(thread)
     figures = {f"thread:{role}": thread_cpu(group) for role, group in roles.items()}
     figures["process"] = time.process_time() - process_start
+    native = handle.engine.native_fetch
     handle.cancel()
-    return figures
+    return figures, native
 
 
 def main() -> None:
@@ -208,7 +220,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--messages", type=int, default=200_000)
     parser.add_argument("--workers", type=int, default=16)
+    parser.add_argument("--consume-fetch", action="store_true", help="fetch through consume(), not natively")
     args = parser.parse_args()
+    if args.consume_fetch:
+        os.environ["ORDERING_LAYER_NATIVE_FETCH"] = "0"
     count = args.messages
     with bench_stack() as endpoints:
         admin = Admin({"bootstrap.servers": endpoints.bootstrap}, redis_url=endpoints.redis_url)
@@ -221,13 +236,14 @@ def main() -> None:
         for label, owner, name in PROBES:
             probe.wrap(label, owner, name)
         try:
-            figures = callback_run(endpoints, admin, topic, count, args.workers)
+            figures, native = callback_run(endpoints, admin, topic, count, args.workers)
         finally:
             probe.undo()
     us = 1e6 / count
-    print(f"messages {count}; raw consume loop (reference): {raw_cpu * 1e6:.2f} us CPU per message")
+    print(f"messages {count}; fetch: {'native' if native else 'consume()'}; raw consume loop (reference): "
+          f"{raw_cpu * 1e6:.2f} us CPU per message")
     print("| step | CPU us per message |\n|---|---:|")
-    for label, seconds in table(figures, dict(probe.cpu), micro, count):
+    for label, seconds in table(figures, dict(probe.cpu), micro, count, native):
         print(f"| {label} | {seconds * us:.2f} |")
     print("probe calls:", dict(probe.calls))
 

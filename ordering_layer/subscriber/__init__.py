@@ -1,7 +1,8 @@
 """Receiving with per-key order, per-message acks and cascade redelivery.
 
 One coordinator (``engine``: its threads, lock and step loop, the routing of typed ``requests``)
-over components that hold no references to each other. A message walks ``fetcher`` -> ``inbox`` ->
+over components that hold no references to each other. A message walks ``fetcher`` (with
+``native_fetch``: the records taken from librdkafka without a Python object per message) -> ``inbox`` ->
 ``engine`` -> ``partitions`` / ``owned_partition`` (the partition's bookkeeping in the compiled core,
 ``core/src/partition.rs``, whose pure-Python reference is ``partition`` with ``key_queue`` and
 ``commit_point``) -> ``dispatch`` (released as a ``Message`` within ``flow``, made outstanding in
@@ -50,7 +51,8 @@ rules under the same names, checked against it by ``tests/unit/test_core.py``:
 - DLQ-2 dead-lettering, ``park_key``; DLQ-3 poison messages: ``dead_letters``, screened by
   ``dispatch`` (``hand_out``), settled by ``settlement`` (``dead_lettered``); a poison crashes alone:
   the core (``Quarantine`` of suspects)
-- DLQ-4 bad input (malformed ``ol-`` metadata ignored and counted): ``fetcher`` (``to_record``)
+- DLQ-4 bad input (malformed ``ol-`` metadata ignored and counted): ``fetcher`` (``to_record``),
+  ``native_fetch`` (``header_metadata``)
 - GRP-2 sharing (cooperative-sticky group, rebalance hooks): ``fetcher``, ``ownership``
 - GRP-3 seek: ``commits`` (seek generation looked up once a commit interval, commit reports told
   apart by their seek tag), ``ownership`` (``apply_seeks``: restarted partitions' deliveries void),

@@ -207,6 +207,11 @@ class Engine:
         return self._fetcher.consumer
 
     @property
+    def native_fetch(self) -> bool:
+        """The records are fetched natively (``native_fetch``), not through ``consume()``."""
+        return self._fetcher.native is not None
+
+    @property
     def malformed_records(self) -> int:
         """Records whose ``ol-`` metadata was ignored (DLQ-4)."""
         return self._fetcher.malformed_records

@@ -6,7 +6,9 @@ pause and resume as the flow-control gate says (SUB-7), and commits and seeks (G
 it only as queued requests. Each fetched batch carries every partition's assignment generation,
 bumped on each assignment, revocation, loss and seek, so that records fetched for an ownership (or
 a position) that has ended are never taken by a later one (SUB-3). Records are read once here:
-metadata, size, timestamp (PUB-7, DLQ-4).
+metadata, size, timestamp (PUB-7, DLQ-4). Where it can, the fetcher takes them natively
+(``native_fetch``: the assigned partitions' queues are attached after an assignment and detached
+before a revocation or loss, on this thread); ``consume()`` then serves only the consumer's events.
 """
 
 from __future__ import annotations
@@ -215,7 +217,7 @@ class Fetcher:
         return 0.0
 
     def fetched(self, records: list[Record]) -> Fetched:
-        """Fetch thread: tag records just returned by ``consume`` with the assignment generations."""
+        """Fetch thread: tag records just fetched with the assignment generations."""
         return Fetched(records, dict(self.generations))
 
     def _malformed_metadata(self, record: Record) -> None:
