@@ -205,7 +205,9 @@ class Fetcher:
             if record.metadata.malformed is not None:
                 self._malformed_metadata(record)
             records.append(record)
-        if native is not None:
+        # A full batch from consume() may have more of its partitions' records behind it: the native
+        # queue, whose records of those partitions are newer, waits for the next turn.
+        if native is not None and len(messages) < _FETCH_BATCH:
             fetched, errors = native.fetch(_FETCH_BATCH, timeout if not records else 0)
             records.extend(fetched)
             for partition, offset, error in errors:
