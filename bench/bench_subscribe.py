@@ -2,7 +2,9 @@
 
 (a) no-op handler, 100-byte messages, 10,000 keys: layer msgs/s vs a raw consume loop with commits;
     the goal is about callback mode (``Subscriber.subscribe``); the same workload is also measured
-    through pull mode (``Subscriber.pull`` + ``acknowledge``) and ``OrderedConsumer.consume`` + ack;
+    through pull mode (``Subscriber.pull`` + ``acknowledge``) and ``OrderedConsumer.consume`` + ack,
+    and in callback mode with the subscriber fetching through ``consume()`` instead of natively
+    (``ORDERING_LAYER_NATIVE_FETCH=0``);
 (b) one partition, 5 ms I/O handler, K = 1, 20, 1000 keys: speedup vs a one-at-a-time consumer;
 (c) one key with a 1 s handler among fast keys in one partition: fast keys' throughput vs without it;
 (d) Redis round trips per message during (a), from INFO commandstats: the commands the layer
@@ -25,6 +27,7 @@ from the earliest offset) and print every round and the median of the per-round 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import threading
@@ -186,13 +189,19 @@ def noop(endpoints: Endpoints, admin: Admin, messages: int, workers: int, rounds
     topic = f"bench-noop-{uuid.uuid4().hex[:8]}"
     admin.create_topic(topic, partitions=6)
     publish(endpoints, topic, [f"key-{i}" for i in range(10_000)], messages)
-    runs: dict[str, list[float]] = {name: [] for name in ("raw", "callback", "unleased", "pull", "consumer")}
+    runs: dict[str, list[float]] = {name: [] for name in ("raw", "callback", "consume-fetch", "unleased", "pull",
+                                                          "consumer")}
     per_message: list[float] = []
     for round_ in range(rounds):
         runs["raw"].append(raw_consume(endpoints, topic, messages))
         before = redis_round_trips(endpoints)
         runs["callback"].append(layer_consume(endpoints, admin, topic, messages, workers))
         per_message.append((redis_round_trips(endpoints) - before) / messages)
+        os.environ["ORDERING_LAYER_NATIVE_FETCH"] = "0"  # the same, fetching through consume()
+        try:
+            runs["consume-fetch"].append(layer_consume(endpoints, admin, topic, messages, workers))
+        finally:
+            del os.environ["ORDERING_LAYER_NATIVE_FETCH"]
         runs["unleased"].append(layer_consume(endpoints, admin, topic, messages, workers, track_leases=False))
         runs["pull"].append(layer_pull(endpoints, admin, topic, messages))
         runs["consumer"].append(layer_ordered_consumer(endpoints, topic, messages))
@@ -208,6 +217,9 @@ def noop(endpoints: Endpoints, admin: Admin, messages: int, workers: int, rounds
     print(f"medians of {rounds} interleaved rounds:")
     print(ratio_line(f"(a) no-op, {messages} x 100 B, 10,000 keys, callback", rate("callback"), rate("raw"))
           + f"   median ratio {ratio('callback'):.3f}")
+    print(ratio_line("(a) callback, fetching through consume()", rate("consume-fetch"), rate("raw"))
+          + f"   median ratio {ratio('consume-fetch'):.3f}")
+    print(f"    native fetch / consume(): {ratio('callback', 'consume-fetch'):.2f}")
     print(ratio_line("(a') callback, lease tracking switched off", rate("unleased"), rate("raw"))
           + f"   median ratio {ratio('unleased'):.3f}")
     print(f"    leases on / off: {ratio('callback', 'unleased'):.2f} (goal >= 0.90)")
