@@ -311,10 +311,12 @@ impl NativeFetch {
     }
 
     /// Forward the fetch queues of newly assigned partitions to this fetch (after they are assigned).
+    /// Once the fetch is closed (the consumer is closing, its last rebalance may still assign) it
+    /// attaches nothing.
     fn attach(&self, partitions: Vec<i32>) -> PyResult<()> {
         let mut queues = self.queues.lock().expect("fetch queues lock");
         if queues.own.is_null() {
-            return Err(PyRuntimeError::new_err("fetch closed"));
+            return Ok(());
         }
         for partition in partitions {
             if queues.partitions.contains_key(&partition) {

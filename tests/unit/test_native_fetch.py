@@ -30,6 +30,8 @@ def test_a_consumer_handle_is_recognised_and_released() -> None:
         assert records == [] and errors == []
         fetch.close()
         assert fetch.fetch(10, 0.0) == ([], [])  # closed: empty, never a dangling queue
+        fetch.attach([0, 1])  # a rebalance while the consumer closes: nothing attached, no error
+        assert fetch.attached() == []
     finally:
         consumer.close()
 
