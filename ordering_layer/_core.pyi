@@ -60,7 +60,8 @@ def kafka_partition_runs(messages: list[Any]) -> list[tuple[int, int, int]]: ...
 class NativeFetch:
     """The fetch of one consumer's partitions straight from librdkafka (``core/src/fetch.rs``)."""
 
-    def __init__(self, handle: int, library: str, name_prefix: str, topic: str, record: Callable[..., Any],
+    def __init__(self, consumer: Any, handle: int, library: str, name_prefix: str, topic: str,
+                 record: Callable[..., Any],
                  metadata_of: Callable[[list[tuple[str, bytes | None]], int, int], tuple[Any, Any, bool]],
                  empty: Any) -> None: ...
     def attach(self, partitions: list[int]) -> None: ...

@@ -19,6 +19,7 @@ use std::sync::Mutex;
 
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
+use pyo3::{PyTraverseError, PyVisit};
 use pyo3::types::{PyBytes, PyList, PyString, PyTuple};
 
 const RTLD_NOW: c_int = 2;
@@ -148,9 +149,19 @@ pub struct NativeFetch {
     rk: *mut c_void,
     topic: CString,
     queues: Mutex<Queues>,
+    /// The Python objects it holds; None once closed. The `Consumer` whose handle `rk` is stays
+    /// alive until the queues are given back (a consumer destroyed while its partitions are
+    /// forwarded here would wait for them forever).
+    refs: Option<Refs>,
+    plain: HashMap<Vec<u8>, (Py<PyAny>, Py<PyAny>)>,
+}
+
+/// The Python objects of a `NativeFetch` (seen by the collector: `metadata_of` refers back to the
+/// fetcher that holds the fetch).
+struct Refs {
+    consumer: Py<PyAny>,
     record: Py<PyAny>,
     metadata_of: Py<PyAny>,
-    plain: HashMap<Vec<u8>, (Py<PyAny>, Py<PyAny>)>,
     empty: Py<PyAny>,
 }
 
@@ -176,7 +187,30 @@ fn header_key(headers: &Headers) -> Vec<u8> {
     key
 }
 
+impl Drop for NativeFetch {
+    fn drop(&mut self) {
+        self.release();
+    }
+}
+
 impl NativeFetch {
+    /// Gives every queue back to librdkafka (idempotent).
+    fn release(&self) {
+        let mut queues = self.queues.lock().expect("fetch queues lock");
+        for (_, queue) in queues.partitions.drain() {
+            // SAFETY: handles attach got; the fetch's own queue goes last.
+            unsafe {
+                (self.api.queue_forward)(queue, ptr::null_mut());
+                (self.api.queue_destroy)(queue);
+            }
+        }
+        if !queues.own.is_null() {
+            // SAFETY: own is live until here; no fetch runs (it needs this lock).
+            unsafe { (self.api.queue_destroy)(queues.own) };
+            queues.own = ptr::null_mut();
+        }
+    }
+
     /// Copies up to `max` messages out of librdkafka, waiting up to `timeout_ms` (no GIL held).
     fn take(&self, max: usize, timeout_ms: c_int) -> (Vec<Fetched>, Errors) {
         let queues = self.queues.lock().expect("fetch queues lock");
@@ -237,9 +271,10 @@ impl NativeFetch {
     }
 
     /// The metadata of a record and the headers it keeps: shared per distinct header set.
-    fn metadata<'py>(&mut self, py: Python<'py>, headers: Option<Headers>, partition: i32, offset: i64) -> PyResult<(Py<PyAny>, Py<PyAny>)> {
+    fn metadata<'py>(&mut self, py: Python<'py>, refs: &Refs, headers: Option<Headers>, partition: i32,
+                     offset: i64) -> PyResult<(Py<PyAny>, Py<PyAny>)> {
         let Some(headers) = headers else {
-            return Ok((self.empty.clone_ref(py), py.None()));
+            return Ok((refs.empty.clone_ref(py), py.None()));
         };
         let key = header_key(&headers);
         if let Some((metadata, shared)) = self.plain.get(&key) {
@@ -254,7 +289,7 @@ impl NativeFetch {
             pairs.append(PyTuple::new(py, [PyString::new(py, name).into_any(), value])?)?;
         }
         // metadata_of(headers, partition, offset) -> (metadata, headers to keep, shareable)
-        let (metadata, kept, shareable): (Py<PyAny>, Py<PyAny>, bool) = self.metadata_of.call1(py, (pairs, partition, offset))?.extract(py)?;
+        let (metadata, kept, shareable): (Py<PyAny>, Py<PyAny>, bool) = refs.metadata_of.call1(py, (pairs, partition, offset))?.extract(py)?;
         if shareable && self.plain.len() < 64 {
             self.plain.insert(key, (metadata.clone_ref(py), kept.clone_ref(py)));
         }
@@ -278,13 +313,13 @@ unsafe fn copy(data: *const u8, len: usize) -> Option<Vec<u8>> {
 impl NativeFetch {
     /// Wrap the `rd_kafka_t` of a confluent-kafka `Consumer`.
     ///
-    /// `handle` is the `rd_kafka_t` pointer, `library` the path of the librdkafka confluent-kafka
+    /// `consumer` is the `Consumer` (kept until the fetch is dropped), `handle` its `rd_kafka_t` pointer, `library` the path of the librdkafka confluent-kafka
     /// loaded, `name_prefix` how the name librdkafka reports for the handle begins (checked before use),
     /// `record` the class of the records made, `metadata_of(headers, partition, offset)` gives
     /// `(metadata, headers to keep, shareable)` of a record's header list, `empty` the metadata of a record without headers.
     #[new]
     #[allow(clippy::too_many_arguments)]
-    fn new(handle: usize, library: &str, name_prefix: &str, topic: &str, record: Py<PyAny>, metadata_of: Py<PyAny>,
+    fn new(consumer: Py<PyAny>, handle: usize, library: &str, name_prefix: &str, topic: &str, record: Py<PyAny>, metadata_of: Py<PyAny>,
            empty: Py<PyAny>) -> PyResult<Self> {
         let api = Api::load(library)?;
         let rk = handle as *mut c_void;
@@ -303,10 +338,8 @@ impl NativeFetch {
             rk,
             topic: CString::new(topic).map_err(|_| PyRuntimeError::new_err("bad topic name"))?,
             queues: Mutex::new(Queues { own, partitions: HashMap::new() }),
-            record,
-            metadata_of,
+            refs: Some(Refs { consumer, record, metadata_of, empty }),
             plain: HashMap::new(),
-            empty,
         })
     }
 
@@ -359,13 +392,20 @@ impl NativeFetch {
     /// Wait up to `timeout` s for records; returns (records, errors as (partition, offset, text)).
     fn fetch<'py>(&mut self, py: Python<'py>, max: usize, timeout: f64) -> PyResult<(Bound<'py, PyList>, Errors)> {
         let timeout_ms = (timeout * 1000.0).round().clamp(0.0, f64::from(i32::MAX)) as c_int;
+        let Some(refs) = self.refs.as_ref().map(|refs| Refs {
+            consumer: refs.consumer.clone_ref(py),
+            record: refs.record.clone_ref(py),
+            metadata_of: refs.metadata_of.clone_ref(py),
+            empty: refs.empty.clone_ref(py),
+        }) else {
+            return Ok((PyList::empty(py), Vec::new()));
+        };
         let this = &*self;
         let (fetched, errors) = py.detach(|| this.take(max, timeout_ms));
         let records = PyList::empty(py);
-        let record = self.record.clone_ref(py);
         for item in fetched {
             let size = item.value.as_ref().map_or(0, Vec::len);
-            let (metadata, headers) = self.metadata(py, item.headers, item.partition, item.offset)?;
+            let (metadata, headers) = self.metadata(py, &refs, item.headers, item.partition, item.offset)?;
             let key = match item.key {
                 Some(key) if !key.is_empty() => PyBytes::new(py, &key).into_any().unbind(),
                 _ => py.None(),
@@ -374,26 +414,34 @@ impl NativeFetch {
                 Some(value) => PyBytes::new(py, &value).into_any().unbind(),
                 None => py.None(),
             };
-            records.append(record.call1(py, (item.partition, item.offset, key, value, headers, metadata, size,
-                                             item.timestamp_ms))?)?;
+            records.append(refs.record.call1(py, (item.partition, item.offset, key, value, headers, metadata, size,
+                                                  item.timestamp_ms))?)?;
         }
         Ok((records, errors))
     }
 
-    /// Give every queue back to librdkafka (before the consumer closes).
-    fn close(&self) {
-        let mut queues = self.queues.lock().expect("fetch queues lock");
-        for (_, queue) in queues.partitions.drain() {
-            // SAFETY: handles attach got; the fetch's own queue goes last.
-            unsafe {
-                (self.api.queue_forward)(queue, ptr::null_mut());
-                (self.api.queue_destroy)(queue);
+    /// Give every queue back to librdkafka (before the consumer closes; also done when the fetch is
+    /// dropped, before it lets the consumer go).
+    fn close(&mut self) {
+        self.release();
+        self.refs = None;
+        self.plain.clear();
+    }
+
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        if let Some(refs) = &self.refs {
+            for object in [&refs.consumer, &refs.record, &refs.metadata_of, &refs.empty] {
+                visit.call(object)?;
             }
         }
-        if !queues.own.is_null() {
-            // SAFETY: own is live until here; no fetch runs (it needs this lock).
-            unsafe { (self.api.queue_destroy)(queues.own) };
-            queues.own = ptr::null_mut();
+        for (metadata, headers) in self.plain.values() {
+            visit.call(metadata)?;
+            visit.call(headers)?;
         }
+        Ok(())
+    }
+
+    fn __clear__(&mut self) {
+        self.close();
     }
 }

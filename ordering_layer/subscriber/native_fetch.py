@@ -82,7 +82,7 @@ def open_native_fetch(consumer: Consumer, config: dict[str, Any], topic: str,
     handle = ctypes.c_void_p.from_address(id(consumer) + _HANDLE_OFFSET).value
     prefix = f"{config.get('client.id', DEFAULT_CLIENT_ID)}#consumer-"
     try:
-        return NativeFetch(handle or 0, library, prefix, topic, Record, header_metadata(malformed),
+        return NativeFetch(consumer, handle or 0, library, prefix, topic, Record, header_metadata(malformed),
                            read_metadata(None))
     except RuntimeError as exc:
         _LOGGER.info("fetching through consume(): %s", exc)

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import gc
 import logging
+from collections.abc import Mapping
 
 import pytest
-from confluent_kafka import Consumer
+from confluent_kafka import Consumer, TopicPartition
 
+from ordering_layer import FlowControl
 from ordering_layer._core import NativeFetch
 from ordering_layer.record import HEADER_MESSAGE_ID, HEADER_PARTITION_COUNT, read_metadata
 from ordering_layer.subscriber import native_fetch
+from ordering_layer.subscriber.fetcher import Fetcher, RebalanceHooks
+from ordering_layer.subscriber.flow import FlowGate
 from ordering_layer.subscriber.key_queue import Record
 
 CONFIG = {"bootstrap.servers": "127.0.0.1:9", "group.id": "native-unit", "client.id": "native-unit"}
@@ -69,3 +74,35 @@ def test_metadata_is_shared_only_for_the_layers_one_header_records() -> None:
     metadata, kept, shareable = metadata_of([(HEADER_PARTITION_COUNT, b"x")], 3, 7)
     assert not shareable and metadata.malformed is not None
     assert [(r.partition, r.offset) for r in malformed] == [(3, 7)]  # DLQ-4: reported with its position
+
+
+class _Owner:
+    def assigned(self, partitions: list[int], generations: Mapping[int, int]) -> Mapping[int, int]:
+        return {}
+
+    def revoking(self, partitions: list[int]) -> list[TopicPartition]:
+        return []
+
+    def lost(self, partitions: list[int]) -> None:
+        return None
+
+
+def _consumers() -> int:
+    return sum(1 for item in gc.get_objects() if type(item) is Consumer)
+
+
+@pytest.mark.parametrize("close", [True, False], ids=["closed", "abandoned"])
+def test_a_fetcher_leaves_no_consumer_behind(close: bool) -> None:
+    """The fetch holds the consumer until its queues are given back, and the collector sees what it
+    holds: a fetcher closed, or dropped without a close, is collected with its consumer, and
+    nothing waits for a forwarded queue."""
+    gc.collect()
+    before = _consumers()
+    fetcher = Fetcher(CONFIG, "leak", "t", FlowGate(FlowControl()), _Owner(), lambda event: None, RebalanceHooks())
+    assert fetcher.native is not None
+    fetcher.native.attach([0, 1])
+    if close:
+        fetcher.close()
+    del fetcher
+    gc.collect()
+    assert _consumers() == before
