@@ -9,8 +9,9 @@
 //! events, which `Consumer.poll` serves as before. `fetch` waits for and copies a batch without the
 //! GIL, then makes the `Record`s the engine takes, with the layer metadata read once per distinct
 //! header set (`metadata_of`, a Python function, is called only for header sets not shared).
-//! librdkafka drops messages of an outdated fetch version (after a revoke, an unassign or a seek)
-//! before they are returned, as it does for `consume()`.
+//! A batch comes from the same librdkafka call as `consume()`'s (`rd_kafka_consume_batch_queue`),
+//! so records of an outdated fetch version (after a revoke, an unassign or a seek) are treated as
+//! `consume()` treats them; the fetcher's assignment generations guard the rest (SUB-3).
 
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
