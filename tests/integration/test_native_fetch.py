@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
-from confluent_kafka import Consumer, Producer, TopicPartition
+from confluent_kafka import Consumer, Producer
 
 from ordering_layer import FlowControl, OrderedProducer
 from ordering_layer.record import HEADER_MESSAGE_ID, HEADER_PARTITION_COUNT
@@ -21,21 +21,9 @@ from ordering_layer.subscriber.fetcher import Fetcher, RebalanceHooks, to_record
 from ordering_layer.subscriber.flow import FlowGate
 from ordering_layer.subscriber.key_queue import Record
 from ordering_layer.subscriber.requests import Fetched
+from tests.fetch_helpers import OwnAll
 
 FIELDS = ("partition", "offset", "key", "value", "headers", "metadata", "size", "timestamp_ms")
-
-
-class Owner:
-    """The coordinator's side of rebalances, for a fetcher alone: claims everything at once."""
-
-    def assigned(self, partitions: list[int], generations: Mapping[int, int]) -> Mapping[int, int]:
-        return {}
-
-    def revoking(self, partitions: list[int]) -> list[TopicPartition]:
-        return []
-
-    def lost(self, partitions: list[int]) -> None:
-        return None
 
 
 def produce_shapes(kafka_config: dict[str, Any], topic: str) -> int:
@@ -84,7 +72,7 @@ def by_fetcher(kafka_config: dict[str, Any], topic: str, count: int,
     config = {**kafka_config, "group.id": f"native-{uuid.uuid4().hex}", "auto.offset.reset": "earliest",
               "enable.auto.commit": False, "partition.assignment.strategy": "cooperative-sticky"}
     gate = FlowGate(FlowControl(max_messages=10_000))
-    fetcher = Fetcher(config, "native-test", topic, gate, Owner(), posted.append, RebalanceHooks(), native=native)
+    fetcher = Fetcher(config, "native-test", topic, gate, OwnAll(), posted.append, RebalanceHooks(), native=native)
     fetcher.consumer.subscribe([topic], on_assign=fetcher._on_assign, on_revoke=fetcher._on_revoke,
                                on_lost=fetcher._on_lost)
     records: dict[tuple[int, int], Record] = {}

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import gc
 import logging
-from collections.abc import Mapping
 
 import pytest
-from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka import Consumer
 
 from ordering_layer import FlowControl
 from ordering_layer._core import NativeFetch
@@ -16,6 +15,7 @@ from ordering_layer.subscriber import native_fetch
 from ordering_layer.subscriber.fetcher import Fetcher, RebalanceHooks
 from ordering_layer.subscriber.flow import FlowGate
 from ordering_layer.subscriber.key_queue import Record
+from tests.fetch_helpers import OwnAll
 
 CONFIG = {"bootstrap.servers": "127.0.0.1:9", "group.id": "native-unit", "client.id": "native-unit"}
 
@@ -76,17 +76,6 @@ def test_metadata_is_shared_only_for_the_layers_one_header_records() -> None:
     assert [(r.partition, r.offset) for r in malformed] == [(3, 7)]  # DLQ-4: reported with its position
 
 
-class _Owner:
-    def assigned(self, partitions: list[int], generations: Mapping[int, int]) -> Mapping[int, int]:
-        return {}
-
-    def revoking(self, partitions: list[int]) -> list[TopicPartition]:
-        return []
-
-    def lost(self, partitions: list[int]) -> None:
-        return None
-
-
 def _consumers() -> int:
     return sum(1 for item in gc.get_objects() if type(item) is Consumer)
 
@@ -98,7 +87,7 @@ def test_a_fetcher_leaves_no_consumer_behind(close: bool) -> None:
     nothing waits for a forwarded queue."""
     gc.collect()
     before = _consumers()
-    fetcher = Fetcher(CONFIG, "leak", "t", FlowGate(FlowControl()), _Owner(), lambda event: None, RebalanceHooks())
+    fetcher = Fetcher(CONFIG, "leak", "t", FlowGate(FlowControl()), OwnAll(), lambda event: None, RebalanceHooks())
     assert fetcher.native is not None
     fetcher.native.attach([0, 1])
     if close:
