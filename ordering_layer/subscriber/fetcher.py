@@ -25,7 +25,7 @@ from confluent_kafka import Message as KafkaMessage
 from ordering_layer.offsets import tagged_generation
 from ordering_layer.record import HEADER_PARTITION_COUNT, HeaderPairs, RecordMetadata, read_metadata
 from ordering_layer.subscriber.flow import FlowGate, Gate
-from ordering_layer.subscriber.native_fetch import open_native_fetch
+from ordering_layer.subscriber.native_fetch import open_native_fetch, read_headers
 from ordering_layer.subscriber.partition import Record
 from ordering_layer.subscriber.requests import Committed, Fetched, SeekPartition, Sought
 from ordering_layer.worker import Worker
@@ -70,9 +70,8 @@ def _tell(callback: RebalanceCallback | None, partitions: list[TopicPartition], 
         _LOGGER.exception("%s callback failed", what)
 
 
-# The one-header case of the layer's records (only ``ol-partition-count``): its metadata and one
-# shared, immutable copy of the headers per value, so that a record waiting for release does not
-# keep a header list and pair of its own for the collector to walk.
+# The layer's one-header records (``native_fetch.read_headers``): metadata and shared headers by the
+# value of their ``ol-partition-count``.
 _PLAIN_COUNTS: dict[bytes | str | None, tuple[RecordMetadata, HeaderPairs]] = {}
 
 
@@ -86,10 +85,12 @@ def to_record(msg: KafkaMessage) -> Record:
         if plain is not None:
             metadata, headers = plain
     if metadata is None:
-        metadata = read_metadata(headers)
-        if metadata.message_id is None and metadata.malformed is None and len(_PLAIN_COUNTS) < 64 \
-                and headers is not None and len(headers) == 1:
-            _PLAIN_COUNTS[headers[0][1]] = (metadata, tuple(headers))
+        if headers is None:
+            metadata = read_metadata(None)
+        else:
+            metadata, headers, shareable = read_headers(headers)
+            if shareable and len(_PLAIN_COUNTS) < 64:
+                _PLAIN_COUNTS[headers[0][1]] = (metadata, headers)
     partition, offset = msg.partition(), msg.offset()
     assert partition is not None and offset is not None
     return Record(partition, offset, key or None, value, headers, metadata,

@@ -52,19 +52,27 @@ def loaded_librdkafka() -> str | None:
     return None
 
 
+def read_headers(headers: HeaderPairs) -> tuple[RecordMetadata, HeaderPairs, bool]:
+    """A fetched record's layer metadata, the headers it keeps, and whether records with the same
+    headers may share both: the layer's one-header records (only a well-formed
+    ``ol-partition-count``) share one immutable copy, so that a record waiting for release keeps no
+    header list of its own for the collector to walk. Both fetch paths share by this rule
+    (``fetcher.to_record``, ``NativeFetch``)."""
+    metadata = read_metadata(headers)
+    shareable = (len(headers) == 1 and headers[0][0] == HEADER_PARTITION_COUNT
+                 and metadata.message_id is None and metadata.malformed is None)
+    return metadata, tuple(headers) if shareable else headers, shareable
+
+
 def header_metadata(malformed: Malformed) -> Callable[[HeaderPairs, int, int], tuple[RecordMetadata, Any, bool]]:
-    """``NativeFetch``'s ``metadata_of``: a record's metadata, the headers it keeps, and whether
-    records with the same headers may share both (the one-header records of the layer, only
-    ``ol-partition-count``, as ``fetcher.to_record`` shares them). Malformed metadata is reported
-    (DLQ-4) with the record's position."""
+    """``NativeFetch``'s ``metadata_of``: ``read_headers`` of a record's headers, with malformed
+    metadata reported (DLQ-4) at the record's position."""
 
     def metadata_of(headers: HeaderPairs, partition: int, offset: int) -> tuple[RecordMetadata, Any, bool]:
-        metadata = read_metadata(headers)
+        metadata, kept, shareable = read_headers(headers)
         if metadata.malformed is not None:
             malformed(Record(partition, offset, None, None, headers, metadata, 0, 0))
-        shareable = (len(headers) == 1 and headers[0][0] == HEADER_PARTITION_COUNT
-                     and metadata.message_id is None and metadata.malformed is None)
-        return metadata, tuple(headers) if shareable else headers, shareable
+        return metadata, kept, shareable
 
     return metadata_of
 

@@ -7,12 +7,13 @@ import logging
 
 import pytest
 from confluent_kafka import Consumer
+from confluent_kafka import Message as KafkaMessage
 
 from ordering_layer import FlowControl
 from ordering_layer._core import NativeFetch
 from ordering_layer.record import HEADER_MESSAGE_ID, HEADER_PARTITION_COUNT, read_metadata
 from ordering_layer.subscriber import native_fetch
-from ordering_layer.subscriber.fetcher import Fetcher, RebalanceHooks
+from ordering_layer.subscriber.fetcher import Fetcher, RebalanceHooks, to_record
 from ordering_layer.subscriber.flow import FlowGate
 from ordering_layer.subscriber.key_queue import Record
 from tests.fetch_helpers import OwnAll
@@ -95,3 +96,16 @@ def test_a_fetcher_leaves_no_consumer_behind(close: bool) -> None:
     del fetcher
     gc.collect()
     assert _consumers() == before
+
+
+def test_records_share_headers_only_with_the_same_header() -> None:
+    """The one-header records of the layer share their metadata and headers, on either fetch path; a
+    record whose one header is a user's header with the same value keeps its own (PUB-7)."""
+    user = to_record(KafkaMessage(topic="t", partition=0, offset=1, key=b"k", value=b"v", headers=[("n", b"77")]))
+    layer = to_record(KafkaMessage(topic="t", partition=0, offset=2, key=b"k", value=b"v",
+                                   headers=[(HEADER_PARTITION_COUNT, b"77")]))
+    again = to_record(KafkaMessage(topic="t", partition=0, offset=3, key=b"k", value=b"v",
+                                   headers=[(HEADER_PARTITION_COUNT, b"77")]))
+    assert list(user.headers or ()) == [("n", b"77")] and user.metadata.partition_count is None
+    assert list(layer.headers or ()) == [(HEADER_PARTITION_COUNT, b"77")] and layer.metadata.partition_count == 77
+    assert again.headers is layer.headers and again.metadata is layer.metadata
