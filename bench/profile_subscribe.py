@@ -10,6 +10,11 @@ CPU time, not wall time: it holds on a machine shared with other work. Three sou
   (``to_record``, metadata read, a user's ``ack``), timed over a copy of the fetched messages.
 
     .venv/bin/python bench/profile_subscribe.py [--messages 200000] [--workers 16] [--consume-fetch]
+        [--no-leases]
+
+``--no-leases`` profiles the subscriber with lease tracking switched off (``track_leases=False``,
+bench (a')), for a table of what lease tracking costs. The Redis server's CPU over the run (read from
+``/proc``, found by the port of the stack's Redis URL) is printed below the table, per message.
 
 The subscriber fetches natively (``native_fetch``) where it can; ``--consume-fetch`` profiles it
 fetching through ``consume()`` (``ORDERING_LAYER_NATIVE_FETCH=0``), whose fetch loop makes a
@@ -19,6 +24,7 @@ fetching through ``consume()`` (``ORDERING_LAYER_NATIVE_FETCH=0``), whose fetch 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import threading
@@ -28,6 +34,7 @@ from collections import defaultdict, deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 from confluent_kafka import Consumer
 from confluent_kafka import Message as KafkaMessage
@@ -181,8 +188,38 @@ def per_message(step: Callable[[Any], Any], items: list[Any]) -> float:
     return (time.process_time() - start) / len(items)
 
 
+def redis_cpu(redis_url: str) -> float:
+    """CPU seconds the local Redis server serving ``redis_url`` has used (0.0 when it is not found)."""
+    port = str(urlparse(redis_url).port or 6379)
+    for stat in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            line = stat.read_bytes()  # Redis rewrites its title: "redis-server host:port", one argument
+        except OSError:
+            continue
+        if b"redis-server" in line and f":{port}".encode() in line:
+            fields = (stat.parent / "stat").read_text().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return 0.0
+
+
+class GcClock:
+    """Wall time inside the garbage collector, by generation (``gc.callbacks``; it holds the GIL)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[int, float] = defaultdict(float)
+        self.runs: dict[int, int] = defaultdict(int)
+        self._start = 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.seconds[info["generation"]] += time.perf_counter() - self._start
+            self.runs[info["generation"]] += 1
+
+
 def callback_run(endpoints: Endpoints, admin: Admin, topic: str, count: int, workers: int,
-                 ) -> tuple[dict[str, float], bool]:
+                 *, track_leases: bool = True) -> tuple[dict[str, float], bool]:
     """The CPU figures of one callback-mode run, and whether its fetch was native."""
     name = f"profile-{uuid.uuid4().hex[:8]}"
     admin.create_subscription(name, topic=topic, retry_policy=RetryPolicy(0, 0))
@@ -200,16 +237,25 @@ def callback_run(endpoints: Endpoints, admin: Admin, topic: str, count: int, wor
 
     subscriber = Subscriber({"bootstrap.servers": endpoints.bootstrap}, redis_url=endpoints.redis_url)
     before_threads = set(threading.enumerate())
-    process_start = time.process_time()
+    clock = GcClock()
+    gc.callbacks.append(clock)
+    process_start, redis_start = time.process_time(), redis_cpu(endpoints.redis_url)
     handle = subscriber.subscribe(name, callback, max_workers=workers,
-                                  flow_control=FlowControl(max_messages=max(1000, workers * 4)))
+                                  flow_control=FlowControl(max_messages=max(1000, workers * 4)),
+                                  track_leases=track_leases)
     finished.wait(900)
+    figures_redis = redis_cpu(endpoints.redis_url) - redis_start
     threads = [t for t in threading.enumerate() if t not in before_threads]
     roles: dict[str, list[threading.Thread]] = defaultdict(list)
     for thread in threads:
         roles[thread_role(thread.name)].append(thread)
     figures = {f"thread:{role}": thread_cpu(group) for role, group in roles.items()}
     figures["process"] = time.process_time() - process_start
+    figures["redis"] = figures_redis
+    gc.callbacks.remove(clock)
+    for generation in range(3):
+        figures[f"gc{generation}"] = clock.seconds[generation]
+        figures[f"gc{generation}-runs"] = clock.runs[generation]
     native = handle.engine.native_fetch
     handle.cancel()
     return figures, native
@@ -221,6 +267,7 @@ def main() -> None:
     parser.add_argument("--messages", type=int, default=200_000)
     parser.add_argument("--workers", type=int, default=16)
     parser.add_argument("--consume-fetch", action="store_true", help="fetch through consume(), not natively")
+    parser.add_argument("--no-leases", action="store_true", help="lease tracking switched off (track_leases=False)")
     args = parser.parse_args()
     if args.consume_fetch:
         os.environ["ORDERING_LAYER_NATIVE_FETCH"] = "0"
@@ -236,15 +283,21 @@ def main() -> None:
         for label, owner, name in PROBES:
             probe.wrap(label, owner, name)
         try:
-            figures, native = callback_run(endpoints, admin, topic, count, args.workers)
+            figures, native = callback_run(endpoints, admin, topic, count, args.workers,
+                                           track_leases=not args.no_leases)
         finally:
             probe.undo()
     us = 1e6 / count
-    print(f"messages {count}; fetch: {'native' if native else 'consume()'}; raw consume loop (reference): "
+    print(f"messages {count}; leases {'off' if args.no_leases else 'on'}; "
+          f"fetch: {'native' if native else 'consume()'}; raw consume loop (reference): "
           f"{raw_cpu * 1e6:.2f} us CPU per message")
     print("| step | CPU us per message |\n|---|---:|")
     for label, seconds in table(figures, dict(probe.cpu), micro, count, native):
         print(f"| {label} | {seconds * us:.2f} |")
+    print(f"| Redis server (another process) | {figures['redis'] * us:.2f} |")
+    for generation in range(3):
+        print(f"| garbage collector, generation {generation} ({figures[f'gc{generation}-runs']:.0f} runs; "
+              f"part of the rows above) | {figures[f'gc{generation}'] * us:.2f} |")
     print("probe calls:", dict(probe.calls))
 
 
