@@ -25,8 +25,12 @@ import heapq
 import itertools
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ordering_layer.record import HeaderPairs, RecordMetadata
+
+if TYPE_CHECKING:
+    from ordering_layer.subscriber.leases import Watch
 
 QueueKey = bytes | int
 
@@ -71,11 +75,12 @@ class Delivery:
     """One hand-off of a record; ``token`` identifies it for acks (stale tokens are refused).
 
     While it is outstanding it is its own lease (``leases.Leases``): ``deadline``, when it was
-    handed out (``first_delivery``) and when its lease is looked at next (``check``). One object
+    handed out (``first_delivery``), when its lease is looked at next (``check``) and by which watch
+    of its release batch, while that watch is the one looking (``watch``). One object
     per hand-off: it is made for every message.
     """
 
-    __slots__ = ("attempt", "check", "deadline", "first_delivery", "queue_key", "record", "token")
+    __slots__ = ("attempt", "check", "deadline", "first_delivery", "queue_key", "record", "token", "watch")
 
     def __init__(self, record: Record, queue_key: QueueKey, token: int, attempt: int) -> None:
         self.record = record
@@ -85,6 +90,7 @@ class Delivery:
         self.deadline = 0.0
         self.first_delivery = 0.0
         self.check = 0.0
+        self.watch: Watch | None = None
 
     def __repr__(self) -> str:
         return (f"Delivery({self.record.partition}:{self.record.offset}, key={self.queue_key!r}, "

@@ -2,10 +2,17 @@
 
 ``Leases`` knows every delivery handed out and not yet settled; each ``Delivery`` carries its own
 lease (deadline, first delivery, next check), so no object is made per lease. A due-time heap
-holds one watch per released batch (the deliveries of one release share their deadline); shortly
-before a deadline the lease is extended by the p99 ack latency (``Histogram``), clamped, unless it
-has been held for ``max_lease_duration``; at the deadline it lapses and the coordinator gives the
-delivery back (SUB-4). Pure bookkeeping: the coordinator writes what it returns to Redis.
+holds one ``Watch`` per released batch (the deliveries of one release share their deadline), and
+one entry per lease watched alone since (a new deadline, an extension); shortly before a deadline
+the lease is extended by the p99 ack latency (``Histogram``), clamped, unless it has been held for
+``max_lease_duration``; at the deadline it lapses and the coordinator gives the delivery back
+(SUB-4). Pure bookkeeping: the coordinator writes what it returns to Redis.
+
+A batch's watch refers to none of its deliveries: it counts those it still looks at (``live``),
+and the deliveries refer to it. A watch stays in the heap for the ack deadline, long after its
+deliveries are usually settled; holding their keys meanwhile kept ack-deadline-many objects alive
+and made every full pass of the garbage collector walk them (``bench/RESULTS.md``). When a watch
+with live deliveries comes due, one scan of the outstanding deliveries finds them.
 
 With ``track=False`` (a comparison setting, not for production) no deadline is watched: leases
 neither lapse nor get extended, and ``admit`` asks for no lease write.
@@ -28,6 +35,16 @@ OutKey = tuple[int, int]  # (partition, offset)
 _OBSERVATIONS_KEPT = 100_000  # ack latencies kept for a metrics reader that does not come
 
 
+class Watch:
+    """The lease watch of one released batch: when it looks (``check``) and how many of the batch's
+    deliveries it still looks at (``live``: those outstanding and not watched alone since)."""
+
+    __slots__ = ("check", "live")
+
+    def __init__(self, check: float, live: int) -> None:
+        self.check, self.live = check, live
+
+
 class Extension:
     """A lease extended to ``wall_ms`` (epoch ms) for Redis."""
 
@@ -35,6 +52,14 @@ class Extension:
 
     def __init__(self, partition: int, offset: int, wall_ms: int) -> None:
         self.partition, self.offset, self.wall_ms = partition, offset, wall_ms
+
+
+def _unwatch(out: Delivery) -> None:
+    """The delivery's batch watch no longer looks at it (settled, or watched alone)."""
+    watch = out.watch
+    if watch is not None:
+        watch.live -= 1
+        out.watch = None
 
 
 def lease_margin(ack_deadline: float) -> float:
@@ -65,26 +90,25 @@ class Leases:
         self.lapses = 0
         self.latencies: deque[float] = deque(maxlen=_OBSERVATIONS_KEPT)  # drained by metrics
         self._pending_latencies: list[float] = []
-        self._heap: list[tuple[float, int, list[OutKey]]] = []
+        self._heap: list[tuple[float, int, Watch | OutKey]] = []  # a batch's watch, or one lease's key
         self._seq = itertools.count()
 
     def admit(self, partition: int, batch: Sequence[Delivery], now: float) -> int:
         """Take released deliveries as outstanding, watched together. Returns their payload bytes."""
         deadline = now + self.settings.ack_deadline
         outstanding = self.outstanding
-        check = self._check_time(deadline) if self.track else 0.0
-        keys = []
+        check, watch = 0.0, None
+        if self.track:
+            check = self._check_time(deadline)
+            watch = Watch(check, len(batch))
+            heapq.heappush(self._heap, (check, next(self._seq), watch))
         size = 0
         for delivery in batch:
             record = delivery.record
-            key = (partition, record.offset)
-            delivery.deadline, delivery.first_delivery, delivery.check = deadline, now, check
-            outstanding[key] = delivery
-            keys.append(key)
+            delivery.deadline, delivery.first_delivery, delivery.check, delivery.watch = deadline, now, check, watch
+            outstanding[(partition, record.offset)] = delivery
             size += record.size
         self.bytes += size
-        if self.track:
-            heapq.heappush(self._heap, (check, next(self._seq), keys))
         return size
 
     def pop(self, key: OutKey) -> Delivery | None:
@@ -92,6 +116,7 @@ class Leases:
         out = self.outstanding.pop(key, None)
         if out is not None:
             self.bytes -= out.record.size
+            _unwatch(out)
         return out
 
     def acked(self, out: Delivery, now: float) -> None:
@@ -103,6 +128,12 @@ class Leases:
         latencies feed the p99 extension (ACK-2)."""
         self.bytes -= sum([out.record.size for out in acked])
         self._pending_latencies.extend([now - out.first_delivery for out in acked])
+        if self.track:
+            for out in acked:  # _unwatch, inlined: it runs per message
+                watch = out.watch
+                if watch is not None:
+                    watch.live -= 1
+                    out.watch = None
 
     def take_latencies(self) -> None:
         """Move the step's ack latencies into the histogram and the metrics list (one lock each)."""
@@ -133,39 +164,50 @@ class Leases:
         Returns the extensions (for Redis) and the lapsed deliveries (already forgotten here; the
         coordinator rewinds their keys).
         """
-        settings = self.settings
-        margin = lease_margin(settings.ack_deadline)
         heap, outstanding = self._heap, self.outstanding
         extended: list[Extension] = []
         lapsed: list[Delivery] = []
+        due: set[Watch] = set()
         while heap and heap[0][0] <= now:
-            check, _, keys = heapq.heappop(heap)
-            for key in keys:
-                out = outstanding.get(key)
-                if out is None or out.check != check:
-                    continue  # settled, or watched again since (a new deadline, a redelivery)
-                if out.deadline - margin <= now < out.deadline \
-                        and now - out.first_delivery < settings.max_lease_duration:
-                    seconds = extension_seconds(self.histogram,
-                                                min_extension=settings.min_duration_per_lease_extension,
-                                                max_extension=settings.max_duration_per_lease_extension)
-                    out.deadline = now + seconds
-                    extended.append(Extension(key[0], key[1], wall_ms(seconds)))
-                    self._watch(key, out)
-                elif now >= out.deadline:
-                    self.pop(key)
-                    lapsed.append(out)
-                else:
-                    self._watch(key, out, check=out.deadline)
+            check, _, item = heapq.heappop(heap)
+            if isinstance(item, Watch):
+                if item.live > 0:
+                    due.add(item)
+                continue
+            out = outstanding.get(item)
+            if out is None or out.watch is not None or out.check != check:
+                continue  # settled, or watched again since (a new deadline, a redelivery)
+            self._look(item, out, now, extended, lapsed)
+        if due:
+            for key, out in [(key, out) for key, out in outstanding.items() if out.watch in due]:
+                self._look(key, out, now, extended, lapsed)
         self.extensions += len(extended)
         self.lapses += len(lapsed)
         return extended, lapsed
 
+    def _look(self, key: OutKey, out: Delivery, now: float, extended: list[Extension], lapsed: list[Delivery]) -> None:
+        """A lease's check came: extend it, take it out as lapsed, or watch it again at its deadline."""
+        settings = self.settings
+        if out.deadline - lease_margin(settings.ack_deadline) <= now < out.deadline \
+                and now - out.first_delivery < settings.max_lease_duration:
+            seconds = extension_seconds(self.histogram, min_extension=settings.min_duration_per_lease_extension,
+                                        max_extension=settings.max_duration_per_lease_extension)
+            out.deadline = now + seconds
+            extended.append(Extension(key[0], key[1], wall_ms(seconds)))
+            self._watch(key, out)
+        elif now >= out.deadline:
+            self.pop(key)
+            lapsed.append(out)
+        else:
+            self._watch(key, out, check=out.deadline)
+
     def _watch(self, key: OutKey, out: Delivery, check: float | None = None) -> None:
+        """Watch one lease alone from now on (its batch's watch no longer looks at it)."""
         if not self.track:
             return
+        _unwatch(out)
         out.check = self._check_time(out.deadline) if check is None else check
-        heapq.heappush(self._heap, (out.check, next(self._seq), [key]))
+        heapq.heappush(self._heap, (out.check, next(self._seq), key))
 
     def _check_time(self, deadline: float) -> float:
         # Jittered, so that the extensions of many leases do not all land on one step.

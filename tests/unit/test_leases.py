@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import tracemalloc
+
 from ordering_layer.config import SubscriptionSettings
 from ordering_layer.record import RecordMetadata
 from ordering_layer.subscriber.leases import Leases
@@ -49,3 +52,53 @@ def test_tracking_off_watches_nothing() -> None:
     leases.admit(0, [delivery(1)], now=0.0)
     assert leases.next_check() is None and leases.expire(now=1000.0) == ([], [])
     assert len(leases.outstanding) == 1
+
+
+def test_only_the_deliveries_a_batch_watch_still_looks_at_lapse_with_it() -> None:
+    """ACK-1, ACK-3: of one released batch, an acked delivery and one given a new deadline are left out
+    when the batch's watch comes due; the one still held lapses at the deadline."""
+    leases = Leases(SubscriptionSettings(topic="t", ack_deadline=10, max_lease_duration=5))
+    batch = [delivery(1), delivery(2), delivery(3)]
+    leases.admit(0, batch, now=0.0)
+    del leases.outstanding[(0, 1)]  # a plain ack, as Settlement.acks takes it out
+    leases.acked_many([batch[0]], now=1.0)
+    leases.set_deadline((0, 2), batch[1], 100.0, now=1.0)
+    assert leases.expire(now=9.9) == ([], [])  # held past max_lease_duration: not extended
+    extended, lapsed = leases.expire(now=10.0)
+    assert extended == [] and lapsed == [batch[2]]
+    assert list(leases.outstanding) == [(0, 2)]
+    assert leases.expire(now=101.0)[1] == [batch[1]]
+
+
+def test_settled_leases_leave_nothing_behind_until_their_watch_is_due() -> None:
+    """A batch's watch waits in the heap for the ack deadline: once its deliveries are settled it
+    holds no object per delivery (a busy subscriber settles ack-deadline-many deliveries meanwhile)."""
+    leases = Leases(SubscriptionSettings(topic="t", ack_deadline=60))
+    batches = [[delivery(batch * 1000 + i) for i in range(1000)] for batch in range(2)]
+    for batch in batches:  # warm up: the dicts and the heap at their working size
+        leases.admit(0, batch, now=0.0)
+        for out in batch:
+            del leases.outstanding[(0, out.record.offset)]
+        leases.acked_many(batch, now=0.0)
+    del batches, batch, out
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for number in range(2, 52):
+            batch = [delivery(number * 1000 + i) for i in range(1000)]
+            leases.admit(0, batch, now=1.0)
+            for out in batch[:500]:
+                del leases.outstanding[(0, out.record.offset)]
+            leases.acked_many(batch[:500], now=2.0)
+            for out in batch[500:]:
+                leases.pop((0, out.record.offset))
+            del batch, out
+        leases.take_latencies()
+        leases.latencies.clear()
+        gc.collect()
+        kept = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert leases.outstanding == {} and len(leases._heap) == 52
+    assert kept < 200_000, f"{kept} bytes kept for 50,000 settled deliveries"  # keys kept: ~3.6 MB
