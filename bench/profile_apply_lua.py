@@ -3,12 +3,13 @@
 Runs the subscriber's flush shape on one partition, ``--flushes`` times: a batch lease, ``--messages``
 BATCH_RELEASED ops, a start note for every tenth message of the previous flush and the SETTLED ops
 of the previous flush's messages (the steady state of callback mode), with a WATERMARK every 50
-flushes (a commit). Each of three scripts gets the same flushes on keys of its own:
+flushes (a commit). The ops are sent as the subscriber sends them: grouped into command runs
+(``_core.command_runs``). Each of two scripts gets the same flushes on keys of its own:
 
 * ``apply.lua`` itself;
-* ``no calls``: the same parsing and argument tables, without the HSET / HDEL / ZADD calls;
-* ``parse only``: the packed argument parsed and nothing else (with the round trip and the transfer
-  of the argument, the floor of any script that takes the ops this way).
+* ``no calls``: the same header check and MessagePack unpacking, without the HSET / HDEL / ZADD calls
+  (with the round trip and the transfer of the arguments, the floor of any script that takes the
+  runs this way).
 
 It prints the median wall time of an EVALSHA per flush as the client sees it and Redis's own
 ``usec_per_call`` of each command.
@@ -30,25 +31,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import redis
 
 from bench.common import bench_stack
+from ordering_layer._core import command_runs
 from ordering_layer.state.store import cascades_key, partition_keys
 
 SCRIPT = Path(__file__).resolve().parent.parent / "ordering_layer" / "state" / "lua" / "apply.lua"
-_CALL = "    redis.call(command[k], KEYS[k], unpack(list, i, math.min(i + CHUNK - 1, #list)))\n"
-_LOOP = "for kind, offset, value in string.gmatch(ARGV[2], '(%a),(%d+),(%d+);') do\n"
+_CALL = "    redis.call(run[2], KEYS[run[1]], unpack(args, first, math.min(first + CHUNK - 1, #args)))\n"
 
 
 def variants() -> dict[str, str]:
-    """The script and its two cut-down copies (see the module's text)."""
+    """The script and its cut-down copy (see the module's text)."""
     source = SCRIPT.read_text()
-    if _CALL not in source or _LOOP not in source:
-        raise SystemExit("apply.lua changed shape: update this script's cuts")
-    parse_only = source[:source.index(_LOOP)] + _LOOP + "end\nreturn result\n"
-    return {"apply.lua": source, "no calls": source.replace(_CALL, ""), "parse only": parse_only}
+    if _CALL not in source:
+        raise SystemExit("apply.lua changed shape: update this script's cut")
+    return {"apply.lua": source, "no calls": source.replace(_CALL, "")}
 
 
-def flushes(messages: int, count: int) -> list[str]:
-    """The packed ops of ``count`` steady-state flushes of ``messages`` messages each."""
-    packed, base = [], 0
+def flushes(messages: int, count: int) -> list[list[str | bytes]]:
+    """The arguments after the epoch of ``count`` steady-state flushes of ``messages`` messages each."""
+    packed: list[list[str | bytes]] = []
+    base = messages  # the first flush settles the offsets of a flush before it
     for n in range(count):
         ops = [f"b,0,{10**12};"]
         ops += [f"q,{base + i},1;" for i in range(messages)]
@@ -56,7 +57,8 @@ def flushes(messages: int, count: int) -> list[str]:
         ops += [f"a,{base - messages + i},0;" for i in range(messages)]
         if n % 50 == 49:
             ops.append(f"w,0,{base - 20 * messages};")
-        packed.append("".join(ops))
+        header, runs = command_runs("".join(ops))
+        packed.append([header, *runs])
         base += messages
     return packed
 
@@ -79,13 +81,13 @@ def main() -> None:
             times = []
             for packed in work:
                 start = time.perf_counter()
-                client.execute_command("EVALSHA", sha, len(keys), *keys, 1, packed)
+                client.execute_command("EVALSHA", sha, len(keys), *keys, 1, *packed)
                 times.append(time.perf_counter() - start)
             stats = client.info("commandstats")
             calls = ", ".join(f"{command[8:]} {value['usec_per_call']:.0f} us x {value['calls'] / len(work):.1f}"
                               for command, value in sorted(stats.items(), key=lambda kv: -kv[1]["usec"])
                               if command not in ("cmdstat_config|resetstat", "cmdstat_info"))
-            print(f"{name}: {statistics.median(times) * 1e3:.3f} ms per flush of {len(work[-1].split(';')) - 1} ops "
+            print(f"{name}: {statistics.median(times) * 1e3:.3f} ms per flush of {args.messages} messages "
                   f"(median of {len(work)}); per flush: {calls}")
             client.delete(*keys)
 

@@ -13,8 +13,9 @@ CPU time, not wall time: it holds on a machine shared with other work. Three sou
         [--no-leases]
 
 ``--no-leases`` profiles the subscriber with lease tracking switched off (``track_leases=False``,
-bench (a')), for a table of what lease tracking costs. The Redis server's CPU over the run (read from
-``/proc``, found by the port of the stack's Redis URL) is printed below the table, per message.
+bench (a')), for a table of what lease tracking costs. Below the table: the CPU the Redis server and
+the Kafka broker used over the run (read from ``/proc``: the Redis by the port of the stack's URL,
+the brokers as the ``kafka.Kafka`` processes), per message, and the garbage collector's time.
 
 The subscriber fetches natively (``native_fetch``) where it can; ``--consume-fetch`` profiles it
 fetching through ``consume()`` (``ORDERING_LAYER_NATIVE_FETCH=0``), whose fetch loop makes a
@@ -188,18 +189,22 @@ def per_message(step: Callable[[Any], Any], items: list[Any]) -> float:
     return (time.process_time() - start) / len(items)
 
 
-def redis_cpu(redis_url: str) -> float:
-    """CPU seconds the local Redis server serving ``redis_url`` has used (0.0 when it is not found)."""
+def services_cpu(redis_url: str) -> dict[str, float]:
+    """CPU seconds used so far by the local Redis server serving ``redis_url`` and by the Kafka
+    brokers on this machine (``kafka.Kafka`` processes), read from ``/proc``."""
     port = str(urlparse(redis_url).port or 6379)
+    used = {"redis": 0.0, "kafka": 0.0}
     for stat in Path("/proc").glob("[0-9]*/cmdline"):
         try:
             line = stat.read_bytes()  # Redis rewrites its title: "redis-server host:port", one argument
+            fields = (stat.parent / "stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if b"redis-server" in line and f":{port}".encode() in line:
-            fields = (stat.parent / "stat").read_text().rsplit(")", 1)[1].split()
-            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return 0.0
+        service = "redis" if b"redis-server" in line and f":{port}".encode() in line else \
+            "kafka" if b"kafka.Kafka" in line else None
+        if service is not None:
+            used[service] += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return used
 
 
 class GcClock:
@@ -239,19 +244,20 @@ def callback_run(endpoints: Endpoints, admin: Admin, topic: str, count: int, wor
     before_threads = set(threading.enumerate())
     clock = GcClock()
     gc.callbacks.append(clock)
-    process_start, redis_start = time.process_time(), redis_cpu(endpoints.redis_url)
+    process_start, services_start = time.process_time(), services_cpu(endpoints.redis_url)
     handle = subscriber.subscribe(name, callback, max_workers=workers,
                                   flow_control=FlowControl(max_messages=max(1000, workers * 4)),
                                   track_leases=track_leases)
     finished.wait(900)
-    figures_redis = redis_cpu(endpoints.redis_url) - redis_start
+    services = services_cpu(endpoints.redis_url)
     threads = [t for t in threading.enumerate() if t not in before_threads]
     roles: dict[str, list[threading.Thread]] = defaultdict(list)
     for thread in threads:
         roles[thread_role(thread.name)].append(thread)
     figures = {f"thread:{role}": thread_cpu(group) for role, group in roles.items()}
     figures["process"] = time.process_time() - process_start
-    figures["redis"] = figures_redis
+    for service, seconds in services.items():
+        figures[service] = seconds - services_start[service]
     gc.callbacks.remove(clock)
     for generation in range(3):
         figures[f"gc{generation}"] = clock.seconds[generation]
@@ -295,6 +301,11 @@ def main() -> None:
     for label, seconds in table(figures, dict(probe.cpu), micro, count, native):
         print(f"| {label} | {seconds * us:.2f} |")
     print(f"| Redis server (another process) | {figures['redis'] * us:.2f} |")
+    print(f"| Kafka broker (another process) | {figures['kafka'] * us:.2f} |")
+    machine = sum(figures[k] for k in ("process", "redis", "kafka"))
+    cpus = os.cpu_count() or 1
+    print(f"| machine total: process, Redis, broker ({cpus} cores: at most {cpus * count / machine:,.0f} msg/s) "
+          f"| {machine * us:.2f} |")
     for generation in range(3):
         print(f"| garbage collector, generation {generation} ({figures[f'gc{generation}-runs']:.0f} runs; "
               f"part of the rows above) | {figures[f'gc{generation}'] * us:.2f} |")

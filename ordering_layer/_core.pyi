@@ -56,6 +56,9 @@ class PartitionCore(Generic[_R]):
 
 def partition_runs(records: list[_R]) -> list[tuple[int, int, int]]: ...
 def kafka_partition_runs(messages: list[Any]) -> list[tuple[int, int, int]]: ...
+def command_runs(packed: str) -> tuple[str, list[bytes]]:
+    """``apply.lua``'s runs of Redis writes for packed state ops: the header and each run's
+    arguments (MessagePack); ``ValueError`` for a malformed op or a batch op before a batch lease."""
 
 class NativeFetch:
     """The fetch of one consumer's partitions straight from librdkafka (``core/src/fetch.rs``)."""

@@ -5,7 +5,7 @@
 //! in, a release of up to a budget of ready keys out as parallel lists, a batch of acks in with the
 //! new commit point out. Records stay Python objects: the core keeps a reference to each and hands
 //! it back on release, reading only `offset`, `key` and `size`; which of them are suspects (ACK-6,
-//! DLQ-3) it says with the release. The ops for Redis (`apply.lua`'s packed argument) are written
+//! DLQ-3) it says with the release. The ops for Redis (packed, see `ops.rs` and `runs.rs`) are written
 //! as the decisions are made. Assignment generations, epochs, leases, start notes and dead-letter
 //! policy stay in Python.
 
@@ -13,6 +13,7 @@ mod fetch;
 mod key_queue;
 mod ops;
 mod partition;
+mod runs;
 mod tracker;
 
 use std::collections::{HashMap as StdHashMap, HashSet as StdHashSet};
@@ -313,6 +314,15 @@ fn kafka_partition_runs(messages: &Bound<'_, PyList>) -> PyResult<Vec<(i64, usiz
     runs_of(messages, |message| message.call_method0(intern!(py, "partition"))?.extract())
 }
 
+/// The Redis command runs of packed state ops, as `apply.lua` takes them (see `runs.rs`): the header
+/// (`"<key>,<COMMAND>;"` per run) and each run's arguments as a MessagePack array of strings.
+#[pyfunction]
+fn command_runs(py: Python<'_>, packed: &str) -> PyResult<(String, Vec<Py<PyBytes>>)> {
+    let runs = py.detach(|| runs::group(packed)).map_err(|error| PyValueError::new_err(error.to_string()))?;
+    let arguments = runs.arguments.iter().map(|encoded| PyBytes::new(py, encoded).unbind()).collect();
+    Ok((runs.header, arguments))
+}
+
 #[pymodule]
 #[pyo3(name = "_core")]
 fn ordering_layer_core(module: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -320,5 +330,6 @@ fn ordering_layer_core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<PartitionCore>()?;
     module.add_function(wrap_pyfunction!(partition_runs, module)?)?;
     module.add_function(wrap_pyfunction!(kafka_partition_runs, module)?)?;
+    module.add_function(wrap_pyfunction!(command_runs, module)?)?;
     Ok(())
 }

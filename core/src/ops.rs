@@ -1,7 +1,8 @@
-//! State ops of one partition, packed as `apply.lua` reads them: `"<letter>,<offset>,<value>;"`.
+//! State ops of one partition, packed `"<letter>,<offset>,<value>;"` each; the state store sends
+//! them to `apply.lua` as the Redis command runs they make (`runs.rs`).
 //!
 //! The letters are `OpKind`'s (`ordering_layer/state/store.py`). Every op of a partition goes through
-//! one buffer, in the order decided, because `apply.lua` applies them in sequence (a lease extension
+//! one buffer, in the order decided, because their writes are applied in sequence (a lease extension
 //! queued after a settle would bring the lease back).
 
 use std::fmt::Write;

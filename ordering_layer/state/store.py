@@ -27,6 +27,7 @@ from typing import Any, Concatenate, Final, Literal, ParamSpec, TypeVar, cast
 import redis
 from redis.cluster import RedisCluster
 
+from ordering_layer._core import command_runs
 from ordering_layer.config import SubscriptionSettings
 from ordering_layer.errors import OrderingLayerError, SubscriptionNotFoundError
 from ordering_layer.state.client import mask_url, redis_client, retry_policy, verify_redis
@@ -122,6 +123,12 @@ class SeekStatus:
     def pending(self) -> bool:
         """A seek is recorded that no owner has applied yet."""
         return self.generation > self.applied
+
+
+def _command_runs(packed: str) -> list[str | bytes]:
+    """``apply.lua``'s arguments after the epoch for packed ops: the runs' header, each run's arguments."""
+    header, arguments = command_runs(packed)
+    return [header, *arguments]
 
 
 def unpack_ops(packed: str) -> list[Op]:
@@ -380,7 +387,8 @@ class StateStore:
         """Apply op batches of several partitions in one pipeline (one round trip).
 
         Each batch is (subscription, partition, epoch, ops); ``OpKind`` names what each op does. The
-        ops travel packed into one argument, ``"<letter>,<offset>,<value>;"`` each (see ``lua/apply.lua``).
+        ops are packed ``"<letter>,<offset>,<value>;"`` each, and sent as the Redis command runs they
+        make (``_core.command_runs``, see ``lua/apply.lua``).
         """
         return self._apply([(subscription, partition, epoch, "".join([f"{kind},{offset},{value};"
                                                                      for kind, offset, value in ops]))
@@ -393,8 +401,8 @@ class StateStore:
         return self._apply(batches)
 
     def _apply(self, batches: Sequence[tuple[str, int, int, str]]) -> list[ApplyResult]:
-        calls = [([*partition_keys(subscription, partition), cascades_key(subscription, partition)], [epoch, packed])
-                 for subscription, partition, epoch, packed in batches]
+        calls = [([*partition_keys(subscription, partition), cascades_key(subscription, partition)],
+                  [epoch, *_command_runs(packed)]) for subscription, partition, epoch, packed in batches]
         return [ApplyResult(int(r)) for r in self._eval_many("apply", calls)]
 
     def _eval_many(self, script: str, calls: Sequence[tuple[Sequence[str], Sequence[Any]]]) -> list[Any]:

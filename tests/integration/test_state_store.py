@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import redis
 
 from ordering_layer.state import ApplyResult, StateStore
 from ordering_layer.state.store import Op, OpKind, cascades_key, partition_keys, seek_key
@@ -102,3 +103,41 @@ def test_a_pending_seek_is_applied_by_a_claim_or_by_its_owner_and_fences_earlier
     store.delete_subscription(name)
     assert not store.client.exists(seek_key(name, 0), f"ol:sub:{name}:seek", f"ol:sub:{name}:seek-counter",
                                    cascades_key(name, 0))
+
+
+def test_each_state_op_writes_its_keys_in_the_order_queued(endpoints: Any, unique_name: Callable[[str], str]) -> None:
+    """ACK-4, ACK-6, SUB-4: every kind of state op, as ``apply.lua`` applies its command runs: attempts
+    (pooled ones negative), batch leases, settles, nacks with and without an attempt, unsettles and
+    cascade marks undone in the order queued, and the watermark's trim of the settled set."""
+    store = StateStore(endpoints.redis_url)
+    name = unique_name("ops")
+    owner = store.claim(name, 0).epoch
+    ops: list[Op] = [
+        (OpKind.BATCH_LEASE, 0, 1000), (OpKind.BATCH_RELEASED, 1, 1), (OpKind.BATCH_RELEASED, 2, 1),
+        (OpKind.BATCH_DELIVERED, 3, 2), (OpKind.STARTED, 1, 1), (OpKind.SETTLED, 1, 0), (OpKind.NACKED, 2, 0),
+        (OpKind.NACKED, 3, 2), (OpKind.DELIVERED, 4, 1), (OpKind.LEASE, 4, 2000), (OpKind.RELEASED, 5, 3),
+        (OpKind.SETTLED, 6, 0), (OpKind.UNSETTLED, 6, 0), (OpKind.SETTLED, 7, 0), (OpKind.CASCADE_FROM, 8, 0),
+        (OpKind.CASCADE_FROM, 9, 0), (OpKind.CASCADE_DONE, 8, 0), (OpKind.SETTLED, 0, 0), (OpKind.WATERMARK, 0, 1),
+        (OpKind.SETTLED, 10, 0)]
+    assert store.apply_many([(name, 0, owner, ops)]) == [ApplyResult.APPLIED]
+    _, settled, attempts, leases = partition_keys(name, 0)
+    client = store.client
+    assert client.zrange(settled, 0, -1) == [b"1", b"7", b"10"]
+    assert client.hgetall(attempts) == {b"_": b"0", b"2": b"-1", b"3": b"2", b"4": b"1", b"5": b"-3"}
+    assert client.hgetall(leases) == {b"_": b"0", b"4": b"2000"}
+    assert client.smembers(cascades_key(name, 0)) == {b"9"}
+
+
+def test_a_batch_naming_another_command_is_refused_before_any_write(endpoints: Any,
+                                                                   unique_name: Callable[[str], str]) -> None:
+    """``apply.lua`` takes only the state writes, each on its own key; any other batch writes nothing."""
+    store = StateStore(endpoints.redis_url)
+    name = unique_name("refused")
+    owner = store.claim(name, 0).epoch
+    keys = [*partition_keys(name, 0), cascades_key(name, 0)]
+    sha = store._shas["apply"]
+    for header, runs in [("3,HSET;3,DEL;", [b"\x92\xa11\xa11", b"\x90"]), ("2,HSET;", [b"\x92\xa11\xa11"]),
+                         ("3,HSET;", [b"\x92\xa11\xa11", b"\x92\xa12\xa11"])]:
+        with pytest.raises(redis.ResponseError, match=r"apply\.lua"):
+            store.client.execute_command("EVALSHA", sha, len(keys), *keys, owner, header, *runs)
+    assert store.client.hlen(keys[2]) == 0 and store.client.zcard(keys[1]) == 0

@@ -1,0 +1,243 @@
+//! The Redis commands of a partition's packed state ops, grouped into runs for `apply.lua`.
+//!
+//! Ops are packed `"<letter>,<offset>,<value>;"` each (`ops.rs`; the letters are `OpKind`'s in
+//! `ordering_layer/state/store.py`). What each op writes to the partition's keys (`KEYS[2]` settled,
+//! `KEYS[3]` attempts, `KEYS[4]` leases, `KEYS[5]` cascades):
+//!
+//! | op | writes |
+//! |---|---|
+//! | `d` DELIVERED | HSET attempts offset value |
+//! | `r` RELEASED | HSET attempts offset -value |
+//! | `l` LEASE | HSET leases offset value |
+//! | `b` BATCH_LEASE | nothing: the lease (value) of the batch ops after it |
+//! | `e` BATCH_DELIVERED | HSET attempts offset value; HSET leases offset (the batch lease) |
+//! | `q` BATCH_RELEASED | HSET attempts offset -value; HSET leases offset (the batch lease) |
+//! | `s` STARTED | HSET attempts offset value |
+//! | `a` SETTLED | ZADD settled offset offset; HDEL attempts offset; HDEL leases offset |
+//! | `n` NACKED | HDEL leases offset; with a value above 0, HSET attempts offset value |
+//! | `u` UNSETTLED | ZREM settled offset |
+//! | `c` CASCADE_FROM | SADD cascades offset |
+//! | `x` CASCADE_DONE | SREM cascades offset |
+//! | `w` WATERMARK | ZREMRANGEBYSCORE settled -inf (value |
+//!
+//! Consecutive writes of one command to one key become one multi-field call: a key's run ends when
+//! that key gets another command (or a WATERMARK trims the settled set), so each key's writes keep
+//! their order, and different keys are independent; the outcome is that of the ops one by one, with
+//! a fraction of the calls. `apply.lua` gets the runs as a header (`"<key>,<COMMAND>;"` each) and one
+//! MessagePack array of strings per run, which Redis's Lua unpacks in C (`cmsgpack`): parsing the
+//! ops and building the argument tables inside Lua took about a third of the script's time.
+
+use std::fmt;
+
+/// The index in `apply.lua`'s KEYS of the settled set, the attempts and leases hashes, the cascades set.
+const SETTLED_KEY: usize = 2;
+const ATTEMPTS_KEY: usize = 3;
+const LEASES_KEY: usize = 4;
+const CASCADES_KEY: usize = 5;
+
+/// Why packed ops could not be encoded.
+#[derive(Debug, PartialEq, Eq)]
+pub enum OpsError {
+    /// An op is not `"<letter>,<offset>,<value>;"` with a known letter and decimal integers.
+    Malformed(String),
+    /// A BATCH_DELIVERED or BATCH_RELEASED op came before any BATCH_LEASE.
+    NoBatchLease(String),
+}
+
+impl fmt::Display for OpsError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            OpsError::Malformed(op) => write!(f, "malformed state op {op:?}"),
+            OpsError::NoBatchLease(op) => write!(f, "batch op {op:?} before any batch lease"),
+        }
+    }
+}
+
+/// One run being gathered: its command and its arguments, MessagePack-encoded as they come.
+struct Run {
+    command: &'static str,
+    count: u32,
+    items: Vec<u8>,
+}
+
+/// The runs of one batch of ops, in the order `apply.lua` must send them.
+#[derive(Default)]
+pub struct Runs {
+    /// `"<key>,<COMMAND>;"` per run.
+    pub header: String,
+    /// One MessagePack array of strings per run: the command's arguments after its key.
+    pub arguments: Vec<Vec<u8>>,
+    open: [Option<Run>; 6],
+}
+
+impl Runs {
+    fn add(&mut self, key: usize, command: &'static str, items: &[&str]) {
+        if self.open[key].as_ref().is_some_and(|run| run.command != command) {
+            self.close(key);
+        }
+        let run = self.open[key].get_or_insert_with(|| Run { command, count: 0, items: Vec::new() });
+        for item in items {
+            // Writing into a Vec cannot fail.
+            let _ = rmp::encode::write_str(&mut run.items, item);
+        }
+        run.count += items.len() as u32;
+    }
+
+    fn close(&mut self, key: usize) {
+        if let Some(run) = self.open[key].take() {
+            self.emit(key, run.command, run.count, &run.items);
+        }
+    }
+
+    fn emit(&mut self, key: usize, command: &str, count: u32, items: &[u8]) {
+        let mut encoded = Vec::with_capacity(items.len() + 5);
+        let _ = rmp::encode::write_array_len(&mut encoded, count);
+        encoded.extend_from_slice(items);
+        self.header.push_str(&format!("{key},{command};"));
+        self.arguments.push(encoded);
+    }
+}
+
+/// Group packed ops into the runs `apply.lua` sends (see the module's text).
+pub fn group(packed: &str) -> Result<Runs, OpsError> {
+    let mut runs = Runs::default();
+    let mut batch_lease: Option<String> = None;
+    let mut rest = packed;
+    while !rest.is_empty() {
+        let (op, after) = rest.split_once(';').ok_or_else(|| OpsError::Malformed(rest.to_owned()))?;
+        rest = after;
+        let malformed = || OpsError::Malformed(op.to_owned());
+        let mut fields = op.splitn(3, ',');
+        let (Some(kind), Some(offset), Some(value)) = (fields.next(), fields.next(), fields.next()) else {
+            return Err(malformed());
+        };
+        if offset.parse::<u64>().is_err() || value.parse::<u64>().is_err() {
+            return Err(malformed());
+        }
+        let lease = |lease: &Option<String>| lease.clone().ok_or_else(|| OpsError::NoBatchLease(op.to_owned()));
+        match kind {
+            "d" | "s" => runs.add(ATTEMPTS_KEY, "HSET", &[offset, value]),
+            "r" => runs.add(ATTEMPTS_KEY, "HSET", &[offset, &format!("-{value}")]),
+            "l" => runs.add(LEASES_KEY, "HSET", &[offset, value]),
+            "b" => batch_lease = Some(value.to_owned()),
+            "e" => {
+                let lease = lease(&batch_lease)?;
+                runs.add(ATTEMPTS_KEY, "HSET", &[offset, value]);
+                runs.add(LEASES_KEY, "HSET", &[offset, &lease]);
+            }
+            "q" => {
+                let lease = lease(&batch_lease)?;
+                runs.add(ATTEMPTS_KEY, "HSET", &[offset, &format!("-{value}")]);
+                runs.add(LEASES_KEY, "HSET", &[offset, &lease]);
+            }
+            "a" => {
+                runs.add(SETTLED_KEY, "ZADD", &[offset, offset]);
+                runs.add(ATTEMPTS_KEY, "HDEL", &[offset]);
+                runs.add(LEASES_KEY, "HDEL", &[offset]);
+            }
+            "n" => {
+                runs.add(LEASES_KEY, "HDEL", &[offset]);
+                if value != "0" {
+                    runs.add(ATTEMPTS_KEY, "HSET", &[offset, value]);
+                }
+            }
+            "u" => runs.add(SETTLED_KEY, "ZREM", &[offset]),
+            "c" => runs.add(CASCADES_KEY, "SADD", &[offset]),
+            "x" => runs.add(CASCADES_KEY, "SREM", &[offset]),
+            "w" => {
+                runs.close(SETTLED_KEY);
+                let mut items = Vec::new();
+                let _ = rmp::encode::write_str(&mut items, "-inf");
+                let _ = rmp::encode::write_str(&mut items, &format!("({value}"));
+                runs.emit(SETTLED_KEY, "ZREMRANGEBYSCORE", 2, &items);
+            }
+            _ => return Err(malformed()),
+        }
+    }
+    for key in SETTLED_KEY..=CASCADES_KEY {
+        runs.close(key);
+    }
+    Ok(runs)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The runs as (key, command, arguments), decoded.
+    fn decoded(packed: &str) -> Vec<(String, Vec<String>)> {
+        let runs = group(packed).expect("well-formed ops");
+        let heads: Vec<&str> = runs.header.split(';').filter(|head| !head.is_empty()).collect();
+        assert_eq!(heads.len(), runs.arguments.len());
+        heads
+            .iter()
+            .zip(&runs.arguments)
+            .map(|(head, encoded)| {
+                let mut bytes = encoded.as_slice();
+                let count = rmp::decode::read_array_len(&mut bytes).expect("an array");
+                let items = (0..count)
+                    .map(|_| {
+                        let mut buffer = [0u8; 64];
+                        rmp::decode::read_str(&mut bytes, &mut buffer).expect("a string").to_owned()
+                    })
+                    .collect();
+                assert!(bytes.is_empty());
+                ((*head).to_owned(), items)
+            })
+            .collect()
+    }
+
+    fn run(head: &str, items: &[&str]) -> (String, Vec<String>) {
+        (head.to_owned(), items.iter().map(|item| (*item).to_owned()).collect())
+    }
+
+    #[test]
+    fn a_release_and_its_settle_become_one_run_per_key_and_command() {
+        let runs = decoded("b,0,900;q,5,1;q,7,2;s,5,1;a,5,0;a,7,0;");
+        assert_eq!(
+            runs,
+            vec![
+                run("3,HSET", &["5", "-1", "7", "-2", "5", "1"]),
+                run("4,HSET", &["5", "900", "7", "900"]),
+                run("2,ZADD", &["5", "5", "7", "7"]),
+                run("3,HDEL", &["5", "7"]),
+                run("4,HDEL", &["5", "7"]),
+            ]
+        );
+    }
+
+    #[test]
+    fn a_watermark_trims_after_the_settles_queued_before_it() {
+        let runs = decoded("a,3,0;w,0,4;a,9,0;u,9,0;c,9,0;x,2,0;n,11,0;n,12,3;d,13,1;l,13,77;");
+        assert_eq!(
+            runs,
+            vec![
+                run("2,ZADD", &["3", "3"]),
+                run("2,ZREMRANGEBYSCORE", &["-inf", "(4"]),
+                run("2,ZADD", &["9", "9"]),
+                run("5,SADD", &["9"]),
+                run("3,HDEL", &["3", "9"]),
+                run("4,HDEL", &["3", "9", "11", "12"]),
+                run("2,ZREM", &["9"]),
+                run("3,HSET", &["12", "3", "13", "1"]),
+                run("4,HSET", &["13", "77"]),
+                run("5,SREM", &["2"]),
+            ]
+        );
+    }
+
+    #[test]
+    fn nothing_queued_is_no_run() {
+        let runs = group("").expect("no ops");
+        assert!(runs.header.is_empty() && runs.arguments.is_empty());
+    }
+
+    #[test]
+    fn malformed_ops_and_batch_ops_without_a_lease_are_refused() {
+        assert_eq!(group("z,1,1;").err(), Some(OpsError::Malformed("z,1,1".into())));
+        assert_eq!(group("a,1;").err(), Some(OpsError::Malformed("a,1".into())));
+        assert_eq!(group("a,-1,0;").err(), Some(OpsError::Malformed("a,-1,0".into())));
+        assert_eq!(group("a,1,0").err(), Some(OpsError::Malformed("a,1,0".into())));
+        assert_eq!(group("q,1,1;").err(), Some(OpsError::NoBatchLease("q,1,1".into())));
+    }
+}
