@@ -6,9 +6,10 @@ Each owned partition queues its ops (``OpKind``) in decision order in its compil
 them as one fenced ``apply.lua`` call each (the Redis command runs they make), all in one pipeline
 (``send``: on any thread, so that the coordinator works on while Redis does), and resolves the
 ``ack_with_response`` futures of each partition with the answer (``finish``): SUCCESS when applied,
-LEASE_LOST when fenced (a newer owner) or when the partition is no longer owned. Ops a failed flush took stay here for the next one.
-A flush is due at ``max_ops`` ops or when the oldest op is ``max_age`` seconds old; released
-messages are handed out only after the flush that took their attempts and leases (DLQ-3).
+LEASE_LOST when fenced (a newer owner) or when the partition is no longer owned. Ops a failed flush
+took stay here for the next one. A flush is due at ``max_ops`` ops or when the oldest op is
+``max_age`` seconds old; released messages are handed out only after the flush that took their
+attempts and leases (DLQ-3).
 """
 
 from __future__ import annotations
