@@ -27,7 +27,7 @@
 //! MessagePack array of strings per run, which Redis's Lua unpacks in C (`cmsgpack`): parsing the
 //! ops and building the argument tables inside Lua took about a third of the script's time.
 
-use std::fmt;
+use std::fmt::{self, Write};
 
 /// The index in `apply.lua`'s KEYS of the settled set, the attempts and leases hashes, the cascades set.
 const SETTLED_KEY: usize = 2;
@@ -71,14 +71,18 @@ pub struct Runs {
 }
 
 impl Runs {
-    fn add(&mut self, key: usize, command: &'static str, items: &[&str]) {
+    /// Append `items` to the key's run of `command` (a new run when the key's open run is another
+    /// command's); an item is a prefix and the rest of one string (`("-", "3")` is `"-3"`).
+    fn add(&mut self, key: usize, command: &'static str, items: &[(&str, &str)]) {
         if self.open[key].as_ref().is_some_and(|run| run.command != command) {
             self.close(key);
         }
         let run = self.open[key].get_or_insert_with(|| Run { command, count: 0, items: Vec::new() });
-        for item in items {
+        for (prefix, rest) in items {
             // Writing into a Vec cannot fail.
-            let _ = rmp::encode::write_str(&mut run.items, item);
+            let _ = rmp::encode::write_str_len(&mut run.items, (prefix.len() + rest.len()) as u32);
+            run.items.extend_from_slice(prefix.as_bytes());
+            run.items.extend_from_slice(rest.as_bytes());
         }
         run.count += items.len() as u32;
     }
@@ -93,7 +97,7 @@ impl Runs {
         let mut encoded = Vec::with_capacity(items.len() + 5);
         let _ = rmp::encode::write_array_len(&mut encoded, count);
         encoded.extend_from_slice(items);
-        self.header.push_str(&format!("{key},{command};"));
+        let _ = write!(self.header, "{key},{command};"); // writing into a String cannot fail
         self.arguments.push(encoded);
     }
 }
@@ -101,7 +105,7 @@ impl Runs {
 /// Group packed ops into the runs `apply.lua` sends (see the module's text).
 pub fn group(packed: &str) -> Result<Runs, OpsError> {
     let mut runs = Runs::default();
-    let mut batch_lease: Option<String> = None;
+    let mut batch_lease: Option<&str> = None;
     let mut rest = packed;
     while !rest.is_empty() {
         let (op, after) = rest.split_once(';').ok_or_else(|| OpsError::Malformed(rest.to_owned()))?;
@@ -111,45 +115,39 @@ pub fn group(packed: &str) -> Result<Runs, OpsError> {
         let (Some(kind), Some(offset), Some(value)) = (fields.next(), fields.next(), fields.next()) else {
             return Err(malformed());
         };
-        if offset.parse::<u64>().is_err() || value.parse::<u64>().is_err() {
+        if !is_decimal(offset) || !is_decimal(value) {
             return Err(malformed());
         }
-        let lease = |lease: &Option<String>| lease.clone().ok_or_else(|| OpsError::NoBatchLease(op.to_owned()));
+        let lease = || batch_lease.ok_or_else(|| OpsError::NoBatchLease(op.to_owned()));
         match kind {
-            "d" | "s" => runs.add(ATTEMPTS_KEY, "HSET", &[offset, value]),
-            "r" => runs.add(ATTEMPTS_KEY, "HSET", &[offset, &format!("-{value}")]),
-            "l" => runs.add(LEASES_KEY, "HSET", &[offset, value]),
-            "b" => batch_lease = Some(value.to_owned()),
-            "e" => {
-                let lease = lease(&batch_lease)?;
-                runs.add(ATTEMPTS_KEY, "HSET", &[offset, value]);
-                runs.add(LEASES_KEY, "HSET", &[offset, &lease]);
-            }
-            "q" => {
-                let lease = lease(&batch_lease)?;
-                runs.add(ATTEMPTS_KEY, "HSET", &[offset, &format!("-{value}")]);
-                runs.add(LEASES_KEY, "HSET", &[offset, &lease]);
+            "d" | "s" => runs.add(ATTEMPTS_KEY, "HSET", &[("", offset), ("", value)]),
+            "r" => runs.add(ATTEMPTS_KEY, "HSET", &[("", offset), ("-", value)]),
+            "l" => runs.add(LEASES_KEY, "HSET", &[("", offset), ("", value)]),
+            "b" => batch_lease = Some(value),
+            "e" | "q" => {
+                let lease = lease()?;
+                let sign = if kind == "q" { "-" } else { "" };
+                runs.add(ATTEMPTS_KEY, "HSET", &[("", offset), (sign, value)]);
+                runs.add(LEASES_KEY, "HSET", &[("", offset), ("", lease)]);
             }
             "a" => {
-                runs.add(SETTLED_KEY, "ZADD", &[offset, offset]);
-                runs.add(ATTEMPTS_KEY, "HDEL", &[offset]);
-                runs.add(LEASES_KEY, "HDEL", &[offset]);
+                runs.add(SETTLED_KEY, "ZADD", &[("", offset), ("", offset)]);
+                runs.add(ATTEMPTS_KEY, "HDEL", &[("", offset)]);
+                runs.add(LEASES_KEY, "HDEL", &[("", offset)]);
             }
             "n" => {
-                runs.add(LEASES_KEY, "HDEL", &[offset]);
+                runs.add(LEASES_KEY, "HDEL", &[("", offset)]);
                 if value != "0" {
-                    runs.add(ATTEMPTS_KEY, "HSET", &[offset, value]);
+                    runs.add(ATTEMPTS_KEY, "HSET", &[("", offset), ("", value)]);
                 }
             }
-            "u" => runs.add(SETTLED_KEY, "ZREM", &[offset]),
-            "c" => runs.add(CASCADES_KEY, "SADD", &[offset]),
-            "x" => runs.add(CASCADES_KEY, "SREM", &[offset]),
+            "u" => runs.add(SETTLED_KEY, "ZREM", &[("", offset)]),
+            "c" => runs.add(CASCADES_KEY, "SADD", &[("", offset)]),
+            "x" => runs.add(CASCADES_KEY, "SREM", &[("", offset)]),
             "w" => {
                 runs.close(SETTLED_KEY);
-                let mut items = Vec::new();
-                let _ = rmp::encode::write_str(&mut items, "-inf");
-                let _ = rmp::encode::write_str(&mut items, &format!("({value}"));
-                runs.emit(SETTLED_KEY, "ZREMRANGEBYSCORE", 2, &items);
+                runs.add(SETTLED_KEY, "ZREMRANGEBYSCORE", &[("", "-inf"), ("(", value)]);
+                runs.close(SETTLED_KEY);
             }
             _ => return Err(malformed()),
         }
@@ -158,6 +156,11 @@ pub fn group(packed: &str) -> Result<Runs, OpsError> {
         runs.close(key);
     }
     Ok(runs)
+}
+
+/// A non-negative decimal integer (what the packed ops carry).
+fn is_decimal(text: &str) -> bool {
+    !text.is_empty() && text.len() <= 19 && text.bytes().all(|byte| byte.is_ascii_digit())
 }
 
 #[cfg(test)]
