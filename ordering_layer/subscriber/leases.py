@@ -8,11 +8,12 @@ the lease is extended by the p99 ack latency (``Histogram``), clamped, unless it
 ``max_lease_duration``; at the deadline it lapses and the coordinator gives the delivery back
 (SUB-4). Pure bookkeeping: the coordinator writes what it returns to Redis.
 
-A batch's watch refers to none of its deliveries: it counts those it still looks at (``live``),
-and the deliveries refer to it. A watch stays in the heap for the ack deadline, long after its
-deliveries are usually settled; holding their keys meanwhile kept ack-deadline-many objects alive
-and made every full pass of the garbage collector walk them (``bench/RESULTS.md``). When a watch
-with live deliveries comes due, one scan of the outstanding deliveries finds them.
+A batch's watch holds no object per delivery: it counts those it still looks at (``live``), keeps
+their offsets as machine integers (an ``array``, which the garbage collector does not walk), and
+the deliveries refer to it. A watch stays in the heap for the ack deadline, long after its
+deliveries are usually settled; holding their keys as objects meanwhile kept ack-deadline-many
+objects alive and made every full pass of the collector walk them (``bench/RESULTS.md``). A watch
+that comes due with live deliveries looks its own offsets up, nothing else.
 
 With ``track=False`` (a comparison setting, not for production) no deadline is watched: leases
 neither lapse nor get extended, and ``admit`` asks for no lease write.
@@ -24,6 +25,7 @@ import heapq
 import itertools
 import random
 import time
+from array import array
 from collections import deque
 from collections.abc import Sequence
 
@@ -36,13 +38,14 @@ _OBSERVATIONS_KEPT = 100_000  # ack latencies kept for a metrics reader that doe
 
 
 class Watch:
-    """The lease watch of one released batch: when it looks (``check``) and how many of the batch's
-    deliveries it still looks at (``live``: those outstanding and not watched alone since)."""
+    """The lease watch of one released batch of a partition: when it looks (``check``), the batch's
+    offsets and how many of its deliveries it still looks at (``live``: those outstanding and not
+    watched alone since)."""
 
-    __slots__ = ("check", "live")
+    __slots__ = ("check", "live", "offsets", "partition")
 
-    def __init__(self, check: float, live: int) -> None:
-        self.check, self.live = check, live
+    def __init__(self, partition: int, check: float, offsets: array[int]) -> None:
+        self.partition, self.check, self.offsets, self.live = partition, check, offsets, len(offsets)
 
 
 class Extension:
@@ -100,7 +103,7 @@ class Leases:
         check, watch = 0.0, None
         if self.track:
             check = self._check_time(deadline)
-            watch = Watch(check, len(batch))
+            watch = Watch(partition, check, array("q", [delivery.record.offset for delivery in batch]))
             heapq.heappush(self._heap, (check, next(self._seq), watch))
         size = 0
         for delivery in batch:
@@ -167,20 +170,21 @@ class Leases:
         heap, outstanding = self._heap, self.outstanding
         extended: list[Extension] = []
         lapsed: list[Delivery] = []
-        due: set[Watch] = set()
         while heap and heap[0][0] <= now:
             check, _, item = heapq.heappop(heap)
             if isinstance(item, Watch):
                 if item.live > 0:
-                    due.add(item)
+                    partition = item.partition
+                    for offset in item.offsets:
+                        key = (partition, offset)
+                        out = outstanding.get(key)
+                        if out is not None and out.watch is item:
+                            self._look(key, out, now, extended, lapsed)
                 continue
             out = outstanding.get(item)
             if out is None or out.watch is not None or out.check != check:
                 continue  # settled, or watched again since (a new deadline, a redelivery)
             self._look(item, out, now, extended, lapsed)
-        if due:
-            for key, out in [(key, out) for key, out in outstanding.items() if out.watch in due]:
-                self._look(key, out, now, extended, lapsed)
         self.extensions += len(extended)
         self.lapses += len(lapsed)
         return extended, lapsed
