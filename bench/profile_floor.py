@@ -64,7 +64,7 @@ from ordering_layer._core import PartitionCore, kafka_partition_runs, partition_
 from ordering_layer.config import SubscriptionSettings
 from ordering_layer.stack import Endpoints
 from ordering_layer.state.client import redis_client
-from ordering_layer.subscriber.fetcher import to_record
+from ordering_layer.subscriber.fetched import to_record
 from ordering_layer.subscriber.leases import Leases
 
 MAX_OUTSTANDING = 1000

@@ -47,7 +47,7 @@ from bench.common import bench_stack
 from ordering_layer import Admin, FlowControl, Message, RetryPolicy, Subscriber
 from ordering_layer.record import read_metadata
 from ordering_layer.stack import Endpoints
-from ordering_layer.subscriber import commits, dispatch, fetcher, leases, ownership, partitions, settlement
+from ordering_layer.subscriber import commits, dispatch, fetched, leases, ownership, partitions, settlement
 
 _SAMPLE = 50_000
 
@@ -74,11 +74,11 @@ def thread_role(name: str) -> str:
 
 def micro_costs(sample: list[KafkaMessage]) -> dict[str, float]:
     """CPU seconds per message of the per-message steps, over fetched messages."""
-    records = [fetcher.to_record(m) for m in sample]
+    records = [fetched.to_record(m) for m in sample]
     posted: deque[Any] = deque(maxlen=1000)  # an inbox the engine keeps draining
     messages = [Message(r, r.key or r.offset, 1, 1, "t", 1, posted.append) for r in records]
     return {
-        "to_record": per_message(fetcher.to_record, sample),
+        "to_record": per_message(fetched.to_record, sample),
         "metadata": per_message(lambda m: read_metadata(m.headers()), sample),
         "ack": per_message(Message.ack, messages),
     }

@@ -2,7 +2,8 @@
 
 One coordinator (``engine``: its threads, lock and step loop, the routing of typed ``requests``)
 over components that hold no references to each other. A message walks ``fetcher`` (with
-``native_fetch``: the records taken from librdkafka without a Python object per message) -> ``inbox`` ->
+``native_fetch``: the records taken from librdkafka without a Python object per message; ``fetched``:
+a record read once) -> ``inbox`` ->
 ``engine`` -> ``partitions`` / ``owned_partition`` (the partition's bookkeeping in the compiled core,
 ``core/src/partition.rs``, whose pure-Python reference is ``partition`` with ``key_queue`` and
 ``commit_point``) -> ``dispatch`` (released as a ``Message`` within ``flow``, made outstanding in
@@ -42,6 +43,7 @@ rules under the same names, checked against it by ``tests/unit/test_core.py``:
   (``commit_offsets``), ``fetcher`` (commits)
 - ACK-5 fencing, ``ack_with_response``: ``partitions`` (epochs), ``ownership`` (fencing verdicts),
   ``settlement`` (stale epochs and tokens refused), ``state_writer`` (answers), ``state/lua/apply.lua``
+  (the ops' Redis writes, grouped into command runs by ``core/src/runs.rs``)
 - ACK-6 delivery attempt survives crashes (counted before hand-off): the core (release ops),
   ``ownership`` (releases held until their flush answered, then ``dispatch.hand_out``),
   ``settlement`` (start notes), ``engine`` (``begin`` of suspects), ``partitions`` (claim,
@@ -51,8 +53,8 @@ rules under the same names, checked against it by ``tests/unit/test_core.py``:
 - DLQ-2 dead-lettering, ``park_key``; DLQ-3 poison messages: ``dead_letters``, screened by
   ``dispatch`` (``hand_out``), settled by ``settlement`` (``dead_lettered``); a poison crashes alone:
   the core (``Quarantine`` of suspects)
-- DLQ-4 bad input (malformed ``ol-`` metadata ignored and counted): ``fetcher`` (``to_record``),
-  ``native_fetch`` (``header_metadata``)
+- DLQ-4 bad input (malformed ``ol-`` metadata ignored and counted): ``fetched`` (``read_headers``,
+  ``to_record``), ``native_fetch`` (``header_metadata``), counted by ``fetcher``
 - GRP-2 sharing (cooperative-sticky group, rebalance hooks): ``fetcher``, ``ownership``
 - GRP-3 seek: ``commits`` (seek generation looked up once a commit interval, commit reports told
   apart by their seek tag), ``ownership`` (``apply_seeks``: restarted partitions' deliveries void),

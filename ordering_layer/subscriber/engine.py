@@ -15,12 +15,9 @@ references to each other; the rules live in modules handed the components they a
 reports, start notes), ``commits`` (commit points and seeks, GRP-3) and ``ownership`` (claims,
 revocations, flushes and their fencing verdicts).
 
-Attempt counts (ACK-6, DLQ-3): after a crash the next owner charges an attempt never seen started
-only up to one below the dead-letter limit; in callback mode the records it charges are suspects,
-and those charged two attempts or more go out one at a time per partition (``Quarantine``), so a
-poison's crashes charge no innocent up to the limit (a pull may hold its batch while pulling again,
-so pulls have none); a worker records a suspect's start in Redis, synchronously, before user code
-runs (``begin``); other starts are noted (``settlement``).
+Attempt counts (ACK-6, DLQ-3): a callback worker writes the start of a suspect (a record an earlier
+owner handed out and never settled, see ``partitions``) to Redis before user code runs (``begin``);
+other starts are noted and written with the next flush (``settlement``).
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ calls it while it runs: ``consume`` (which also serves the rebalance callbacks a
 pause and resume as the flow-control gate says (SUB-7), and commits and seeks (GRP-3), which reach
 it only as queued requests. Each fetched batch carries every partition's assignment generation,
 bumped on each assignment, revocation, loss and seek, so that records fetched for an ownership (or
-a position) that has ended are never taken by a later one (SUB-3). Records are read once here:
-metadata, size, timestamp (PUB-7, DLQ-4). Where it can, the fetcher takes them natively
+a position) that has ended are never taken by a later one (SUB-3). Records are read once here
+(``fetched``): metadata, size, timestamp (PUB-7, DLQ-4). Where it can, the fetcher takes them natively
 (``native_fetch``: the assigned partitions' queues are attached after an assignment and detached
 before a revocation or loss, on this thread); ``consume()`` then serves only the consumer's events.
 """
@@ -17,15 +17,14 @@ import logging
 import queue
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple, Protocol, cast
+from typing import Any, NamedTuple, Protocol
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
-from confluent_kafka import Message as KafkaMessage
 
 from ordering_layer.offsets import tagged_generation
-from ordering_layer.record import HEADER_PARTITION_COUNT, HeaderPairs, RecordMetadata, read_metadata
+from ordering_layer.subscriber.fetched import to_record
 from ordering_layer.subscriber.flow import FlowGate, Gate
-from ordering_layer.subscriber.native_fetch import open_native_fetch, read_headers
+from ordering_layer.subscriber.native_fetch import open_native_fetch
 from ordering_layer.subscriber.partition import Record
 from ordering_layer.subscriber.requests import Committed, Fetched, SeekPartition, Sought
 from ordering_layer.worker import Worker
@@ -68,33 +67,6 @@ def _tell(callback: RebalanceCallback | None, partitions: list[TopicPartition], 
         callback(partitions)
     except Exception:
         _LOGGER.exception("%s callback failed", what)
-
-
-# The layer's one-header records (``native_fetch.read_headers``): metadata and shared headers by the
-# value of their ``ol-partition-count``.
-_PLAIN_COUNTS: dict[bytes | str | None, tuple[RecordMetadata, HeaderPairs]] = {}
-
-
-def to_record(msg: KafkaMessage) -> Record:
-    """A fetched Kafka record with its layer metadata read once; any record is a message (PUB-7)."""
-    key, value = msg.key(), msg.value()
-    headers = cast(HeaderPairs | None, msg.headers())  # a list of pairs for fetched records
-    metadata = None
-    if headers is not None and len(headers) == 1 and headers[0][0] == HEADER_PARTITION_COUNT:
-        plain = _PLAIN_COUNTS.get(headers[0][1])
-        if plain is not None:
-            metadata, headers = plain
-    if metadata is None:
-        if headers is None:
-            metadata = read_metadata(None)
-        else:
-            metadata, headers, shareable = read_headers(headers)
-            if shareable and len(_PLAIN_COUNTS) < 64:
-                _PLAIN_COUNTS[headers[0][1]] = (metadata, headers)
-    partition, offset = msg.partition(), msg.offset()
-    assert partition is not None and offset is not None
-    return Record(partition, offset, key or None, value, headers, metadata,
-                  len(value) if value else 0, msg.timestamp()[1])
 
 
 class Fetcher:

@@ -28,7 +28,8 @@ from typing import Any
 from confluent_kafka import Consumer
 
 from ordering_layer._core import NativeFetch
-from ordering_layer.record import HEADER_PARTITION_COUNT, HeaderPairs, RecordMetadata, read_metadata
+from ordering_layer.record import HeaderPairs, RecordMetadata, read_metadata
+from ordering_layer.subscriber.fetched import read_headers
 from ordering_layer.subscriber.key_queue import Record
 
 _LOGGER = logging.getLogger(__name__)
@@ -50,18 +51,6 @@ def loaded_librdkafka() -> str | None:
     except OSError:
         return None
     return None
-
-
-def read_headers(headers: HeaderPairs) -> tuple[RecordMetadata, HeaderPairs, bool]:
-    """A fetched record's layer metadata, the headers it keeps, and whether records with the same
-    headers may share both: the layer's one-header records (only a well-formed
-    ``ol-partition-count``) share one immutable copy, so that a record waiting for release keeps no
-    header list of its own for the collector to walk. Both fetch paths share by this rule
-    (``fetcher.to_record``, ``NativeFetch``)."""
-    metadata = read_metadata(headers)
-    shareable = (len(headers) == 1 and headers[0][0] == HEADER_PARTITION_COUNT
-                 and metadata.message_id is None and metadata.malformed is None)
-    return metadata, tuple(headers) if shareable else headers, shareable
 
 
 def header_metadata(malformed: Malformed) -> Callable[[HeaderPairs, int, int], tuple[RecordMetadata, Any, bool]]:

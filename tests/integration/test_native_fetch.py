@@ -17,7 +17,8 @@ from confluent_kafka import Consumer, Producer
 
 from ordering_layer import FlowControl, OrderedProducer
 from ordering_layer.record import HEADER_MESSAGE_ID, HEADER_PARTITION_COUNT
-from ordering_layer.subscriber.fetcher import Fetcher, RebalanceHooks, to_record
+from ordering_layer.subscriber.fetched import to_record
+from ordering_layer.subscriber.fetcher import Fetcher, RebalanceHooks
 from ordering_layer.subscriber.flow import FlowGate
 from ordering_layer.subscriber.key_queue import Record
 from ordering_layer.subscriber.requests import Fetched

@@ -13,7 +13,8 @@ from ordering_layer import FlowControl
 from ordering_layer._core import NativeFetch
 from ordering_layer.record import HEADER_MESSAGE_ID, HEADER_PARTITION_COUNT, read_metadata
 from ordering_layer.subscriber import native_fetch
-from ordering_layer.subscriber.fetcher import Fetcher, RebalanceHooks, to_record
+from ordering_layer.subscriber.fetched import to_record
+from ordering_layer.subscriber.fetcher import Fetcher, RebalanceHooks
 from ordering_layer.subscriber.flow import FlowGate
 from ordering_layer.subscriber.key_queue import Record
 from tests.fetch_helpers import OwnAll
