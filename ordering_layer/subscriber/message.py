@@ -50,7 +50,14 @@ class Message(Delivery):
 
     def __init__(self, record: Record, queue_key: QueueKey, token: int, attempt: int, topic: str, epoch: int,
                  submit: Callable[[Settle | Message], None] = unattached) -> None:
-        super().__init__(record, queue_key, token, attempt)
+        # Delivery's fields, set here rather than through its __init__: one is made per message
+        # released, and the call costs ~40 % of the making (0.23 -> 0.13 us).
+        self.record = record
+        self.queue_key = queue_key
+        self.token = token
+        self.attempt = attempt
+        self.deadline = self.first_delivery = self.check = 0.0
+        self.watch = None
         self._topic = topic
         self._epoch = epoch
         self._submit = submit

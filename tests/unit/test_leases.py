@@ -10,6 +10,7 @@ from typing import Any
 from ordering_layer.config import SubscriptionSettings
 from ordering_layer.record import RecordMetadata
 from ordering_layer.subscriber.leases import Leases
+from ordering_layer.subscriber.message import Message
 from ordering_layer.subscriber.partition import Delivery, Record
 
 
@@ -135,3 +136,16 @@ def test_a_due_watch_looks_up_its_own_deliveries_only() -> None:
     assert extended == [] and lapsed == [held[499]]
     assert len(leases.outstanding) == 500 and leases.expire(now=10.5) == ([], [])
     assert len(leases.expire(now=11.0)[1]) == 500
+
+
+def test_a_message_has_every_field_of_a_delivery() -> None:
+    """``Message`` sets ``Delivery``'s fields itself (one call fewer per message): none may be left
+    unset, or the leases and settlement would fail on it."""
+    base = delivery(7)
+    message = Message(base.record, b"k", 3, 2, "t", 1)
+    assert set(Delivery.__slots__) <= {name for name in dir(message) if hasattr(message, name)}
+    assert (message.record, message.queue_key, message.token, message.attempt) == (base.record, b"k", 3, 2)
+    assert (message.deadline, message.first_delivery, message.check, message.watch) == (0.0, 0.0, 0.0, None)
+    leases = Leases(SubscriptionSettings(topic="t", ack_deadline=10))
+    leases.admit(0, [message], now=0.0)
+    assert leases.pop((0, 7)) is message and leases.bytes == 0
