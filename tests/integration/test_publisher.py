@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from confluent_kafka import TIMESTAMP_LOG_APPEND_TIME, KafkaError, Producer
 from confluent_kafka import Message as KafkaMessage
+from confluent_kafka.admin import AdminClient
 
 from ordering_layer import Admin, OrderedProducer, PublishResult
 from ordering_layer.errors import (
@@ -25,6 +26,7 @@ from ordering_layer.errors import (
 )
 from ordering_layer.record import HEADER_MESSAGE_ID, HEADER_PARTITION_COUNT
 from ordering_layer.stack import StackBackend
+from tests.checker import wait_until
 from tests.kafka_helpers import end_offsets, headers_of, read_topic
 
 pytestmark = pytest.mark.integration
@@ -150,6 +152,11 @@ def test_pause_on_failure_and_resume(restartable: StackBackend, kafka_config: di
                 producer.publish(topic, b"refused", ordering_key="doomed")
         finally:
             restartable.start_broker()
+        # The broker answers before the topic's partitions have their leader back; the producer's
+        # 3 s delivery timeout would be spent waiting for it on a loaded machine.
+        admin = AdminClient(kafka_config)
+        wait_until(lambda: all(p.leader >= 0 for p in admin.list_topics(topic, timeout=5).topics[topic]
+                               .partitions.values()), 60, "the partition leaders after the broker restart")
         assert producer.publish(topic, b"fine", ordering_key="other").result(timeout=60).offset >= 0
         with pytest.raises(OrderingKeyPausedError):
             producer.publish(topic, b"still-refused", ordering_key="doomed")
