@@ -11,9 +11,9 @@ the lease is extended by the p99 ack latency (``Histogram``), clamped, unless it
 A batch's watch holds no object per delivery: it counts those it still looks at (``live``), keeps
 their offsets as machine integers (an ``array``, which the garbage collector does not walk), and
 the deliveries refer to it. A watch stays in the heap for the ack deadline, long after its
-deliveries are usually settled; holding their keys as objects meanwhile kept ack-deadline-many
-objects alive and made every full pass of the collector walk them (``bench/RESULTS.md``). A watch
-that comes due with live deliveries looks its own offsets up, nothing else.
+deliveries are usually settled, so it must keep nothing alive that the collector would walk
+(``bench/RESULTS.md``: such keys cost a busy subscriber most of its lease tracking). A watch that
+comes due with live deliveries looks its own offsets up, nothing else.
 
 With ``track=False`` (a comparison setting, not for production) no deadline is watched: leases
 neither lapse nor get extended, and ``admit`` asks for no lease write.
