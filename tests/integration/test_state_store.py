@@ -141,3 +141,22 @@ def test_a_batch_naming_another_command_is_refused_before_any_write(endpoints: A
         with pytest.raises(redis.ResponseError, match=r"apply\.lua"):
             store.client.execute_command("EVALSHA", sha, len(keys), *keys, owner, header, *runs)
     assert store.client.hlen(keys[2]) == 0 and store.client.zcard(keys[1]) == 0
+
+
+def test_a_flush_of_ops_held_over_an_outage_applies_in_one_call(endpoints: Any,
+                                                               unique_name: Callable[[str], str]) -> None:
+    """ACK-4: after a Redis outage the ops of every flush it failed go in one call; runs of tens of
+    thousands of fields are sent in chunks that Lua's stack takes."""
+    store = StateStore(endpoints.redis_url)
+    name = unique_name("outage")
+    owner = store.claim(name, 0).epoch
+    count = 60_000
+    ops: list[Op] = [(OpKind.BATCH_LEASE, 0, 1000)]
+    ops += [(OpKind.BATCH_RELEASED, offset, 1) for offset in range(count)]
+    ops += [(OpKind.SETTLED, offset, 0) for offset in range(count - 1)]
+    assert store.apply_many([(name, 0, owner, ops)]) == [ApplyResult.APPLIED]
+    _, settled, attempts, leases = partition_keys(name, 0)
+    client = store.client
+    assert client.zcard(settled) == count - 1
+    assert client.hgetall(attempts) == {b"_": b"0", str(count - 1).encode(): b"-1"}
+    assert client.hgetall(leases) == {b"_": b"0", str(count - 1).encode(): b"1000"}
