@@ -50,8 +50,8 @@ class Message(Delivery):
 
     def __init__(self, record: Record, queue_key: QueueKey, token: int, attempt: int, topic: str, epoch: int,
                  submit: Callable[[Settle | Message], None] = unattached) -> None:
-        # Delivery's fields, set here rather than through its __init__: one is made per message
-        # released, and the call costs ~40 % of the making (0.23 -> 0.13 us).
+        # Delivery's fields, set here rather than through its __init__: one Message is made per
+        # message released, and that call would add ~0.1 us to each (bench/RESULTS.md).
         self.record = record
         self.queue_key = queue_key
         self.token = token
