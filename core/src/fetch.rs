@@ -415,8 +415,10 @@ impl NativeFetch {
                 Some(value) => PyBytes::new(py, &value).into_any().unbind(),
                 None => py.None(),
             };
-            records.append(refs.record.call1(py, (item.partition, item.offset, key, value, headers, metadata, size,
-                                                  item.timestamp_ms))?)?;
+            let record = refs.record.call1(py, (item.partition, item.offset, key, value, headers, metadata, size,
+                                                item.timestamp_ms))?;
+            untrack(&record);
+            records.append(record)?;
         }
         Ok((records, errors))
     }
@@ -445,4 +447,15 @@ impl NativeFetch {
     fn __clear__(&mut self) {
         self.close();
     }
+}
+
+/// Takes a fetched `Record` out of the cyclic garbage collector's sight. A record refers only to
+/// bytes, ints, strings, its header pairs and its `RecordMetadata`, none of which refers back, so
+/// it can never be part of a reference cycle and reference counting alone frees it. Thousands of
+/// records wait in the key queues at a time; while tracked, each collection of the young
+/// generation walked them and their survival triggered full collections (`bench/RESULTS.md`).
+fn untrack(record: &Py<PyAny>) {
+    // SAFETY: the object is alive (we hold a reference) and was made by a class whose instances are
+    // tracked; untracking an object the collector is not walking is allowed with the GIL held.
+    unsafe { pyo3::ffi::PyObject_GC_UnTrack(record.as_ptr().cast()) }
 }

@@ -8,6 +8,7 @@ of every record must match, and malformed metadata must be counted the same (DLQ
 
 from __future__ import annotations
 
+import gc
 import time
 import uuid
 from collections.abc import Callable
@@ -111,6 +112,20 @@ def test_native_fetch_makes_the_records_consume_makes(kafka_config: dict[str, An
     malformed = sum(1 for record in expected.values() if record.metadata.malformed is not None)
     assert malformed == 4
     assert fetcher.malformed_records == malformed  # DLQ-4: counted once per record, as consume() counts
+
+
+def test_native_records_are_out_of_the_collectors_sight(kafka_config: dict[str, Any],
+                                                         topic_factory: Callable[..., str]) -> None:
+    """The records the native fetch makes are not tracked by the cyclic garbage collector (none can
+    be part of a cycle); those of ``consume()`` are, as any new slotted object."""
+    topic = topic_factory(partitions=2)
+    count = produce_shapes(kafka_config, topic)
+    native, fetcher = by_fetcher(kafka_config, topic, count, native=True)
+    assert fetcher.native is not None, "the native fetch was not used"
+    assert len(native) == count
+    assert not any(gc.is_tracked(record) for record in native.values())
+    consumed, _ = by_fetcher(kafka_config, topic, count, native=False)
+    assert all(gc.is_tracked(record) for record in consumed.values())
 
 
 def test_without_the_native_fetch_the_fetcher_consumes(kafka_config: dict[str, Any],
