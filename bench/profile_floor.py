@@ -19,7 +19,7 @@ real broker, each reader its own group from the earliest offset, rounds interlea
   runs over a queue in chunks, callbacks ack by appending to a deque the fetch thread drains: the
   process model of the subscriber (fetch and bookkeeping on one thread, user code on a pool);
 * ``library-threaded 16``: ``core-threaded 16`` with the library's own per-message objects around
-  the core (``to_record``, the library's ``Message``, which is its own lease, ``Leases``): what
+  the core (``to_record``, the library's ``Message``, the lease table): what
   remains of the engine's Python per message if only the bookkeeping is compiled;
 * ``library-split 16``: ``library-threaded 16`` with the fetch (``consume``, ``to_record``) on a
   thread of its own posting batches to the bookkeeping thread, as the subscriber has it: what the
@@ -65,7 +65,7 @@ from ordering_layer.config import SubscriptionSettings
 from ordering_layer.stack import Endpoints
 from ordering_layer.state.client import redis_client
 from ordering_layer.subscriber.fetched import to_record
-from ordering_layer.subscriber.leases import Leases
+from ordering_layer.subscriber.leases import lease_table
 
 MAX_OUTSTANDING = 1000
 MAX_BYTES = 100 * 1024 * 1024
@@ -149,7 +149,7 @@ class CoreReader:
             budget = MAX_OUTSTANDING - self.outstanding
             if budget <= 0:
                 return
-            records, tokens, attempts, _bytes, _suspects = core.release_ready(
+            records, tokens, attempts, _bytes, _suspects, _handles = core.release_ready(
                 now, budget, 1, MAX_BYTES, LEASE_MS, pooled=True)
             if records:
                 self.outstanding += len(records)
@@ -263,15 +263,25 @@ class CoreReader:
         return count / elapsed
 
 
+class _Owned:
+    """A partition as the lease table looks it up: its core and owner epoch."""
+
+    __slots__ = ("core", "epoch")
+
+    def __init__(self, core: PartitionCore[Any]) -> None:
+        self.core, self.epoch = core, 1
+
+
 class LibraryReader(CoreReader):
     """``CoreReader`` with the library's per-message objects around the core: ``to_record`` at the
-    fetch (ol- metadata read), the library's ``Message`` at the release (its own lease; its ``ack``
-    posts the message itself), ``Leases`` in Python (admit per released run, pop and
-    ack latency per settled message): what the engine keeps if only its bookkeeping is compiled."""
+    fetch (ol- metadata read), the library's ``Message`` at the release (its ``ack`` posts the
+    message itself), the engine's lease table (admit per released run, a run of acks settled in one
+    call): what the engine keeps of Python per message."""
 
     def __init__(self, endpoints: Endpoints, topic: str, workers: int) -> None:
         super().__init__(endpoints, topic, workers)
-        self.leases = Leases(SubscriptionSettings(topic=topic))
+        self.leases = lease_table(SubscriptionSettings(topic=topic))
+        self.owned: dict[int, _Owned] = {}
         self.library_acks: collections.deque[Any] = collections.deque()  # plain acks post the Message
 
     def take(self, batch: list[Any]) -> None:
@@ -283,27 +293,24 @@ class LibraryReader(CoreReader):
         now = time.monotonic()
         post = self.library_acks.append
         for partition, records, tokens, attempts in self.released(now):
-            messages = [Message(record, record.key, token, attempt, self.topic, 1, post)
-                        for record, token, attempt in zip(records, tokens, attempts, strict=True)]
-            self.leases.admit(partition, messages, now)
+            if partition not in self.owned:
+                self.owned[partition] = _Owned(self.core(partition))
+            handles = self.leases.admit(partition, 1, [record.offset for record in records], tokens,
+                                        [record.size for record in records], now)
+            messages = [Message(record, record.key, token, attempt, self.topic, 1, post, handle)
+                        for record, token, attempt, handle in zip(records, tokens, attempts, handles, strict=True)]
             deliver(messages)
 
     def settle(self) -> None:
         acks = self.library_acks
-        leases = self.leases
-        now = time.monotonic()
-        per_partition: dict[int, tuple[list[int], list[int]]] = {}
-        while acks:
-            delivery = acks.popleft()
-            record = delivery.record
-            out = leases.pop((record.partition, record.offset))
-            assert out is not None
-            leases.acked(out, now)
-            offsets, tokens = per_partition.setdefault(record.partition, ([], []))
-            offsets.append(record.offset)
-            tokens.append(delivery.token)
-        leases.take_latencies()
-        self.ack(per_partition)
+        run = [acks.popleft() for _ in range(len(acks))]
+        settled = self.leases.ack_run(run, self.owned, time.monotonic())
+        self.outstanding -= settled
+        self.settled += settled
+        commits = [TopicPartition(self.topic, partition, watermark) for partition, core in self.cores.items()
+                   if (watermark := core.watermark) is not None]
+        if commits:
+            self.commit(commits)
 
     def waiting(self) -> bool:
         return not self.library_acks

@@ -47,21 +47,22 @@ from bench.common import bench_stack
 from ordering_layer import Admin, FlowControl, Message, RetryPolicy, Subscriber
 from ordering_layer.record import read_metadata
 from ordering_layer.stack import Endpoints
-from ordering_layer.subscriber import commits, dispatch, fetched, leases, ownership, partitions, settlement
+from ordering_layer.subscriber import commits, dispatch, fetched, ownership, partitions, settlement
 
 _SAMPLE = 50_000
 
 # (row, owner, method): engine steps that run once per batch, timed on the thread that runs them.
 PROBES: list[tuple[str, Any, str]] = [
     ("queueing (fetched batch -> partition key queues)", partitions.Partitions, "take"),
-    ("release (ready keys -> deliveries)", dispatch.Dispatcher, "release"),
-    ("admit (outstanding, lease watch)", leases.Leases, "admit"),
+    ("release (ready keys -> deliveries, made outstanding)", dispatch.Dispatcher, "release"),
+    ("acks (runs of plain acks settled)", settlement.Settlement, "acks"),
+    ("start notes", settlement.Settlement, "write_starts"),
     ("leases (expiry, extension)", settlement.Settlement, "expire"),
     ("Redis op encoding + flush (client side)", ownership.Ownership, "flush"),
     ("hand-off (Message objects, callback pool)", dispatch.Dispatcher, "hand_out"),
     ("commit", commits.Commits, "offsets"),
 ]
-NESTED = {"admit (outstanding, lease watch)": "release (ready keys -> deliveries)"}
+NESTED: dict[str, str] = {}  # a probe's row -> the row of the probe it runs inside
 
 
 def thread_role(name: str) -> str:
@@ -111,7 +112,7 @@ def table(figures: dict[str, float], probed: dict[str, float], micro: dict[str, 
         if label in NESTED.values():
             rows.append((f"  {label} total", seconds))
         accounted += seconds
-    rows.append(("  user ack -> settle, inbox, loop (the rest)", engine - accounted))
+    rows.append(("  inbox, loop, the rest", engine - accounted))
     callbacks = figures.get("thread:cb", 0.0)
     rows.append(("callback threads", callbacks))
     rows.append(("  Message.ack (request + inbox post)", micro["ack"] * count))

@@ -113,7 +113,7 @@ def sample(engine: Any, done: threading.Event) -> list[tuple[int, int, str, bool
     """(outstanding, buffered, gate, flush in flight, ready keys) every ~2 ms until ``done``."""
     samples = []
     while not done.is_set():
-        samples.append((len(engine._leases.outstanding), engine._owned.buffered(), engine._gate.state.value,
+        samples.append((engine._leases.count, engine._owned.buffered(), engine._gate.state.value,
                         engine._ownership._in_flight is not None,
                         sum(len(state.core.ready_keys()) for state in list(engine._partitions.values()))))
         time.sleep(0.002)

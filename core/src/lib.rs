@@ -11,6 +11,7 @@
 
 mod fetch;
 mod key_queue;
+mod leases;
 mod ops;
 mod partition;
 mod runs;
@@ -21,13 +22,15 @@ use std::collections::{HashMap as StdHashMap, HashSet as StdHashSet};
 use pyo3::exceptions::PyValueError;
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyList};
+use pyo3::types::{PyBytes, PyDict, PyList};
 
+use leases::{LeaseSettings, Leases};
 use partition::{Admission, PartitionCore as Core, QueueKey};
 
-/// What `release_ready` returns: records, tokens, attempts (parallel lists), payload bytes, and
-/// the positions of the suspects among them (rare: after a crash).
-type Released<'py> = (Bound<'py, PyList>, Bound<'py, PyList>, Bound<'py, PyList>, i64, Vec<usize>);
+/// What `release_ready` returns: records, tokens, attempts (parallel lists), payload bytes, the
+/// positions of the suspects among them (rare: after a crash), and the deliveries' lease handles
+/// (when a `LeaseTable` took them as outstanding; else empty).
+type Released<'py> = (Bound<'py, PyList>, Bound<'py, PyList>, Bound<'py, PyList>, i64, Vec<usize>, Vec<u64>);
 
 /// Dispatch state of one owned partition (see the module's documentation).
 #[pyclass(module = "ordering_layer._core", name = "PartitionCore")]
@@ -121,7 +124,8 @@ impl PartitionCore {
     /// suspects among the records: their starts are to be written before user code runs). The attempts are queued as `DELIVERED` ops (pull mode), or `RELEASED`
     /// when `pooled` (callback mode); with `lease_ms`, as one batch lease and `BATCH_DELIVERED` or
     /// `BATCH_RELEASED` ops.
-    #[pyo3(signature = (now, budget, per_key, byte_budget, lease_ms = None, *, pooled = false))]
+    #[pyo3(signature = (now, budget, per_key, byte_budget, lease_ms = None, *, pooled = false, leases = None,
+                        partition = 0, epoch = 0))]
     #[allow(clippy::too_many_arguments)] // the arguments of the Python method, plus `py`
     fn release_ready<'py>(
         &mut self,
@@ -132,22 +136,34 @@ impl PartitionCore {
         byte_budget: i64,
         lease_ms: Option<i64>,
         pooled: bool,
+        leases: Option<&Bound<'py, LeaseTable>>,
+        partition: i32,
+        epoch: i64,
     ) -> PyResult<Released<'py>> {
         let mut items = Vec::new();
         let mut tokens = Vec::new();
         let mut attempts = Vec::new();
         let mut suspects = Vec::new();
+        let mut handles = Vec::new();
+        let mut table = leases.map(Bound::borrow_mut);
+        let batch = table.as_mut().map(|table| table.leases.begin_batch(now));
         let written = Admission { lease_ms, pooled };
         let totals = self.core.release_ready(now, budget, per_key, byte_budget, written, |entry, token| {
             if entry.suspect {
                 suspects.push(items.len());
             }
+            if let (Some(table), Some(batch)) = (table.as_mut(), batch) {
+                handles.push(table.leases.admit(batch, partition, epoch, entry.offset, token, entry.size, now));
+            }
             items.push(entry.item.clone_ref(py));
             tokens.push(token);
             attempts.push(entry.attempts);
         });
+        if let (Some(table), Some(batch)) = (table.as_mut(), batch) {
+            table.leases.end_batch(batch);
+        }
         let (items, tokens, attempts) = (PyList::new(py, items)?, PyList::new(py, tokens)?, PyList::new(py, attempts)?);
-        Ok((items, tokens, attempts, totals.bytes, suspects))
+        Ok((items, tokens, attempts, totals.bytes, suspects, handles))
     }
 
     /// Settle deliveries (acks): returns the positions of the refused ones (stale tokens) and the
@@ -323,11 +339,223 @@ fn command_runs(py: Python<'_>, packed: &str) -> PyResult<(String, Vec<Py<PyByte
     Ok((runs.header, arguments))
 }
 
+/// Outstanding deliveries and their leases (`leases.rs`), for the engine's coordinator: deliveries
+/// are named by handles; a run of plain acks is settled here and in the partitions' cores in one call.
+#[pyclass(module = "ordering_layer._core", name = "LeaseTable")]
+struct LeaseTable {
+    leases: Leases,
+}
+
+/// A delivery's lease handle (its `lease` attribute).
+fn handle_of(item: &Bound<'_, PyAny>) -> PyResult<u64> {
+    item.getattr(intern!(item.py(), "lease"))?.extract()
+}
+
+/// An owned partition's core and owner epoch.
+type OwnedState<'py> = (Bound<'py, PartitionCore>, i64);
+
+/// The core and epoch of `partition` among `owned` (partition -> `OwnedPartition`: objects with
+/// `core` and `epoch`), if it is owned.
+fn owned_core<'py>(owned: &Bound<'py, PyDict>, partition: i32) -> PyResult<Option<OwnedState<'py>>> {
+    let Some(state) = owned.get_item(partition)? else { return Ok(None) };
+    let py = owned.py();
+    let core = state.getattr(intern!(py, "core"))?.cast_into::<PartitionCore>()?;
+    Ok(Some((core, state.getattr(intern!(py, "epoch"))?.extract()?)))
+}
+
+/// A run's lookups of the owned partitions, one per partition change (runs mostly stay on one).
+struct OwnedCache<'py> {
+    owned: Bound<'py, PyDict>,
+    current: Option<(i32, Option<OwnedState<'py>>)>,
+}
+
+impl<'py> OwnedCache<'py> {
+    /// The partition's core, when it is owned under `epoch`.
+    fn core(&mut self, partition: i32, epoch: i64) -> PyResult<Option<&Bound<'py, PartitionCore>>> {
+        if self.current.as_ref().is_none_or(|(cached, _)| *cached != partition) {
+            self.current = Some((partition, owned_core(&self.owned, partition)?));
+        }
+        Ok(match &self.current {
+            Some((_, Some((core, owned_epoch)))) if *owned_epoch == epoch => Some(core),
+            _ => None,
+        })
+    }
+}
+
+#[pymethods]
+impl LeaseTable {
+    #[new]
+    #[pyo3(signature = (*, ack_deadline, max_lease_duration, min_extension = 0.0, max_extension = 0.0, track = true))]
+    fn new(ack_deadline: f64, max_lease_duration: f64, min_extension: f64, max_extension: f64, track: bool) -> Self {
+        LeaseTable {
+            leases: Leases::new(LeaseSettings { ack_deadline, max_lease_duration, min_extension, max_extension, track }),
+        }
+    }
+
+    /// Deliveries outstanding.
+    #[getter]
+    fn count(&self) -> usize {
+        self.leases.count
+    }
+
+    /// Their payload bytes.
+    #[getter]
+    fn bytes(&self) -> i64 {
+        self.leases.bytes
+    }
+
+    #[getter]
+    fn track(&self) -> bool {
+        self.leases.settings.track
+    }
+
+    #[getter]
+    fn extensions(&self) -> u64 {
+        self.leases.extensions
+    }
+
+    #[getter]
+    fn lapses(&self) -> u64 {
+        self.leases.lapses
+    }
+
+    /// Take released deliveries of `partition` as outstanding, watched together (what
+    /// `PartitionCore.release_ready` does itself when handed the table). Returns their handles.
+    #[allow(clippy::too_many_arguments)] // the arguments of the Python method
+    fn admit(&mut self, partition: i32, epoch: i64, offsets: Vec<i64>, tokens: Vec<u64>, sizes: Vec<i64>, now: f64)
+             -> PyResult<Vec<u64>> {
+        if offsets.len() != tokens.len() || offsets.len() != sizes.len() {
+            return Err(PyValueError::new_err("offsets, tokens and sizes differ in length"));
+        }
+        let batch = self.leases.begin_batch(now);
+        let handles = offsets.iter().zip(&tokens).zip(&sizes)
+            .map(|((&offset, &token), &size)| self.leases.admit(batch, partition, epoch, offset, token, size, now))
+            .collect();
+        self.leases.end_batch(batch);
+        Ok(handles)
+    }
+
+    /// The delivery a handle names is outstanding.
+    fn holds(&self, handle: u64) -> bool {
+        self.leases.get(handle).is_some()
+    }
+
+    /// (partition, epoch, offset, token) of the delivery a handle names, while outstanding.
+    fn lease_of(&self, handle: u64) -> Option<(i32, i64, i64, u64)> {
+        self.leases.get(handle).map(|lease| (lease.partition, lease.epoch, lease.offset, lease.token))
+    }
+
+    /// The handle of the delivery of `partition:offset` outstanding now.
+    fn find(&self, partition: i32, offset: i64) -> Option<u64> {
+        self.leases.find(partition, offset)
+    }
+
+    /// The deadline of the delivery a handle names (monotonic seconds), while outstanding.
+    fn deadline_of(&self, handle: u64) -> Option<f64> {
+        self.leases.get(handle).map(|lease| lease.deadline)
+    }
+
+    /// Forget a delivery (settled, given back); `acked_at` (now) feeds its ack latency to the p99
+    /// extension. False when the handle names nothing.
+    #[pyo3(signature = (handle, acked_at = None))]
+    fn pop(&mut self, handle: u64, acked_at: Option<f64>) -> bool {
+        self.leases.pop(handle, acked_at).is_some()
+    }
+
+    /// Settle a run of plain acks (`Message.ack`: deliveries with `lease`), in order: each delivery
+    /// still outstanding, whose partition is owned under the epoch it went out with (`owned`:
+    /// partition -> `OwnedPartition`), is forgotten here and settled in the partition's core, which
+    /// queues its SETTLED op. Returns how many were settled; an ack of a delivery given back or
+    /// dropped since, or made under an older epoch, changes nothing (ACK-5).
+    fn ack_run(&mut self, messages: &Bound<'_, PyList>, owned: &Bound<'_, PyDict>, now: f64) -> PyResult<usize> {
+        let mut settled = 0;
+        let mut cache = OwnedCache { owned: owned.clone(), current: None };
+        for message in messages.iter() {
+            let handle = handle_of(&message)?;
+            let Some(&lease) = self.leases.get(handle) else { continue };
+            let Some(core) = cache.core(lease.partition, lease.epoch)? else { continue };
+            core.borrow_mut().core.ack(lease.offset, lease.token);
+            self.leases.pop(handle, Some(now));
+            settled += 1;
+        }
+        Ok(settled)
+    }
+
+    /// Queue the STARTED op (`kind`) of each noted start (deliveries: `lease` and `attempt`) whose
+    /// delivery is still outstanding under its partition's epoch, in the partition's core, after
+    /// the ops queued so far. Returns how many were queued.
+    fn write_starts(&mut self, notes: &Bound<'_, PyList>, owned: &Bound<'_, PyDict>, kind: char) -> PyResult<usize> {
+        let mut queued = 0;
+        let mut cache = OwnedCache { owned: owned.clone(), current: None };
+        for note in notes.iter() {
+            let Some(&lease) = self.leases.get(handle_of(&note)?) else { continue };
+            let Some(core) = cache.core(lease.partition, lease.epoch)? else { continue };
+            let attempt: i64 = note.getattr(intern!(note.py(), "attempt"))?.extract()?;
+            core.borrow_mut().core.ops.push(kind, lease.offset, attempt);
+            queued += 1;
+        }
+        Ok(queued)
+    }
+
+    /// `modify_ack_deadline` (ACK-3): the delivery's deadline is `seconds` from now, watched alone;
+    /// returns it in epoch ms, None when the handle names nothing.
+    fn set_deadline(&mut self, handle: u64, seconds: f64, now: f64) -> Option<i64> {
+        self.leases.set_deadline(handle, seconds, now)
+    }
+
+    /// A partition let go: its deliveries can no longer be acked here.
+    fn drop_partition(&mut self, partition: i32) {
+        self.leases.drop_partition(partition);
+    }
+
+    /// Outstanding deliveries of these partitions.
+    fn count_in(&self, partitions: Vec<i32>) -> usize {
+        self.leases.count_in(&partitions)
+    }
+
+    /// When `expire` has something to look at next.
+    fn next_check(&self) -> Option<f64> {
+        self.leases.next_check()
+    }
+
+    /// Extend the leases about to end (ACK-2), take out those that lapsed (ACK-1): the extensions
+    /// as (partition, offset, epoch ms) and the lapsed as (partition, offset, token), forgotten here.
+    #[allow(clippy::type_complexity)] // two lists of plain tuples, as Python takes them
+    fn expire(&mut self, now: f64) -> (Vec<(i32, i64, i64)>, Vec<(i32, i64, u64)>) {
+        let (extended, lapsed) = self.leases.expire(now);
+        (
+            extended.iter().map(|extension| (extension.partition, extension.offset, extension.wall_ms)).collect(),
+            lapsed.iter().map(|lease| (lease.partition, lease.offset, lease.token)).collect(),
+        )
+    }
+
+    /// The ack latencies observed since the last call (seconds; at most the last 100,000).
+    fn take_latencies(&mut self) -> Vec<f64> {
+        self.leases.latencies.drain(..).collect()
+    }
+
+    /// The smallest whole second with at least `percent` % of the ack latencies at or below it.
+    fn percentile(&self, percent: f64) -> u32 {
+        self.leases.percentile(percent)
+    }
+
+    /// Per partition: (outstanding deliveries, age of the oldest in seconds).
+    fn per_partition(&self, now: f64) -> StdHashMap<i32, (usize, f64)> {
+        self.leases.per_partition(now).into_iter().collect()
+    }
+
+    /// (slots, batch watches) allocated: what the table keeps however many deliveries it has seen.
+    fn allocated(&self) -> (usize, usize) {
+        self.leases.allocated()
+    }
+}
+
 #[pymodule]
 #[pyo3(name = "_core")]
 fn ordering_layer_core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<fetch::NativeFetch>()?;
     module.add_class::<PartitionCore>()?;
+    module.add_class::<LeaseTable>()?;
     module.add_function(wrap_pyfunction!(partition_runs, module)?)?;
     module.add_function(wrap_pyfunction!(kafka_partition_runs, module)?)?;
     module.add_function(wrap_pyfunction!(command_runs, module)?)?;

@@ -18,7 +18,7 @@ from ordering_layer.config import SubscriptionSettings
 from ordering_layer.subscriber.dead_letters import DeadLetters
 from ordering_layer.subscriber.flow import FlowGate
 from ordering_layer.subscriber.handoff import PullWaiters
-from ordering_layer.subscriber.leases import Leases, wall_ms
+from ordering_layer.subscriber.leases import LeaseTable, wall_ms
 from ordering_layer.subscriber.message import Message
 from ordering_layer.subscriber.partitions import Partitions, Released
 from ordering_layer.subscriber.state_writer import StateWriter
@@ -41,7 +41,7 @@ class Dispatcher:
     """
 
     def __init__(self, settings: SubscriptionSettings, owned: Partitions, gate: FlowGate,
-                 leases: Leases, writer: StateWriter, pulls: PullWaiters, dead_letters: DeadLetters,
+                 leases: LeaseTable, writer: StateWriter, pulls: PullWaiters, dead_letters: DeadLetters,
                  counts: dict[str, int], on_messages: Callable[[list[Message]], None] | None,
                  give_back: Callable[[Released, float], None]) -> None:
         self._settings = settings
@@ -59,22 +59,22 @@ class Dispatcher:
         """Release what may go out now, within flow control: callback mode one per key, pull mode
         whole per-key batches up to the waiting pull's size."""
         leases = self._leases
-        budget, byte_budget = self._gate.budget(len(leases.outstanding), leases.bytes)
+        budget, byte_budget = self._gate.budget(leases.count, leases.bytes)
         per_key = 1
         if self._on_messages is None:
             per_key = self._pulls.wanted()
             budget = min(budget, per_key)
         pooled = self._on_messages is not None
         lease_ms = wall_ms(self._settings.ack_deadline) if leases.track else None
-        released = self._owned.release(now, budget, per_key, byte_budget, lease_ms, pooled=pooled)
+        # Released deliveries become outstanding in the lease table, watched together; the
+        # partition's core queued their attempts (and lease) for Redis, flushed before anyone sees
+        # them (DLQ-3): as delivered for a pull, as released (in the pool, not yet started) in
+        # callback mode.
+        released = self._owned.release(now, budget, per_key, byte_budget, lease_ms, pooled=pooled, leases=leases)
         if released and not pooled:
             self._pulls.claim()
         writer = self._writer
-        for state, batch in released:
-            # Released deliveries become outstanding; the partition's core queued their attempts
-            # (and lease) for Redis, flushed before anyone sees them (DLQ-3): as delivered for a
-            # pull, as released (in the pool, not yet started) in callback mode.
-            leases.admit(state.partition, batch, now)
+        for _, batch in released:
             writer.queued(len(batch) + (lease_ms is not None), now)
         return released
 

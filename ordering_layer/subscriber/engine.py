@@ -43,7 +43,7 @@ from ordering_layer.subscriber.fetcher import Fetcher, RebalanceHooks
 from ordering_layer.subscriber.flow import FlowGate, Gate
 from ordering_layer.subscriber.handoff import PullWaiters
 from ordering_layer.subscriber.inbox import Inbox
-from ordering_layer.subscriber.leases import Leases
+from ordering_layer.subscriber.leases import lease_table
 from ordering_layer.subscriber.message import Message
 from ordering_layer.subscriber.metrics import snapshot
 from ordering_layer.subscriber.ownership import Ownership
@@ -92,7 +92,7 @@ class Engine:
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
         self._gate = FlowGate(flow_control)
-        self._leases = Leases(settings, track=track_leases)
+        self._leases = lease_table(settings, track=track_leases)
         self._writer = StateWriter(store, subscription)
         self._dead_letters = DeadLetters(kafka_config, store, subscription, settings, self._inbox.put)
         self._pulls = PullWaiters()
@@ -126,7 +126,7 @@ class Engine:
         with self._lock:
             self._closing = True
             deadline = time.monotonic() + timeout
-            while self._leases.outstanding and time.monotonic() < deadline:
+            while self._leases.count and time.monotonic() < deadline:
                 self._changed.wait(0.05)
         self._fetcher.stop()
         self._worker.stop()
@@ -221,7 +221,7 @@ class Engine:
     def stats(self) -> dict[str, int]:
         """Outstanding messages and bytes, buffered records, owned partitions, the fetch gate."""
         with self._lock:
-            return {"outstanding": len(self._leases.outstanding), "outstanding_bytes": self._leases.bytes,
+            return {"outstanding": self._leases.count, "outstanding_bytes": self._leases.bytes,
                     "buffered": self._owned.buffered(),
                     "partitions": len(self._partitions), "fetch_held": int(self._gate.state is not Gate.OPEN),
                     "fetch_paused": int(self._fetcher.paused)}
@@ -248,7 +248,6 @@ class Engine:
             self._handle(events, now)
             settlement = self._settlement
             settlement.write_starts(now)
-            self._leases.take_latencies()
             settlement.expire(now)
             ownership = self._ownership
             ownership.poll()
@@ -267,7 +266,7 @@ class Engine:
             for request in commits.take_seeks():
                 self._fetcher.seek(request)
             leases, gate, buffered = self._leases, self._gate, self._owned.buffered()
-            gate.update(len(leases.outstanding), leases.bytes, buffered, now)
+            gate.update(leases.count, leases.bytes, buffered, now)
             if gate.state is not Gate.OPEN and buffered >= gate.max_buffered * gate.resume_fraction:
                 self._owned.end_walks()
             self._changed.notify_all()

@@ -25,12 +25,8 @@ import heapq
 import itertools
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from ordering_layer.record import HeaderPairs, RecordMetadata
-
-if TYPE_CHECKING:
-    from ordering_layer.subscriber.leases import Watch
 
 QueueKey = bytes | int
 
@@ -72,25 +68,19 @@ class Record:
 
 
 class Delivery:
-    """One hand-off of a record; ``token`` identifies it for acks (stale tokens are refused).
-
-    While it is outstanding it is its own lease (``leases.Leases``): ``deadline``, when it was
-    handed out (``first_delivery``), when its lease is looked at next (``check``) and by which watch
-    of its release batch, while that watch is the one looking (``watch``). One object
-    per hand-off: it is made for every message.
+    """One hand-off of a record; ``token`` identifies it for acks (stale tokens are refused). One
+    object per hand-off: it is made for every message. ``lease`` is its handle in the engine's
+    ``LeaseTable`` (``leases``) while it is outstanding there (0: not taken by one).
     """
 
-    __slots__ = ("attempt", "check", "deadline", "first_delivery", "queue_key", "record", "token", "watch")
+    __slots__ = ("attempt", "lease", "queue_key", "record", "token")
 
     def __init__(self, record: Record, queue_key: QueueKey, token: int, attempt: int) -> None:
         self.record = record
         self.queue_key = queue_key
         self.token = token
         self.attempt = attempt
-        self.deadline = 0.0
-        self.first_delivery = 0.0
-        self.check = 0.0
-        self.watch: Watch | None = None
+        self.lease = 0
 
     def __repr__(self) -> str:
         return (f"Delivery({self.record.partition}:{self.record.offset}, key={self.queue_key!r}, "

@@ -1,7 +1,8 @@
 """``Message``: one delivery, with Pub/Sub fields and confluent-kafka ``Message`` accessors.
 
-A ``Message`` is the engine's ``Delivery`` itself (made at release, its own lease while
-outstanding), so a message handed to user code is one object, not a wrapper around another.
+A ``Message`` is the engine's ``Delivery`` itself (made at release), so a message handed to user
+code is one object, not a wrapper around another; ``lease`` names it in the engine's
+``LeaseTable`` while it is outstanding.
 """
 
 from __future__ import annotations
@@ -49,15 +50,14 @@ class Message(Delivery):
     __slots__ = ("_epoch", "_submit", "_topic", "settled")
 
     def __init__(self, record: Record, queue_key: QueueKey, token: int, attempt: int, topic: str, epoch: int,
-                 submit: Callable[[Settle | Message], None] = unattached) -> None:
+                 submit: Callable[[Settle | Message], None] = unattached, lease: int = 0) -> None:
         # Delivery's fields, set here rather than through its __init__: one Message is made per
         # message released, and that call would add ~0.1 us to each (bench/RESULTS.md).
         self.record = record
         self.queue_key = queue_key
         self.token = token
         self.attempt = attempt
-        self.deadline = self.first_delivery = self.check = 0.0
-        self.watch = None
+        self.lease = lease
         self._topic = topic
         self._epoch = epoch
         self._submit = submit

@@ -9,12 +9,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ordering_layer.subscriber.leases import Leases
+from ordering_layer.subscriber.leases import LeaseTable
 from ordering_layer.subscriber.owned_partition import OwnedPartition
 from ordering_layer.subscriber.state_writer import StateWriter
 
 
-def snapshot(counts: Mapping[str, int], partitions: Mapping[int, OwnedPartition], leases: Leases,
+def snapshot(counts: Mapping[str, int], partitions: Mapping[int, OwnedPartition], leases: LeaseTable,
              writer: StateWriter, *, dead_lettered: int, malformed: int, now: float) -> dict[str, Any]:
     """Counters (monotonic), gauges, per-partition gauges and the observations since the last call.
 
@@ -27,15 +27,14 @@ def snapshot(counts: Mapping[str, int], partitions: Mapping[int, OwnedPartition]
     per: dict[int, dict[str, Any]] = {
         number: {"outstanding": 0, "buffered": state.buffered, "held_keys": state.held_keys(),
                  "oldest_unacked_seconds": 0.0} for number, state in partitions.items()}
-    for (number, _), out in leases.outstanding.items():
+    for number, (outstanding, oldest) in leases.per_partition(now).items():
         entry = per.get(number)
         if entry is not None:
-            entry["outstanding"] += 1
-            entry["oldest_unacked_seconds"] = max(entry["oldest_unacked_seconds"], now - out.first_delivery)
-    latencies, flushes = list(leases.latencies), list(writer.flush_seconds)
-    leases.latencies.clear()
+            entry["outstanding"] = outstanding
+            entry["oldest_unacked_seconds"] = oldest
+    latencies, flushes = leases.take_latencies(), list(writer.flush_seconds)
     writer.flush_seconds.clear()
     return {**counts, "dead_lettered": dead_lettered, "lease_extensions": leases.extensions,
             "lease_lapses": leases.lapses, "malformed_records": malformed,
-            "outstanding": len(leases.outstanding), "held_keys": sum(e["held_keys"] for e in per.values()),
+            "outstanding": leases.count, "held_keys": sum(e["held_keys"] for e in per.values()),
             "partitions": per, "ack_latency_seconds": latencies, "redis_flush_seconds": flushes}

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ordering_layer._core import PartitionCore
+from ordering_layer._core import LeaseTable, PartitionCore
 from ordering_layer.state.store import OpLetter
 from ordering_layer.subscriber.key_queue import Delivery, QueueKey, Record
 from ordering_layer.subscriber.message import Message, unattached
@@ -63,22 +63,27 @@ class OwnedPartition:
         self.core.add(records, start, stop)
 
     def release_ready(self, now: float, budget: int, per_key: int, byte_budget: int, lease_ms: int | None,
-                      *, pooled: bool) -> tuple[list[Message], int]:
+                      *, pooled: bool, leases: LeaseTable | None = None) -> tuple[list[Message], int]:
         """Release from the ready keys (``PartitionState.release_ready``): the messages and their
         payload bytes. Their attempts are queued for Redis as ``lease_ms`` and ``pooled`` say
-        (``PartitionCore.release_ready``); each record carries its attempt count and whether it is
-        a suspect (its start is written before user code runs, ``Engine.begin``)."""
-        records, tokens, attempts, size, suspects = self.core.release_ready(
-            now, budget, per_key, byte_budget, lease_ms, pooled=pooled)
+        (``PartitionCore.release_ready``), and they are outstanding in ``leases`` (when given),
+        watched together; each record carries its attempt count and whether it is a suspect (its
+        start is written before user code runs, ``Engine.begin``)."""
+        epoch = self.epoch
+        records, tokens, attempts, size, suspects, handles = self.core.release_ready(
+            now, budget, per_key, byte_budget, lease_ms, pooled=pooled, leases=leases, partition=self.partition,
+            epoch=epoch)
         for position in suspects:
             records[position].suspect = True
-        ordered, topic, epoch, submit = self.ordered, self.topic, self.epoch, self.submit
+        if leases is None:
+            handles = [0] * len(records)
+        ordered, topic, submit = self.ordered, self.topic, self.submit
         messages = []
-        for record, token, attempt in zip(records, tokens, attempts, strict=True):
+        for record, token, attempt, handle in zip(records, tokens, attempts, handles, strict=True):
             record.attempts = attempt
             key = record.key
             messages.append(Message(record, key if ordered and key else record.offset, token, attempt, topic, epoch,
-                                    submit))
+                                    submit, handle))
         return messages, size
 
     def nack(self, delivery: Delivery, now: float, backoff: Callable[[int], float], *, lapsed: bool = False) -> bool:

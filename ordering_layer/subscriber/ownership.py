@@ -31,7 +31,7 @@ from confluent_kafka import TopicPartition
 from ordering_layer.config import SubscriptionSettings
 from ordering_layer.state import ApplyResult
 from ordering_layer.subscriber.commits import Commits
-from ordering_layer.subscriber.leases import Leases
+from ordering_layer.subscriber.leases import LeaseTable
 from ordering_layer.subscriber.partitions import Partitions, Released
 from ordering_layer.subscriber.state_writer import Flush, StateWriter
 
@@ -57,7 +57,7 @@ class Ownership:
     """
 
     def __init__(self, subscription: str, settings: SubscriptionSettings, changed: threading.Condition,
-                 owned: Partitions, leases: Leases, writer: StateWriter, commits: Commits,
+                 owned: Partitions, leases: LeaseTable, writer: StateWriter, commits: Commits,
                  deliver: Callable[[Released, bool], None] | None = None,
                  wake: Callable[[], None] | None = None) -> None:
         self._subscription = subscription
@@ -97,7 +97,7 @@ class Ownership:
                     state.revoking = True
             # Affinity (SUB-5): let the deliveries in progress finish before the keys can move.
             deadline = time.monotonic() + min(self._settings.ack_deadline, _REVOKE_GRACE)
-            while any(key[0] in partitions for key in self._leases.outstanding) and time.monotonic() < deadline:
+            while self._leases.count_in(partitions) and time.monotonic() < deadline:
                 self._changed.wait(0.05)
             self.flush()
             offsets = self._commits.offsets(sync=True, only=partitions)

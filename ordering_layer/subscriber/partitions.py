@@ -25,7 +25,7 @@ from typing import Any
 import redis
 from confluent_kafka import TopicPartition
 
-from ordering_layer._core import partition_runs
+from ordering_layer._core import LeaseTable, partition_runs
 from ordering_layer.config import SubscriptionSettings
 from ordering_layer.offsets import seek_tag
 from ordering_layer.state import ClaimedPartition, StateStore
@@ -236,9 +236,10 @@ class Partitions:
             state.core.end_walk()
 
     def release(self, now: float, budget: int, per_key: int, byte_budget: int, lease_ms: int | None, *,
-                pooled: bool) -> Released:
+                pooled: bool, leases: LeaseTable | None = None) -> Released:
         """Release up to ``budget`` records and ``byte_budget`` bytes, ``per_key`` per ready key, their
-        attempts queued for Redis as ``lease_ms`` and ``pooled`` say (``OwnedPartition.release_ready``).
+        attempts queued for Redis as ``lease_ms`` and ``pooled`` say, outstanding in ``leases``
+        (``OwnedPartition.release_ready``).
         Partitions take turns: each gets a fair share of the budget first, starting one further each
         call, then the rest goes round (so under flow control no partition gets freed budget first)."""
         states = [state for state in self.owned.values() if not state.revoking]
@@ -255,7 +256,7 @@ class Partitions:
                 if budget <= 0 or byte_budget <= 0:
                     return released
                 batch, size = state.release_ready(now, min(cap, budget), per_key, byte_budget, lease_ms,
-                                                  pooled=pooled)
+                                                  pooled=pooled, leases=leases)
                 if batch:
                     byte_budget -= size
                     budget -= len(batch)

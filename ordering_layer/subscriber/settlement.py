@@ -2,7 +2,7 @@
 
 ``Settlement`` applies each answer about a delivery handed out to the three places that keep its
 state: its partition's key queue (``OwnedPartition``'s core: settle, or rewind and back off, SUB-4
-and DLQ-1), its lease (``Leases``: forgotten, or a new deadline, ACK-1 to ACK-3) and the Redis ops
+and DLQ-1), its lease (``LeaseTable``: forgotten, or a new deadline, ACK-1 to ACK-3) and the Redis ops
 queued for the next flush (``StateWriter``: SETTLED, NACKED, LEASE, STARTED, ACK-4). An answer
 under an epoch that is no longer the partition's, or for a delivery given back since, changes
 nothing; its ``ack_with_response`` future learns why (ACK-5). Used by the coordinator on its
@@ -22,7 +22,7 @@ from concurrent.futures import Future
 
 from ordering_layer.config import SubscriptionSettings
 from ordering_layer.state.store import OpKind
-from ordering_layer.subscriber.leases import Leases
+from ordering_layer.subscriber.leases import LeaseTable
 from ordering_layer.subscriber.message import AckResponse, Message
 from ordering_layer.subscriber.owned_partition import OwnedPartition
 from ordering_layer.subscriber.partition import Delivery
@@ -47,7 +47,7 @@ class Settlement:
     """
 
     def __init__(self, subscription: str, settings: SubscriptionSettings, owned: Mapping[int, OwnedPartition],
-                 leases: Leases, writer: StateWriter, counts: dict[str, int]) -> None:
+                 leases: LeaseTable, writer: StateWriter, counts: dict[str, int]) -> None:
         self._subscription = subscription
         self._settings = settings
         self._owned = owned
@@ -67,53 +67,42 @@ class Settlement:
         if state is None or state.epoch != epoch:
             resolve(future, AckResponse.LEASE_LOST)
             return
-        key = (partition, offset)
         leases = self._leases
-        out = leases.outstanding.get(key)
-        if out is None or out.token != delivery.token:
+        if not leases.holds(delivery.lease):
             resolve(future, AckResponse.INVALID_ACK_ID)
             return
         writer = self._writer
         if kind == SettleKind.ACK:
-            leases.acked(out, now)
+            leases.pop(delivery.lease, now)
             state.core.ack_one(offset, delivery.token)
             writer.queued(1, now)
             self._counts["acked"] += 1
         elif kind == SettleKind.DEADLINE:
-            writer.push(state, OpKind.LEASE, offset, leases.set_deadline(key, out, seconds, now), now)
+            deadline = leases.set_deadline(delivery.lease, seconds, now)
+            assert deadline is not None  # held, checked above
+            writer.push(state, OpKind.LEASE, offset, deadline, now)
             writer.add_future(partition, future)
             return
         else:
             # A nack comes from user code: its NACKED op carries the attempt, which marks it started
             # (its start note may have been dropped with the nack in this step).
+            leases.pop(delivery.lease)
             state.nack(delivery, now, self._settings.retry_policy.backoff)
             writer.queued(1, now)
             if error:
                 record.last_error = error
             self._counts["nacked"] += 1
-        leases.pop(key)
         writer.add_future(partition, future)
 
     def acks(self, messages: list[Message], now: float) -> None:
         """Apply plain acks (``Message.ack``: no future to answer), in order: ``settle`` of ACK for a
-        run of them, in one pass. An ack under an epoch that is no longer the partition's, or of a
-        message that is not the delivery outstanding (given back since), changes nothing."""
-        owned, outstanding = self._owned, self._leases.outstanding
-        acked: list[Delivery] = []
-        for message in messages:
-            record = message.record
-            partition, offset = record.partition, record.offset
-            state = owned.get(partition)
-            key = (partition, offset)
-            if state is None or state.epoch != message._epoch or outstanding.get(key) is not message:
-                continue
-            del outstanding[key]
-            state.core.ack_one(offset, message.token)
-            acked.append(message)
+        run of them, in one call to the lease table (no Python per message). An ack under an epoch
+        that is no longer the partition's, or of a message that is not the delivery outstanding
+        (given back since), changes nothing."""
+        acked = self._leases.ack_run(messages, self._owned, now)
         if acked:
-            self._leases.acked_many(acked, now)
-            self._writer.queued(len(acked), now)
-            self._counts["acked"] += len(acked)
+            self._writer.queued(acked, now)
+            self._counts["acked"] += acked
 
     def write_starts(self, now: float) -> None:
         """Queue the starts the workers noted, of deliveries still outstanding. Taken after the
@@ -123,29 +112,22 @@ class Settlement:
         started = self.starts
         if not started:
             return
-        outstanding, owned, writer, take = self._leases.outstanding, self._owned, self._writer, started.popleft
-        for _ in range(len(started)):
-            delivery = take()
-            record = delivery.record
-            out = outstanding.get((record.partition, record.offset))
-            state = owned.get(record.partition)
-            if state is not None and out is not None and out.token == delivery.token:
-                writer.push(state, OpKind.STARTED, record.offset, delivery.attempt, now)
+        notes = [started.popleft() for _ in range(len(started))]
+        self._writer.queued(self._leases.write_starts(notes, self._owned, OpKind.STARTED), now)
 
     def expire(self, now: float) -> None:
         """Leases: write the extensions (ACK-2); give back those that lapsed (ACK-1, SUB-4)."""
         extended, lapsed = self._leases.expire(now)
         writer, owned = self._writer, self._owned
-        for extension in extended:
-            state = owned.get(extension.partition)
+        for partition, offset, wall_ms in extended:
+            state = owned.get(partition)
             if state is not None:
-                writer.push(state, OpKind.LEASE, extension.offset, extension.wall_ms, now)
-        for delivery in lapsed:
-            partition, offset = delivery.record.partition, delivery.record.offset
+                writer.push(state, OpKind.LEASE, offset, wall_ms, now)
+        for partition, offset, token in lapsed:
             state = owned.get(partition)
             if state is not None:
                 _LOGGER.info("%s: lease of %d:%d lapsed; redelivering", self._subscription, partition, offset)
-                state.nack(delivery, now, self._settings.retry_policy.backoff, lapsed=True)
+                state.core.nack(offset, token, now, self._settings.retry_policy.backoff, lapsed=True)
                 writer.queued(1, now)
 
     def dead_lettered(self, event: DeadLettered, now: float) -> bool:
@@ -154,26 +136,28 @@ class Settlement:
         state = self._owned.get(event.partition)
         if state is None or state.epoch != event.epoch:
             return False
-        out = self._leases.pop((event.partition, event.offset))
+        leases = self._leases
+        handle = leases.find(event.partition, event.offset)
+        lease = None if handle is None else leases.lease_of(handle)
+        if handle is not None:
+            leases.pop(handle)
         if event.error is None:
             state.settle_dead_lettered(event.queue_key, event.offset)
             self._writer.queued(1, now)
             return True
-        if out is not None:
-            state.requeue(out, now, REQUEUE_DELAY)
+        if lease is not None:
+            state.core.requeue(event.offset, lease[3], now, REQUEUE_DELAY)
         return False
 
     def holds(self, delivery: Delivery, epoch: int) -> bool:
         """The delivery is still outstanding here under ``epoch`` (not given back, not moved)."""
-        record = delivery.record
-        state = self._owned.get(record.partition)
-        out = self._leases.outstanding.get((record.partition, record.offset))
-        return state is not None and state.epoch == epoch and out is not None and out.token == delivery.token
+        state = self._owned.get(delivery.record.partition)
+        return state is not None and state.epoch == epoch and self._leases.holds(delivery.lease)
 
     def give_back(self, released: Iterable[tuple[OwnedPartition, Sequence[Delivery]]], now: float) -> None:
         """Redis did not take the attempt counts of released deliveries: give them back before anyone
         sees them (not a failure of theirs: their keys' backoff does not grow, the attempt is taken back)."""
         for state, batch in released:
             for delivery in batch:
-                self._leases.pop((delivery.record.partition, delivery.record.offset))
+                self._leases.pop(delivery.lease)
                 state.requeue(delivery, now, REQUEUE_DELAY, uncount=True)

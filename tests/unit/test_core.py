@@ -88,7 +88,7 @@ class Twin:
         queues it."""
         lease_ms = 99 if lease else None
         expected = self.py.release_ready(self.now, budget, per_key, byte_budget)
-        items, tokens, attempts, size, suspects = self.core.release_ready(
+        items, tokens, attempts, size, suspects, _ = self.core.release_ready(
             self.now, budget, per_key, byte_budget, lease_ms, pooled=pooled)
         assert [r.offset for r in items] == [d.record.offset for d in expected]
         assert all(item is d.record for item, d in zip(items, expected, strict=True))
@@ -229,10 +229,10 @@ def test_stale_tokens_of_another_partition_state_are_refused() -> None:
     records = [record(0, b"k", 1)]
     old: PartitionCore[Record] = PartitionCore(ordered=True)
     old.add(records)
-    _, (old_token,), _, _, _ = old.release_ready(0.0, 1, 1, 10)
+    _, (old_token,), _, _, _, _ = old.release_ready(0.0, 1, 1, 10)
     new: PartitionCore[Record] = PartitionCore(ordered=True)
     new.add(records)
-    _, (new_token,), _, _, _ = new.release_ready(0.0, 1, 1, 10)
+    _, (new_token,), _, _, _, _ = new.release_ready(0.0, 1, 1, 10)
     assert new.ack([0], [old_token]) == ([0], 0)
     assert new.ack([0], [new_token]) == ([], 1)
 
@@ -292,7 +292,7 @@ def test_op_buffer_keeps_decision_order() -> None:
     the order decided, as ``apply.lua`` applies them in sequence."""
     core: PartitionCore[Record] = PartitionCore(ordered=False)
     core.add([record(offset, None, 1) for offset in range(2)])
-    _, tokens, _, _, _ = core.release_ready(0.0, 2, 1, 10, lease_ms=7)
+    _, tokens, _, _, _, _ = core.release_ready(0.0, 2, 1, 10, lease_ms=7)
     core.push_op("l", 0, 11)
     core.ack([0, 1], tokens)
     assert core.ops_count == 6
@@ -307,7 +307,7 @@ def test_a_cascade_unsettles_in_redis_what_it_delivers_again() -> None:
     the walk over records settled before a crash, for a key that cascades, queue it."""
     core: PartitionCore[Record] = PartitionCore(ordered=True)
     core.add([record(offset, b"k", 1) for offset in range(3)])
-    batch, tokens, _, _, _ = core.release_ready(0.0, 3, 3, 10)  # a pull's batch of the key
+    batch, tokens, _, _, _, _ = core.release_ready(0.0, 3, 3, 10)  # a pull's batch of the key
     assert [r.offset for r in batch] == [0, 1, 2]
     core.ack([1, 2], tokens[1:])
     core.take_ops()
@@ -386,7 +386,7 @@ def test_a_seek_target_is_the_commit_point_until_records_arrive() -> None:
     assert core.add(records) == [5, 6]
     assert [state.add(r) for r in records] == [False, False, True, True]
     assert core.watermark == state.tracker.watermark == 7
-    released, tokens, _, _, _ = core.release_ready(0.0, 1, 1, 10)
+    released, tokens, _, _, _, _ = core.release_ready(0.0, 1, 1, 10)
     assert [r.offset for r in released] == [7]
     assert core.ack_one(7, tokens[0]) and not core.ack_one(7, tokens[0])
     assert (core.watermark, core.take_ops()) == (8, "d,7,1;a,7,0;")
@@ -476,7 +476,7 @@ def test_suspects_of_one_crash_go_out_together() -> None:
                 PartitionCore(ordered=True, attempts_before=charged), True)
     twin.add([(0, 2, 1), (0, 2, 1), (0, 3, 1), (0, 4, 1), (0, 5, 1), (0, 6, 1)])
     records = [r for q in twin.py.keys.values() for r in q.records]
-    _, _, attempts, _, suspects = twin.core.release_ready(0.0, 100, 10, 100)
+    _, _, attempts, _, suspects, _ = twin.core.release_ready(0.0, 100, 10, 100)
     expected = twin.py.release_ready(0.0, 100, 10, 100)
     assert [(d.record.offset, d.attempt) for d in expected] == [(0, 2), (1, 1), (2, 2), (3, 3), (5, 1)]
     assert attempts == [2, 1, 2, 3, 1]

@@ -14,7 +14,7 @@ from ordering_layer.subscriber.dead_letters import MAX_DELIVERY_ATTEMPTS, DeadLe
 from ordering_layer.subscriber.dispatch import Dispatcher
 from ordering_layer.subscriber.flow import FlowGate
 from ordering_layer.subscriber.handoff import PullWaiters
-from ordering_layer.subscriber.leases import Leases
+from ordering_layer.subscriber.leases import lease_table
 from ordering_layer.subscriber.message import Message
 from ordering_layer.subscriber.owned_partition import OwnedPartition
 from ordering_layer.subscriber.partition import Delivery
@@ -49,7 +49,7 @@ class Rig:
         assert self.owned.claim(0, 1)
         keys = [b"a", b"b", b"a", b"b", b"c", b"c"]
         self.owned.owned[0].add([record(offset, key) for offset, key in enumerate(keys)])
-        self.leases = Leases(self.settings)
+        self.leases = lease_table(self.settings)
         self.writer = StateWriter(store, "sub")
         self.pulls = PullWaiters()
         self.dead_letters = HeldDeadLetters(self.settings)
@@ -71,7 +71,7 @@ def test_callback_mode_releases_one_per_key_within_the_budget_and_queues_release
     [(state, batch)] = released
     assert state is rig.owned.owned[0]
     assert [d.record.offset for d in batch] == [0, 1]
-    assert sorted(rig.leases.outstanding) == [(0, 0), (0, 1)]
+    assert rig.leases.count == 2 and all(rig.leases.holds(d.lease) for d in batch)
     assert rig.writer.count == 3
     ops = unpack_ops(state.take_ops())
     assert ops[0][0] == OpKind.BATCH_LEASE and ops[1:] == [(OpKind.BATCH_RELEASED, 0, 1), (OpKind.BATCH_RELEASED, 1, 1)]

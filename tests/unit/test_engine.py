@@ -142,12 +142,12 @@ def test_a_failed_redis_write_gives_deliveries_back_without_counting_failures(st
         store.failing = True
         step(engine)
         state = engine._partitions[0]
-        assert handed == [] and engine._leases.outstanding == {}
+        assert handed == [] and engine._leases.count == 0
         assert state.buffered == 3
         held = state.next_wake()
         assert held is not None and held - time.monotonic() <= REQUEUE_DELAY
         state.core.wake(held)
-        again, _ = state.release_ready(held, 3, 1, 10**9, None, pooled=True)
+        again, _ = state.release_ready(held, 3, 1, 10**9, None, pooled=True, leases=engine._leases)
         assert [d.attempt for d in again] == [1, 1, 1]  # the attempts not recorded were taken back
         assert not_a_failure(state, again[0], held)
     finally:
@@ -165,14 +165,14 @@ def test_a_failed_dead_letter_write_requeues_without_counting_a_failure(store: F
         step(engine)
         assert [m.delivery_attempt for m in handed] == [1]
         state = engine._partitions[0]
-        delivery = engine._leases.outstanding[(0, 0)]
+        [delivery] = handed
         engine._handle([DeadLettered(0, state.epoch, delivery.queue_key, 0, "broker down")], time.monotonic())
-        assert engine._leases.outstanding == {}
+        assert engine._leases.count == 0
         assert state.buffered == 1
         held = state.next_wake()
         assert held is not None and held - time.monotonic() <= REQUEUE_DELAY
         state.core.wake(held)
-        [again], _ = state.release_ready(held, 1, 1, 10**9, None, pooled=True)
+        [again], _ = state.release_ready(held, 1, 1, 10**9, None, pooled=True, leases=engine._leases)
         assert again.attempt == 2
         assert not_a_failure(state, again, held)
     finally:

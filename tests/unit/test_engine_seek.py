@@ -98,7 +98,7 @@ def test_a_running_engine_restarts_a_sought_partition_and_refuses_acks_of_before
 
     state = engine._partitions[0]
     assert (state.epoch, state.generation, state.seek_generation) == (10, AWAITING_SEEK, 1)
-    assert engine._leases.outstanding == {}
+    assert engine._leases.count == 0
     assert _queued_seeks(engine) == [SeekPartition(0, 2, 1)]
     answer = before[1].ack_with_response()
     step(engine)

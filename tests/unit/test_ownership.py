@@ -12,7 +12,7 @@ from ordering_layer.config import SubscriptionSettings
 from ordering_layer.state import ApplyResult, StateStore
 from ordering_layer.state.store import ClaimedPartition, Op, OpKind
 from ordering_layer.subscriber.commits import Commits
-from ordering_layer.subscriber.leases import Leases
+from ordering_layer.subscriber.leases import lease_table
 from ordering_layer.subscriber.message import AckResponse
 from ordering_layer.subscriber.ownership import Ownership
 from ordering_layer.subscriber.partitions import Partitions
@@ -45,7 +45,7 @@ class Rig:
         self.store = fake or VerdictStore()
         store = cast(StateStore, self.store)
         self.owned = Partitions(store, "sub", SETTINGS)
-        self.leases = Leases(SETTINGS)
+        self.leases = lease_table(SETTINGS)
         self.writer = StateWriter(store, "sub")
         self.changed = threading.Condition(threading.RLock())
         self.commits = Commits(self.owned, self.writer, "t", "sub")
@@ -55,7 +55,7 @@ class Rig:
         """One record fetched and handed out in ``partition``."""
         state = self.owned.owned[partition]
         state.add([record(offset, b"k", partition)])
-        self.leases.admit(partition, state.release_ready(0.0, 10, 1, 10**9, None, pooled=True)[0], 0.0)
+        state.release_ready(0.0, 10, 1, 10**9, None, pooled=True, leases=self.leases)
 
 
 def test_an_assignment_claims_and_reports_where_a_seek_starts() -> None:
@@ -83,12 +83,15 @@ def test_a_revocation_waits_for_deliveries_in_progress_then_commits_and_lets_go(
         time.sleep(0.01)
     assert rig.owned.owned[0].revoking and revoker.is_alive()
     with rig.changed:
-        assert rig.owned.owned[0].core.ack_one(0, rig.leases.outstanding[(0, 0)].token)
-        rig.leases.pop((0, 0))
+        handle = rig.leases.find(0, 0)
+        assert handle is not None
+        lease = rig.leases.lease_of(handle)
+        assert lease is not None and rig.owned.owned[0].core.ack_one(0, lease[3])
+        rig.leases.pop(handle)
         rig.changed.notify_all()
     revoker.join(SETTINGS.ack_deadline)
     assert result == [[1]]
-    assert sorted(rig.owned.owned) == [1] and list(rig.leases.outstanding) == [(1, 0)]
+    assert sorted(rig.owned.owned) == [1] and rig.leases.per_partition(0.0) == {1: (1, 0.0)}
 
 
 def test_a_loss_lets_go_at_once_and_voids_queued_answers() -> None:
@@ -101,7 +104,7 @@ def test_a_loss_lets_go_at_once_and_voids_queued_answers() -> None:
     rig.writer.push(rig.owned.owned[0], OpKind.SETTLED, 0, 0, 0.0)
     rig.writer.add_future(0, future)
     rig.ownership.lost([0])
-    assert rig.owned.owned == {} and rig.leases.outstanding == {}
+    assert rig.owned.owned == {} and rig.leases.count == 0
     assert future.result(0) is AckResponse.LEASE_LOST
 
 
@@ -115,7 +118,7 @@ def test_a_flush_drops_fenced_partitions_and_adopts_lost_state() -> None:
     rig.writer.push(rig.owned.owned[1], OpKind.SETTLED, 0, 0, 0.0)
     rig.store.verdicts = {0: ApplyResult.FENCED, 1: ApplyResult.ADOPTED}
     assert rig.ownership.flush()
-    assert sorted(rig.owned.owned) == [1] and rig.leases.outstanding == {}
+    assert sorted(rig.owned.owned) == [1] and rig.leases.count == 0
     assert rig.store.settings_stored == 1
     rig.store.failing = True
     rig.writer.push(rig.owned.owned[1], OpKind.SETTLED, 1, 0, 0.0)
@@ -132,7 +135,7 @@ def test_a_seek_voids_the_deliveries_of_the_partitions_it_restarts() -> None:
     rig.store.pending = {0: ClaimedPartition(9, frozenset(), {}, seek_generation=1, seek_offset=0), 1: None}
     rig.ownership.apply_seeks()
     assert list(rig.owned.owned) == [0] and rig.owned.owned[0].epoch == 9
-    assert rig.leases.outstanding == {}
+    assert rig.leases.count == 0
 
 
 class GatedStore(VerdictStore):
@@ -171,8 +174,7 @@ class AsyncRig(Rig):
         """Fetched records of partition 0 released and held for the next flush."""
         state = self.owned.owned[0]
         state.add([record(o, b"k%d" % o) for o in offsets])
-        batch, _ = state.release_ready(0.0, 100, 1, 10**9, None, pooled=True)
-        self.leases.admit(0, batch, 0.0)
+        batch, _ = state.release_ready(0.0, 100, 1, 10**9, None, pooled=True, leases=self.leases)
         self.ownership.hold([(state, batch)])
 
     def answer(self) -> None:

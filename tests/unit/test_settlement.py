@@ -10,7 +10,7 @@ from ordering_layer.config import RetryPolicy, SubscriptionSettings
 from ordering_layer.record import RecordMetadata
 from ordering_layer.state import ApplyResult, StateStore
 from ordering_layer.state.store import Op, OpKind, unpack_ops
-from ordering_layer.subscriber.leases import Leases
+from ordering_layer.subscriber.leases import lease_table
 from ordering_layer.subscriber.message import AckResponse, Message
 from ordering_layer.subscriber.owned_partition import OwnedPartition
 from ordering_layer.subscriber.partition import Record
@@ -43,7 +43,7 @@ class Rig:
         self.store = OpsStore()
         self.state = OwnedPartition(0, 1, ordered=True)
         self.owned = {0: self.state}
-        self.leases = Leases(SETTINGS)
+        self.leases = lease_table(SETTINGS)
         self.writer = StateWriter(cast(StateStore, self.store), "sub")
         self.counts = {"acked": 0, "nacked": 0}
         self.settlement = Settlement("sub", SETTINGS, self.owned, self.leases, self.writer, self.counts)
@@ -53,8 +53,7 @@ class Rig:
     def release(self, now: float = 0.0, per_key: int = 1) -> list[Message]:
         """Release as the coordinator does: outstanding, and their attempts written before hand-out."""
         self.state.core.wake(now)
-        batch, _ = self.state.release_ready(now, 10, per_key, 10**9, None, pooled=per_key == 1)
-        self.leases.admit(0, batch, now)
+        batch, _ = self.state.release_ready(now, 10, per_key, 10**9, None, pooled=per_key == 1, leases=self.leases)
         self.written()
         return batch
 
@@ -70,7 +69,7 @@ def test_an_ack_settles_the_key_forgets_the_lease_and_queues_settled() -> None:
     first, _ = rig.release()
     future: Future[AckResponse] = Future()
     rig.settlement.settle(SettleKind.ACK, first, 1, 0.0, None, future, 1.0)
-    assert (0, 0) not in rig.leases.outstanding and rig.counts["acked"] == 1
+    assert not rig.leases.holds(first.lease) and rig.counts["acked"] == 1
     assert not future.done()
     assert rig.written() == [(OpKind.SETTLED, 0, 0)]
     assert future.result(0) is AckResponse.SUCCESS
@@ -100,7 +99,7 @@ def test_a_nack_rewinds_the_key_backs_it_off_and_marks_the_attempt_started() -> 
     batch = rig.release(per_key=5)
     a0 = next(d for d in batch if d.record.offset == 0)
     rig.settlement.settle(SettleKind.NACK, a0, 1, 0.0, "boom", None, 1.0)
-    assert a0.record.last_error == "boom" and (0, 0) not in rig.leases.outstanding
+    assert a0.record.last_error == "boom" and not rig.leases.holds(a0.lease)
     assert rig.state.next_wake() == 11.0
     assert rig.written() == [(OpKind.NACKED, 0, 1)]
     assert [(d.record.offset, d.attempt) for d in rig.release(11.0, per_key=5)] == [(0, 2), (1, 2)]
@@ -112,7 +111,7 @@ def test_a_deadline_change_keeps_the_lease_and_queues_its_new_deadline() -> None
     first, _ = rig.release()
     future: Future[AckResponse] = Future()
     rig.settlement.settle(SettleKind.DEADLINE, first, 1, 60.0, None, future, 1.0)
-    assert rig.leases.outstanding[(0, 0)].deadline == 61.0
+    assert rig.leases.deadline_of(first.lease) == 61.0
     [(kind, offset, _)] = rig.written()
     assert (kind, offset) == (OpKind.LEASE, 0) and future.result(0) is AckResponse.SUCCESS
 
@@ -134,7 +133,7 @@ def test_a_lapsed_lease_gives_the_delivery_back_as_a_nack_of_no_attempt() -> Non
     rig = Rig()
     rig.release()
     rig.settlement.expire(SETTINGS.ack_deadline + 1.0)
-    assert not rig.leases.outstanding
+    assert rig.leases.count == 0
     assert sorted(rig.written()) == [(OpKind.NACKED, 0, 0), (OpKind.NACKED, 2, 0)]
     assert rig.state.next_wake() is not None
 
@@ -163,7 +162,7 @@ def test_give_back_takes_the_attempt_back_and_holds_the_key_briefly() -> None:
     batch = rig.release()
     assert rig.settlement.holds(batch[0], 1) and not rig.settlement.holds(batch[0], 2)
     rig.settlement.give_back([(rig.state, batch)], 5.0)
-    assert not rig.leases.outstanding and not rig.settlement.holds(batch[0], 1)
+    assert rig.leases.count == 0 and not rig.settlement.holds(batch[0], 1)
     assert all(d.record.attempts == 0 for d in batch)
     assert [(d.record.offset, d.attempt) for d in rig.release(5.0 + REQUEUE_DELAY)] == [(0, 1), (2, 1)]
 
@@ -175,14 +174,13 @@ def test_a_run_of_plain_acks_applies_in_one_pass_as_settle_would_one_by_one() ->
     rig = Rig()
     a0, b2 = rig.release()
     rig.settlement.settle(SettleKind.NACK, b2, 1, 0.0, None, None, 1.0)
-    a0._epoch = 2
+    rig.state.epoch = 2  # the partition claimed again: an ack of a delivery made before changes nothing
     rig.settlement.acks([a0], 2.0)
-    assert (0, 0) in rig.leases.outstanding and rig.counts["acked"] == 0
-    a0._epoch = 1
+    assert rig.leases.holds(a0.lease) and rig.counts["acked"] == 0
+    rig.state.epoch = 1
     rig.settlement.acks([b2, a0, a0], 3.0)
     assert rig.counts == {"acked": 1, "nacked": 1}
-    assert rig.leases.outstanding == {} and rig.leases.bytes == 0
+    assert rig.leases.count == 0 and rig.leases.bytes == 0
     assert rig.written() == [(OpKind.NACKED, 2, 1), (OpKind.SETTLED, 0, 0)]
-    rig.leases.take_latencies()
-    assert list(rig.leases.latencies) == [3.0]
+    assert rig.leases.take_latencies() == [3.0]
     assert [d.record.offset for d in rig.release(3.0)] == [1]  # key a's next; key b backs off
