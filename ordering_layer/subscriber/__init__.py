@@ -35,14 +35,16 @@ rules under the same names, checked against it by ``tests/unit/test_core.py``:
 - SUB-5 affinity (revoke waits for deliveries in progress): ``ownership`` (``revoking``)
 - SUB-6 unordered subscriptions (one queue per record): the core (``queue_key``)
 - SUB-7 flow control (budget, held/paused fetch): ``flow``, applied by ``fetcher`` and ``dispatch``
-- ACK-1 ack deadline, ACK-2 lease extension, ACK-3 manual deadlines: ``leases`` (+ ``histogram``),
+- ACK-1 ack deadline, ACK-2 lease extension, ACK-3 manual deadlines: ``leases`` (the compiled
+  ``core/src/leases.rs``: deadlines, the p99 extension, lapses),
   ``message``, ``settlement`` (lease ops, lapses)
 - ACK-4 state in Redis, batched; commit of the lowest unsettled offset: the core (ops queued in
   decision order), ``state_writer``, ``state/``; ``settlement`` (ops), ``ownership`` (``flush``),
   ``commits`` (commit interval, watermarks after a commit report), ``partitions``
   (``commit_offsets``), ``fetcher`` (commits)
 - ACK-5 fencing, ``ack_with_response``: ``partitions`` (epochs), ``ownership`` (fencing verdicts),
-  ``settlement`` (stale epochs and tokens refused), ``state_writer`` (answers), ``state/lua/apply.lua``
+  ``settlement`` and ``leases`` (stale epochs and lease handles refused), ``state_writer`` (answers),
+  ``state/lua/apply.lua``
   (the ops' Redis writes, grouped into command runs by ``core/src/runs.rs``)
 - ACK-6 delivery attempt survives crashes (counted before hand-off): the core (release ops),
   ``ownership`` (releases held until their flush answered, then ``dispatch.hand_out``),

@@ -2,7 +2,7 @@
 
 ``release`` takes from the partitions' ready keys within flow control (``FlowGate``: SUB-7), one
 per key in callback mode (SUB-1) or whole per-key batches up to the waiting pull's size in pull
-mode; each released batch becomes outstanding (``Leases``) and its attempts and lease are queued for
+mode; each released batch becomes outstanding (the ``LeaseTable``) and its attempts and lease are queued for
 Redis (``StateWriter``). The coordinator flushes those ops *before* ``hand_out`` (ACK-6, DLQ-3):
 a message no attempt of which Redis has taken never reaches user code. ``hand_out`` screens each
 delivery for dead-lettering (``DeadLetters``: DLQ-2, DLQ-3) and hands the rest to the callback pool

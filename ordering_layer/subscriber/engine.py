@@ -5,7 +5,7 @@ coordinator of assignments, revocations and losses (``ownership``). The *engine*
 coordinator: it takes everything waiting in the inbox at once (fetched batches, acks, nacks,
 deadline changes, pulls, commit and dead-letter reports), routes each typed request to where its
 state is kept and applies the verdicts: partitions release what may go out (``OwnedPartition``: the
-compiled core's key queues) within flow control (``FlowGate``), as outstanding leases (``Leases``).
+compiled core's key queues) within flow control (``FlowGate``), as outstanding leases (``LeaseTable``).
 Attempts and leases reach Redis in one pipeline (``StateWriter``) *before* the messages are handed
 out (``handoff``) or dead-lettered (``DeadLetters``); the pipeline goes out on the *sending* thread,
 one at a time (``Ownership``), and its answer wakes the coordinator, which meanwhile takes acks and
