@@ -395,7 +395,7 @@ impl LeaseTable {
     /// Deliveries outstanding.
     #[getter]
     fn count(&self) -> usize {
-        self.leases.count
+        self.leases.count()
     }
 
     /// Their payload bytes.
