@@ -62,7 +62,6 @@ PROBES: list[tuple[str, Any, str]] = [
     ("hand-off (Message objects, callback pool)", dispatch.Dispatcher, "hand_out"),
     ("commit", commits.Commits, "offsets"),
 ]
-NESTED: dict[str, str] = {}  # a probe's row -> the row of the probe it runs inside
 
 
 def thread_role(name: str) -> str:
@@ -104,13 +103,7 @@ def table(figures: dict[str, float], probed: dict[str, float], micro: dict[str, 
     accounted = 0.0
     for label, _owner, _name in PROBES:
         seconds = probed.get(label, 0.0)
-        if label in NESTED:
-            rows.append((f"    of which {label}", seconds))
-            continue
-        parent_nested = sum(probed.get(n, 0.0) for n, p in NESTED.items() if p == label)
-        rows.append((f"  {label}", seconds - parent_nested if label in NESTED.values() else seconds))
-        if label in NESTED.values():
-            rows.append((f"  {label} total", seconds))
+        rows.append((f"  {label}", seconds))
         accounted += seconds
     rows.append(("  inbox, loop, the rest", engine - accounted))
     callbacks = figures.get("thread:cb", 0.0)
