@@ -159,7 +159,11 @@ class Fetcher:
             self._seek_partitions()
         state = self._gate.fetch_state(time.monotonic())
         if state is Gate.HELD or not self._gate.room_to_fetch():
-            return _PAUSED_POLL  # SUB-7: no records taken while over the limit or not yet taken
+            # SUB-7: no records taken while over the limit or not yet taken; the gate wakes this
+            # thread when it opens (or the coordinator took the records), so that releases do not
+            # run out of fetched records while it sleeps.
+            self._gate.wait_for_room(_PAUSED_POLL)
+            return 0.0
         if (state is Gate.PAUSED) != self.paused:
             self.paused = state is Gate.PAUSED
             self._pause(self.consumer.assignment(), self.paused)

@@ -55,6 +55,7 @@ class FlowGate:
         self.state = Gate.OPEN
         self._since = 0.0
         self._lock = threading.Lock()
+        self._room = threading.Condition(self._lock)  # notified when the fetch may take records again
 
     def budget(self, outstanding: int, outstanding_bytes: int) -> tuple[int, int]:
         """How many more messages and payload bytes may be released now."""
@@ -73,6 +74,7 @@ class FlowGate:
                 self.state, self._since = Gate.HELD, now
             elif under and self.state is not Gate.OPEN:
                 self.state = Gate.OPEN
+                self._room.notify_all()
 
     def posted(self, records: int) -> None:
         """Fetch thread: ``records`` were posted to the coordinator."""
@@ -83,10 +85,19 @@ class FlowGate:
         """Coordinator: ``records`` posted by the fetch were taken."""
         with self._lock:
             self.in_flight -= records
+            if self.in_flight < self.max_in_flight <= self.in_flight + records:
+                self._room.notify_all()
 
     def room_to_fetch(self) -> bool:
         """Fetch thread: fewer than ``max_in_flight`` posted records wait for the coordinator."""
         return self.in_flight < self.max_in_flight
+
+    def wait_for_room(self, timeout: float) -> None:
+        """Fetch thread: wait up to ``timeout`` s while the gate is HELD or ``max_in_flight`` posted
+        records wait for the coordinator; returns as soon as either ends."""
+        with self._room:
+            if self.state is Gate.HELD or self.in_flight >= self.max_in_flight:
+                self._room.wait(timeout)
 
     def fetch_state(self, now: float) -> Gate:
         """Fetch thread: the state to act on; HELD turns PAUSED once held ``hold_before_pause`` s."""

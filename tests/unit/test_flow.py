@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 from ordering_layer.config import FlowControl
 from ordering_layer.subscriber.flow import FlowGate, Gate
 
@@ -42,3 +44,34 @@ def test_the_fetch_waits_while_its_posted_records_wait_for_the_coordinator() -> 
     assert not gate.room_to_fetch() and gate.fetch_state(0.0) is Gate.OPEN
     gate.taken(500)
     assert gate.room_to_fetch() and gate.in_flight == 500
+
+
+def _waits_in_thread(gate: FlowGate, timeout: float) -> threading.Thread:
+    waiter = threading.Thread(target=gate.wait_for_room, args=(timeout,))
+    waiter.start()
+    return waiter
+
+
+def test_a_held_fetch_is_woken_when_the_gate_opens_or_its_records_are_taken() -> None:
+    """SUB-7: a fetch held over a limit sleeps on the gate, and the coordinator wakes it as it opens the
+    gate (or takes the records that filled ``max_in_flight``), so that the releases do not run out of
+    fetched records while it sleeps out a poll interval."""
+    gate = FlowGate(FlowControl(max_messages=10, max_bytes=1000), max_in_flight=100)
+    gate.update(10, 0, 0, now=0.0)
+    waiter = _waits_in_thread(gate, 60.0)
+    gate.update(7, 0, 0, now=0.1)
+    waiter.join(10.0)
+    assert not waiter.is_alive()
+    gate.posted(100)
+    waiter = _waits_in_thread(gate, 60.0)
+    gate.taken(50)
+    waiter.join(10.0)
+    assert not waiter.is_alive()
+
+
+def test_an_open_gate_does_not_make_the_fetch_wait() -> None:
+    """SUB-7: with room to fetch, ``wait_for_room`` returns at once."""
+    gate = FlowGate(FlowControl(), max_in_flight=100)
+    waiter = _waits_in_thread(gate, 60.0)
+    waiter.join(10.0)
+    assert not waiter.is_alive()
