@@ -52,6 +52,8 @@ pub struct Lease {
     pub size: i64,
     pub first_delivery: f64,
     pub deadline: f64,
+    pub wall_ms: i64, // the lease to write to Redis, epoch ms (0: none is written)
+    pub written: bool, // its lease was queued for Redis (a lease write or an extension)
     check: f64,
     watch: u32, // the batch watch that looks at it, or NO_WATCH (watched alone, or not tracked)
 }
@@ -112,6 +114,7 @@ pub struct Leases {
     pub extensions: u64,
     pub lapses: u64,
     random: u64,
+    unwritten: VecDeque<(f64, u64)>, // (admitted at, handle) of deliveries with a lease to write, oldest first
 }
 
 pub fn handle(slot: u32, generation: u32) -> u64 {
@@ -140,6 +143,7 @@ impl Leases {
             extensions: 0,
             lapses: 0,
             random: 0x9e37_79b9_7f4a_7c15,
+            unwritten: VecDeque::new(),
         }
     }
 
@@ -197,12 +201,16 @@ impl Leases {
         self.push_due(check, Item::Watch(id));
     }
 
-    /// Take a released delivery as outstanding, watched with its batch. Returns its handle.
+    /// Take a released delivery as outstanding, watched with its batch; `wall_ms` is the lease to
+    /// write for it if it is still outstanding after its release's flush (0: none). Returns its
+    /// handle.
     #[allow(clippy::too_many_arguments)] // one delivery's fields
     pub fn admit(&mut self, batch: (f64, f64, u32), partition: i32, epoch: i64, offset: i64, token: u64, size: i64,
-                 now: f64) -> u64 {
+                 now: f64, wall_ms: i64) -> u64 {
         let (deadline, check, watch) = batch;
-        let lease = Lease { partition, epoch, offset, token, size, first_delivery: now, deadline, check, watch };
+        let lease = Lease {
+            partition, epoch, offset, token, size, first_delivery: now, deadline, wall_ms, written: false, check, watch,
+        };
         let slot = match self.free.pop() {
             Some(slot) => {
                 self.slots[slot as usize].lease = Some(lease);
@@ -226,7 +234,52 @@ impl Leases {
             }
         }
         self.bytes += size;
-        handle(slot, generation)
+        let handle = handle(slot, generation);
+        if wall_ms > 0 {
+            self.unwritten.push_back((now, handle));
+        }
+        handle
+    }
+
+    /// The lease a handle names while its delivery is outstanding and its lease not written yet.
+    fn unwritten_lease(&mut self, handle: u64) -> Option<&mut Lease> {
+        let (slot, generation) = split(handle);
+        let entry = &mut self.slots[slot as usize];
+        if entry.generation != generation {
+            return None;
+        }
+        entry.lease.as_mut().filter(|lease| !lease.written)
+    }
+
+    /// The leases to write now (a flush begins): those of the deliveries admitted at `before` or
+    /// earlier that are still outstanding and whose lease was not written yet, marked written.
+    /// Deliveries settled sooner never have their lease in Redis: most are settled within a few
+    /// flushes of their release (ACK-4 keeps the leases of deliveries held longer).
+    pub fn due_lease_writes(&mut self, before: f64) -> Vec<Lease> {
+        let mut due = Vec::new();
+        while let Some(&(admitted, handle)) = self.unwritten.front() {
+            if admitted > before {
+                break;
+            }
+            self.unwritten.pop_front();
+            if let Some(lease) = self.unwritten_lease(handle) {
+                lease.written = true;
+                due.push(*lease);
+            }
+        }
+        due
+    }
+
+    /// When the oldest delivery whose lease may have to be written was admitted (those settled
+    /// or written since are forgotten first).
+    pub fn next_lease_write(&mut self) -> Option<f64> {
+        while let Some(&(admitted, handle)) = self.unwritten.front() {
+            if self.unwritten_lease(handle).is_some() {
+                return Some(admitted);
+            }
+            self.unwritten.pop_front();
+        }
+        None
     }
 
     /// The lease a handle names, while its delivery is outstanding.
@@ -329,7 +382,10 @@ impl Leases {
     pub fn set_deadline(&mut self, handle: u64, seconds: f64, now: f64) -> Option<i64> {
         self.get(handle)?;
         let slot = split(handle).0;
-        self.with_lease(slot, |lease| lease.deadline = now + seconds);
+        self.with_lease(slot, |lease| {
+            lease.deadline = now + seconds;
+            lease.written = true;
+        });
         self.watch_alone(slot, None);
         Some(wall_ms(seconds))
     }
@@ -427,7 +483,10 @@ impl Leases {
             && now - lease.first_delivery < settings.max_lease_duration
         {
             let seconds = self.extension_seconds();
-            self.with_lease(slot, |lease| lease.deadline = now + seconds);
+            self.with_lease(slot, |lease| {
+                lease.deadline = now + seconds;
+                lease.written = true;
+            });
             extended.push(Extension { partition: lease.partition, offset: lease.offset, wall_ms: wall_ms(seconds) });
             self.watch_alone(slot, None);
         } else if now >= lease.deadline {
@@ -470,11 +529,11 @@ mod tests {
     fn a_stale_handle_names_nothing() {
         let mut leases = Leases::new(settings());
         let batch = leases.begin_batch(0.0);
-        let first = leases.admit(batch, 0, 1, 7, 1, 100, 0.0);
+        let first = leases.admit(batch, 0, 1, 7, 1, 100, 0.0, 0);
         leases.end_batch(batch);
         assert!(leases.pop(first, Some(1.0)).is_some());
         let batch = leases.begin_batch(2.0);
-        let second = leases.admit(batch, 0, 1, 7, 2, 100, 2.0);
+        let second = leases.admit(batch, 0, 1, 7, 2, 100, 2.0, 0);
         leases.end_batch(batch);
         assert_ne!(first, second);
         assert!(leases.get(first).is_none() && leases.pop(first, None).is_none());
@@ -486,7 +545,7 @@ mod tests {
     fn a_batch_lapses_unless_acked_and_an_extension_is_watched_alone() {
         let mut leases = Leases::new(settings());
         let batch = leases.begin_batch(0.0);
-        let handles: Vec<u64> = (0..3).map(|offset| leases.admit(batch, 0, 1, offset, 1, 1, 0.0)).collect();
+        let handles: Vec<u64> = (0..3).map(|offset| leases.admit(batch, 0, 1, offset, 1, 1, 0.0, 0)).collect();
         leases.end_batch(batch);
         leases.pop(handles[0], Some(1.0));
         // Before the deadline, within the margin: extended by the p99 (10 s) and watched alone.
@@ -501,5 +560,27 @@ mod tests {
         assert_eq!(lapsed.iter().map(|lease| lease.offset).collect::<Vec<_>>(), vec![2]);
         assert_eq!((leases.count(), leases.bytes, leases.lapses), (0, 0, 1));
         assert!(leases.next_check().is_none());
+    }
+
+    #[test]
+    fn a_lease_is_written_only_for_a_delivery_still_outstanding_when_due() {
+        let mut leases = Leases::new(settings());
+        let batch = leases.begin_batch(0.0);
+        let handles: Vec<u64> = (0..4).map(|offset| leases.admit(batch, 0, 1, offset, 1, 1, 0.0, 900)).collect();
+        leases.end_batch(batch);
+        // Admitted at 0.0: nothing is due before then.
+        assert!(leases.due_lease_writes(-0.1).is_empty() && leases.next_lease_write() == Some(0.0));
+        leases.pop(handles[0], Some(0.1)); // settled first: its lease is never written
+        leases.set_deadline(handles[1], 30.0, 0.1); // ACK-3 writes its lease itself
+        let batch = leases.begin_batch(0.2);
+        let later = leases.admit(batch, 0, 1, 9, 1, 1, 0.2, 950);
+        leases.end_batch(batch);
+        let due: Vec<(i64, i64)> = leases.due_lease_writes(0.1).iter().map(|lease| (lease.offset, lease.wall_ms)).collect();
+        assert_eq!(due, vec![(2, 900), (3, 900)]);
+        assert!(leases.get(handles[2]).unwrap().written && !leases.get(later).unwrap().written);
+        assert_eq!(leases.next_lease_write(), Some(0.2));
+        let due: Vec<i64> = leases.due_lease_writes(0.2).iter().map(|lease| lease.offset).collect();
+        assert_eq!(due, vec![9]);
+        assert!(leases.due_lease_writes(1.0).is_empty() && leases.next_lease_write().is_none());
     }
 }

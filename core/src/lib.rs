@@ -147,13 +147,16 @@ impl PartitionCore {
         let mut handles = Vec::new();
         let mut table = leases.map(Bound::borrow_mut);
         let batch = table.as_mut().map(|table| table.leases.begin_batch(now));
-        let written = Admission { lease_ms, pooled };
+        // With a lease table the lease is not written with the release: the table writes it if the
+        // delivery is still outstanding when it is due (`LeaseTable.write_leases`).
+        let wall_ms = lease_ms.unwrap_or(0);
+        let written = Admission { lease_ms: if table.is_some() { None } else { lease_ms }, pooled };
         let totals = self.core.release_ready(now, budget, per_key, byte_budget, written, |entry, token| {
             if entry.suspect {
                 suspects.push(items.len());
             }
             if let (Some(table), Some(batch)) = (table.as_mut(), batch) {
-                handles.push(table.leases.admit(batch, partition, epoch, entry.offset, token, entry.size, now));
+                handles.push(table.leases.admit(batch, partition, epoch, entry.offset, token, entry.size, now, wall_ms));
             }
             items.push(entry.item.clone_ref(py));
             tokens.push(token);
@@ -420,16 +423,20 @@ impl LeaseTable {
     }
 
     /// Take released deliveries of `partition` as outstanding, watched together (what
-    /// `PartitionCore.release_ready` does itself when handed the table). Returns their handles.
+    /// `PartitionCore.release_ready` does itself when handed the table); `lease_ms`, their lease to
+    /// write if they are still outstanding when it is due (`write_leases`). Returns their handles.
     #[allow(clippy::too_many_arguments)] // the arguments of the Python method
-    fn admit(&mut self, partition: i32, epoch: i64, offsets: Vec<i64>, tokens: Vec<u64>, sizes: Vec<i64>, now: f64)
-             -> PyResult<Vec<u64>> {
+    #[pyo3(signature = (partition, epoch, offsets, tokens, sizes, now, lease_ms = None))]
+    fn admit(&mut self, partition: i32, epoch: i64, offsets: Vec<i64>, tokens: Vec<u64>, sizes: Vec<i64>, now: f64,
+             lease_ms: Option<i64>) -> PyResult<Vec<u64>> {
         if offsets.len() != tokens.len() || offsets.len() != sizes.len() {
             return Err(PyValueError::new_err("offsets, tokens and sizes differ in length"));
         }
         let batch = self.leases.begin_batch(now);
         let handles = offsets.iter().zip(&tokens).zip(&sizes)
-            .map(|((&offset, &token), &size)| self.leases.admit(batch, partition, epoch, offset, token, size, now))
+            .map(|((&offset, &token), &size)| {
+                self.leases.admit(batch, partition, epoch, offset, token, size, now, lease_ms.unwrap_or(0))
+            })
             .collect();
         self.leases.end_batch(batch);
         Ok(handles)
@@ -474,7 +481,7 @@ impl LeaseTable {
             let handle = handle_of(&message)?;
             let Some(&lease) = self.leases.get(handle) else { continue };
             let Some(core) = cache.core(lease.partition, lease.epoch)? else { continue };
-            core.borrow_mut().core.ack(lease.offset, lease.token);
+            core.borrow_mut().core.ack_leased(lease.offset, lease.token, lease.written);
             self.leases.pop(handle, Some(now));
             settled += 1;
         }
@@ -495,6 +502,25 @@ impl LeaseTable {
             queued += 1;
         }
         Ok(queued)
+    }
+
+    /// A flush begins: queue the `LEASE` op of each delivery admitted at `before` or earlier, with a
+    /// lease to write, that is still outstanding under its partition's epoch and whose lease was not
+    /// written yet (ACK-4), in the partition's core. Returns how many ops were queued.
+    fn write_leases(&mut self, owned: &Bound<'_, PyDict>, before: f64) -> PyResult<usize> {
+        let mut queued = 0;
+        let mut cache = OwnedCache { owned: owned.clone(), current: None };
+        for lease in self.leases.due_lease_writes(before) {
+            let Some(core) = cache.core(lease.partition, lease.epoch)? else { continue };
+            core.borrow_mut().core.ops.push(ops::LEASE, lease.offset, lease.wall_ms);
+            queued += 1;
+        }
+        Ok(queued)
+    }
+
+    /// When the oldest outstanding delivery whose lease is not written yet was admitted.
+    fn next_lease_write(&mut self) -> Option<f64> {
+        self.leases.next_lease_write()
     }
 
     /// `modify_ack_deadline` (ACK-3): the delivery's deadline is `seconds` from now, watched alone;

@@ -8,6 +8,7 @@
 use std::fmt::Write;
 
 pub const DELIVERED: char = 'd';
+pub const LEASE: char = 'l';
 pub const BATCH_LEASE: char = 'b';
 pub const BATCH_DELIVERED: char = 'e';
 pub const RELEASED: char = 'r';

@@ -392,6 +392,12 @@ impl<T> PartitionCore<T> {
 
     /// Settle a delivery; false when the token is stale (redelivered since, or never issued).
     pub fn ack(&mut self, offset: i64, token: u64) -> bool {
+        self.ack_leased(offset, token, true)
+    }
+
+    /// `ack`, its `SETTLED` op saying whether a lease of the delivery may be in Redis (`leased`:
+    /// it is deleted; otherwise the op's value is 1 and no lease is deleted).
+    pub fn ack_leased(&mut self, offset: i64, token: u64, leased: bool) -> bool {
         let Some((slot, index)) = self.outstanding(offset, token) else { return false };
         self.delivered.remove(&offset);
         let queue = self.queue(slot);
@@ -401,7 +407,7 @@ impl<T> PartitionCore<T> {
         queue.outstanding -= 1;
         queue.failures = 0;
         self.tracker.settle(offset);
-        self.ops.push(ops::SETTLED, offset, 0);
+        self.ops.push(ops::SETTLED, offset, i64::from(!leased));
         self.pop_settled(slot, offset);
         true
     }

@@ -13,7 +13,7 @@
 //! | `e` BATCH_DELIVERED | HSET attempts offset value; HSET leases offset (the batch lease) |
 //! | `q` BATCH_RELEASED | HSET attempts offset -value; HSET leases offset (the batch lease) |
 //! | `s` STARTED | HSET attempts offset value |
-//! | `a` SETTLED | ZADD settled offset offset; HDEL attempts offset; HDEL leases offset |
+//! | `a` SETTLED | ZADD settled offset offset; HDEL attempts offset; HDEL leases offset unless the value is 1 (no lease was written) |
 //! | `n` NACKED | HDEL leases offset; with a value above 0, HSET attempts offset value |
 //! | `u` UNSETTLED | ZREM settled offset |
 //! | `c` CASCADE_FROM | SADD cascades offset |
@@ -133,7 +133,9 @@ pub fn group(packed: &str) -> Result<Runs, OpsError> {
             "a" => {
                 runs.add(SETTLED_KEY, "ZADD", &[("", offset), ("", offset)]);
                 runs.add(ATTEMPTS_KEY, "HDEL", &[("", offset)]);
-                runs.add(LEASES_KEY, "HDEL", &[("", offset)]);
+                if value != "1" {
+                    runs.add(LEASES_KEY, "HDEL", &[("", offset)]);
+                }
             }
             "n" => {
                 runs.add(LEASES_KEY, "HDEL", &[("", offset)]);
@@ -206,6 +208,15 @@ mod tests {
                 run("3,HDEL", &["5", "7"]),
                 run("4,HDEL", &["5", "7"]),
             ]
+        );
+    }
+
+    #[test]
+    fn a_settle_of_a_delivery_whose_lease_was_never_written_deletes_none() {
+        let runs = decoded("a,5,1;a,6,0;");
+        assert_eq!(
+            runs,
+            vec![run("2,ZADD", &["5", "5", "6", "6"]), run("3,HDEL", &["5", "6"]), run("4,HDEL", &["6"])]
         );
     }
 

@@ -54,7 +54,8 @@ class OpKind:
       has not been seen to start it; its lease comes with a ``LEASE``;
     * ``BATCH_RELEASED``: attempts[offset] = -value and leases[offset] = the batch lease;
     * ``STARTED``: attempts[offset] = value: user code started attempt ``value`` (callback mode);
-    * ``SETTLED``: acked or dead-lettered: added to the settled set, attempts and lease dropped;
+    * ``SETTLED``: acked or dead-lettered: added to the settled set, attempts and lease dropped (with
+      value 1 the lease is left alone: the engine never wrote one for the delivery);
     * ``NACKED``: the lease is dropped (the message stays unsettled); a value above 0 is the attempt
       user code nacked, so attempts[offset] = value (it started); 0 for a lapsed lease;
     * ``UNSETTLED``: a settled record goes out again in a cascade (SUB-4): dropped from the settled set,

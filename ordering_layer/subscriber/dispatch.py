@@ -2,7 +2,7 @@
 
 ``release`` takes from the partitions' ready keys within flow control (``FlowGate``: SUB-7), one
 per key in callback mode (SUB-1) or whole per-key batches up to the waiting pull's size in pull
-mode; each released batch becomes outstanding (the ``LeaseTable``) and its attempts and lease are queued for
+mode; each released batch becomes outstanding (the ``LeaseTable``) and its attempts are queued for
 Redis (``StateWriter``). The coordinator flushes those ops *before* ``hand_out`` (ACK-6, DLQ-3):
 a message no attempt of which Redis has taken never reaches user code. ``hand_out`` screens each
 delivery for dead-lettering (``DeadLetters``: DLQ-2, DLQ-3) and hands the rest to the callback pool
@@ -67,15 +67,15 @@ class Dispatcher:
         pooled = self._on_messages is not None
         lease_ms = wall_ms(self._settings.ack_deadline) if leases.track else None
         # Released deliveries become outstanding in the lease table, watched together; the
-        # partition's core queued their attempts (and lease) for Redis, flushed before anyone sees
-        # them (DLQ-3): as delivered for a pull, as released (in the pool, not yet started) in
-        # callback mode.
+        # partition's core queued their attempts for Redis, flushed before anyone sees them (DLQ-3):
+        # as delivered for a pull, as released (in the pool, not yet started) in callback mode. Their
+        # lease (``lease_ms``) is written by a later flush if they are still outstanding then.
         released = self._owned.release(now, budget, per_key, byte_budget, lease_ms, pooled=pooled, leases=leases)
         if released and not pooled:
             self._pulls.claim()
         writer = self._writer
         for _, batch in released:
-            writer.queued(len(batch) + (lease_ms is not None), now)
+            writer.queued(len(batch), now)
         return released
 
     def hand_out(self, released: Released) -> None:

@@ -10,12 +10,15 @@ futures learn LEASE_LOST) and its outstanding deliveries with it (a later ack is
 
 Flushes write every owned partition's queued ops in one round trip and apply Redis's verdicts: a
 partition a newer owner has fenced is dropped, one whose state Redis lost is adopted again. Released
-messages wait for the flush that takes their attempts (``hold``), then ``deliver`` hands them out, or
-gives them back when Redis failed (DLQ-3). The coordinator's flushes are sent on a thread of their
-own, one in flight at a time (``start``, ``poll``), so that the coordinator takes acks and releases
-while Redis works and the ops of a partition reach Redis in the order they were queued; ``flush``
-writes at once, after the flush in flight (a revocation, a seek, a close). A seek (GRP-3) claims
-owned partitions again (``apply_seeks``): what they had outstanding is void.
+messages wait for the flush that takes their attempts (``hold``), then ``deliver`` hands them out,
+or gives them back when Redis failed (DLQ-3). A delivery's lease is not written with its release:
+the first flush that begins ``LEASE_WRITE_AGE`` after the release writes it if the delivery is still
+outstanding (``LeaseTable.write_leases``; a flush is due for it then), so that the many settled
+sooner never reach Redis's leases hash (ACK-4). The coordinator's flushes are sent on a thread of
+their own, one in flight at a time (``start``, ``poll``), so that the coordinator takes acks and
+releases while Redis works and the ops of a partition reach Redis in the order they were queued;
+``flush`` writes at once, after the flush in flight (a revocation, a seek, a close). A seek (GRP-3)
+claims owned partitions again (``apply_seeks``): what they had outstanding is void.
 """
 
 from __future__ import annotations
@@ -38,6 +41,9 @@ from ordering_layer.subscriber.state_writer import Flush, StateWriter
 _LOGGER = logging.getLogger(__name__)
 
 _REVOKE_GRACE = 30.0  # the longest a revocation waits for deliveries in progress (seconds)
+# A delivery still outstanding this long after its release has its lease written to Redis by the next
+# flush (one is due for it then); those settled sooner never have (seconds).
+LEASE_WRITE_AGE = 0.05
 
 
 class Ownership:
@@ -143,9 +149,14 @@ class Ownership:
             self._held.append(released)
 
     def start(self, now: float) -> None:
-        """Send the next flush when none is in flight and messages wait for it or ops are due."""
-        if self._in_flight is not None or not (self._held or self._writer.due(now)):
+        """Send the next flush when none is in flight and messages wait for it, ops are due or
+        leases are due to be written."""
+        if self._in_flight is not None:
             return
+        if not (self._held or self._writer.due(now)):
+            oldest = self._leases.next_lease_write()
+            if oldest is None or now < oldest + LEASE_WRITE_AGE:
+                return
         flush, releases = self._take()
         if not flush.batches:
             self._finish(flush, releases)
@@ -164,8 +175,14 @@ class Ownership:
             self.settle_in_flight()
 
     def next_due(self) -> float | None:
-        """When a flush is due by age (None while one is in flight: its answer wakes the coordinator)."""
-        return None if self._in_flight is not None else self._writer.next_due()
+        """When a flush is due by age or for leases to write (None while one is in flight: its answer
+        wakes the coordinator)."""
+        if self._in_flight is not None:
+            return None
+        due, oldest = self._writer.next_due(), self._leases.next_lease_write()
+        if oldest is not None:
+            return oldest + LEASE_WRITE_AGE if due is None else min(due, oldest + LEASE_WRITE_AGE)
+        return due
 
     def flush(self) -> bool:
         """Write every owned partition's queued ops now, after the flush in flight; False when Redis
@@ -190,9 +207,13 @@ class Ownership:
         self._finish(flush, releases)
 
     def _take(self) -> tuple[Flush, list[Released]]:
-        """The queued ops of every owned partition, and the releases waiting for them."""
+        """The queued ops of every owned partition, and the releases waiting for them; first the
+        leases of the deliveries still outstanding since the previous flush are queued (ACK-4)."""
         releases, self._held = self._held, []
-        return self._writer.begin(self._owned.owned), releases
+        owned = self._owned.owned
+        now = time.monotonic()
+        self._writer.queued(self._leases.write_leases(owned, now - LEASE_WRITE_AGE), now)
+        return self._writer.begin(owned), releases
 
     def _finish(self, flush: Flush, releases: list[Released]) -> bool:
         """Apply a flush's verdicts to the partitions still owned as they were when it began, then

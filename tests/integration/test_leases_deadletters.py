@@ -44,6 +44,38 @@ def test_lease_extended_while_handler_runs_past_deadline(kafka_config: dict[str,
     assert checker.verify() == []
 
 
+def test_a_held_delivery_has_its_lease_in_redis_until_its_ack(kafka_config: dict[str, Any], endpoints: Any,
+                                                               subscription: Callable[..., tuple[str, str]]) -> None:
+    """ACK-4: a delivery that user code holds beyond the flush after its release has its lease in Redis
+    (written by that flush); deliveries acked at once leave no lease behind, and the ack of the held
+    one deletes its lease."""
+    topic, name = subscription(partitions=1)
+    publish_keys(kafka_config, topic, keys=20, per_key=5)
+    store = StateStore(endpoints.redis_url)
+    leases_key = partition_keys(name, 0)[3]
+    hold = threading.Event()
+    held: list[Message] = []
+    acked = threading.Semaphore(0)
+
+    def callback(message: Message) -> None:
+        if message.ordering_key == "key-0" and not held:
+            held.append(message)
+            hold.wait(60)
+        message.ack()
+        acked.release()
+
+    subscriber = Subscriber(kafka_config, redis_url=endpoints.redis_url)
+    with subscriber.subscribe(name, callback):
+        wait_until(lambda: bool(held), 60, "key-0's first message held")
+        offset = held[0].offset()
+        wait_until(lambda: offset_fields(store.client.hkeys(leases_key)) == [offset], 30,
+                   "the held delivery's lease alone in Redis")
+        hold.set()
+        for _ in range(100):
+            assert acked.acquire(timeout=60)
+        wait_until(lambda: offset_fields(store.client.hkeys(leases_key)) == [], 30, "no lease left in Redis")
+
+
 def test_lapsed_lease_redelivers_with_cascade(kafka_config: dict[str, Any], endpoints: Any,
                                               subscription: Callable[..., tuple[str, str]]) -> None:
     """ACK-1, SUB-4, ACK-6: past max_lease_duration the lease is not extended; at the deadline the

@@ -347,6 +347,8 @@ def test_batched_redis_writes_equal_one_by_one(endpoints: Any, unique_name: Call
                 offset, value = rng.randrange(40), rng.randrange(1, 10**6)
                 if kind == OpKind.NACKED and rng.random() < 0.5:
                     value = 0  # a lapsed lease: the attempt is not marked started
+                if kind == OpKind.SETTLED:
+                    value = rng.choice((0, 1))  # 1: the delivery's lease was never written
                 if kind == OpKind.BATCH_LEASE:
                     batch_lease = value
                 ops.append((kind, offset, value))
@@ -365,7 +367,8 @@ def test_batched_redis_writes_equal_one_by_one(endpoints: Any, unique_name: Call
                 elif kind == OpKind.SETTLED:
                     settled.add(offset)
                     attempts.pop(offset, None)
-                    leases.pop(offset, None)
+                    if value != 1:
+                        leases.pop(offset, None)
                 elif kind == OpKind.NACKED:
                     leases.pop(offset, None)
                     if value:

@@ -225,8 +225,8 @@ def test_a_nack_marks_its_attempt_started() -> None:
     assert process.engine.begin(message)
     message.nack()
     process.step()
-    ops = [op for op in store.ops if op[1] == 1 and op[0] != OpKind.BATCH_LEASE]
-    assert ops == [(OpKind.BATCH_RELEASED, 1, 1), (OpKind.NACKED, 1, 1), (OpKind.BATCH_RELEASED, 1, 2)]
+    ops = [op for op in store.ops if op[1] == 1 and op[0] != OpKind.LEASE]
+    assert ops == [(OpKind.RELEASED, 1, 1), (OpKind.NACKED, 1, 1), (OpKind.RELEASED, 1, 2)]
     process.crash()
 
 

@@ -65,16 +65,15 @@ class Rig:
 
 def test_callback_mode_releases_one_per_key_within_the_budget_and_queues_released_attempts() -> None:
     """SUB-1, SUB-7, ACK-6: one record per ready key, no more than the flow-control budget; each becomes
-    outstanding and its attempt is queued as released (in the pool) under one batch lease."""
+    outstanding and its attempt is queued as released (in the pool); no lease is written with it."""
     rig = Rig(max_messages=2)
     released = rig.dispatcher.release(0.0)
     [(state, batch)] = released
     assert state is rig.owned.owned[0]
     assert [d.record.offset for d in batch] == [0, 1]
     assert rig.leases.count == 2 and all(rig.leases.holds(d.lease) for d in batch)
-    assert rig.writer.count == 3
-    ops = unpack_ops(state.take_ops())
-    assert ops[0][0] == OpKind.BATCH_LEASE and ops[1:] == [(OpKind.BATCH_RELEASED, 0, 1), (OpKind.BATCH_RELEASED, 1, 1)]
+    assert rig.writer.count == 2
+    assert unpack_ops(state.take_ops()) == [(OpKind.RELEASED, 0, 1), (OpKind.RELEASED, 1, 1)]
     assert rig.dispatcher.release(0.0) == []  # the budget is used up
     rig.dispatcher.hand_out(released)
     assert [(m.offset(), m.ordering_key) for m in rig.handed] == [(0, "a"), (1, "b")]
@@ -92,7 +91,7 @@ def test_pull_mode_releases_per_key_batches_only_for_a_waiting_pull() -> None:
     rig.pulls.add(Pull(3, time.monotonic() + 10, future))
     released = rig.dispatcher.release(0.0)
     assert [d.record.offset for _, batch in released for d in batch] == [0, 2, 1]
-    assert {op[0] for op in unpack_ops(rig.owned.owned[0].take_ops())[1:]} == {OpKind.BATCH_DELIVERED}
+    assert {op[0] for op in unpack_ops(rig.owned.owned[0].take_ops())} == {OpKind.DELIVERED}
     rig.dispatcher.hand_out(released)
     assert [m.offset() for m in future.result(0)] == [0, 2, 1]
 
