@@ -17,7 +17,9 @@
 //! no deadline is watched: leases neither lapse nor get extended.
 
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap, VecDeque};
+use std::collections::{BinaryHeap, HashMap as StdHashMap, VecDeque};
+
+use foldhash::{HashMap, HashMapExt};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 pub const MIN_EXTENSION: u32 = 10;
@@ -499,8 +501,8 @@ impl Leases {
     }
 
     /// Per partition: its outstanding deliveries and the age of the oldest (for metrics).
-    pub fn per_partition(&self, now: f64) -> HashMap<i32, (usize, f64)> {
-        let mut per: HashMap<i32, (usize, f64)> = HashMap::new();
+    pub fn per_partition(&self, now: f64) -> StdHashMap<i32, (usize, f64)> {
+        let mut per: StdHashMap<i32, (usize, f64)> = StdHashMap::new();
         for &slot in self.by_offset.values() {
             if let Some(lease) = &self.slots[slot as usize].lease {
                 let entry = per.entry(lease.partition).or_insert((0, 0.0));
