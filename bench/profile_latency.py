@@ -72,11 +72,11 @@ def _instrument() -> None:
         hand_out(self, released)
 
     def timed_start(self: Any, now: float) -> None:
-        before = self._in_flight
+        before = self._flights[-1] if self._flights else None
         start(self, now)
-        if self._in_flight is None or self._in_flight is before:
+        if not self._flights or self._flights[-1] is before:
             return
-        _, releases, sent = self._in_flight
+        _, releases, sent = self._flights[-1]
         at = time.perf_counter()
         for released in releases:
             for _, batch in released:

@@ -114,7 +114,7 @@ def sample(engine: Any, done: threading.Event) -> list[tuple[int, int, str, bool
     samples = []
     while not done.is_set():
         samples.append((engine._leases.count, engine._owned.buffered(), engine._gate.state.value,
-                        engine._ownership._in_flight is not None,
+                        engine._ownership.in_flight > 0,
                         sum(len(state.core.ready_keys()) for state in list(engine._partitions.values()))))
         time.sleep(0.002)
     return samples

@@ -402,9 +402,27 @@ class StateStore:
         return self._apply(batches)
 
     def _apply(self, batches: Sequence[tuple[str, int, int, str]]) -> list[ApplyResult]:
-        calls = [([*partition_keys(subscription, partition), cascades_key(subscription, partition)],
-                  [epoch, *_command_runs(packed)]) for subscription, partition, epoch, packed in batches]
-        return [ApplyResult(int(r)) for r in self._eval_many("apply", calls)]
+        return [ApplyResult(int(r)) for r in self._eval_many("apply", self.apply_calls(batches))]
+
+    @staticmethod
+    def apply_calls(batches: Sequence[tuple[str, int, int, str]]) -> list[tuple[list[str], list[Any]]]:
+        """The (keys, arguments) of ``apply.lua`` for each batch of packed ops."""
+        return [([*partition_keys(subscription, partition), cascades_key(subscription, partition)],
+                 [epoch, *_command_runs(packed)]) for subscription, partition, epoch, packed in batches]
+
+    @property
+    def pipelines(self) -> bool:
+        """Flushes can be sent back to back on one connection (``ApplyPipe``): a single server, not
+        a cluster (whose client routes each call to its slot's primary)."""
+        return not isinstance(self.client, RedisCluster)
+
+    def script_sha(self, script: str) -> str:
+        """The SHA1 of one of the layer's scripts (what EVALSHA names)."""
+        return self._shas[script]
+
+    def load_script(self, script: str) -> None:
+        """Load one of the layer's scripts into the server (after a NOSCRIPT answer)."""
+        self.client.script_load(self._scripts[script])  # type: ignore[union-attr]
 
     def _eval_many(self, script: str, calls: Sequence[tuple[Sequence[str], Sequence[Any]]]) -> list[Any]:
         """Run one of the layer's scripts once per (keys, args) call, all in one pipeline."""

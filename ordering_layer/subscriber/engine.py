@@ -93,7 +93,7 @@ class Engine:
         self._changed = threading.Condition(self._lock)
         self._gate = FlowGate(flow_control)
         self._leases = lease_table(settings, track=track_leases)
-        self._writer = StateWriter(store, subscription)
+        self._writer = StateWriter(store, subscription, pipelined=store.pipelines)
         self._dead_letters = DeadLetters(kafka_config, store, subscription, settings, self._inbox.put)
         self._pulls = PullWaiters()
         self._owned = Partitions(store, subscription, settings, suspects=on_messages is not None,

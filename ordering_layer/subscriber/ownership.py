@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -76,8 +77,10 @@ class Ownership:
         self._deliver = deliver
         self._wake = wake
         self._held: list[Released] = []  # releases, their ops queued, waiting for the next flush
-        self._in_flight: tuple[Flush, list[Released], Future[None]] | None = None
+        self._flights: deque[tuple[Flush, list[Released], Future[None]]] = deque()  # in the order sent
+        self._failed: Exception | None = None  # a flush in flight before those still in flight failed
         self._sender: ThreadPoolExecutor | None = None
+        self._reader: ThreadPoolExecutor | None = None
 
     # -- fetch thread ------------------------------------------------------------------------------
     def assigned(self, partitions: list[int], generations: Mapping[int, int]) -> Mapping[int, int]:
@@ -149,9 +152,11 @@ class Ownership:
             self._held.append(released)
 
     def start(self, now: float) -> None:
-        """Send the next flush when none is in flight and messages wait for it, ops are due or
-        leases are due to be written."""
-        if self._in_flight is not None:
+        """Send the next flush when messages wait for it, ops are due or leases are due to be
+        written, and none is in flight; with a pipelined writer, a second one while the first is in
+        flight when messages wait for it (their hand-out need not wait for the first's answer)."""
+        flights = self._flights
+        if flights and (len(flights) >= self._writer.max_in_flight or not self._held):
             return
         if not (self._held or self._writer.due(now)):
             oldest = self._leases.next_lease_write()
@@ -161,23 +166,45 @@ class Ownership:
         if not flush.batches:
             self._finish(flush, releases)
             return
-        if self._sender is None:
-            self._sender = ThreadPoolExecutor(1, thread_name_prefix=f"ordering-layer-redis-{self._subscription}")
-        sent = self._sender.submit(self._writer.send, flush)
-        self._in_flight = (flush, releases, sent)
+        done = self._send(flush)
+        flights.append((flush, releases, done))
         wake = self._wake
         if wake is not None:
-            sent.add_done_callback(lambda _: wake())
+            done.add_done_callback(lambda _: wake())
+
+    def _send(self, flush: Flush) -> Future[None]:
+        """The round trip of a flush on the sending thread (pipelined: written there, its answers read
+        on the reading thread, flushes in the order sent)."""
+        writer = self._writer
+        if self._sender is None:
+            self._sender = ThreadPoolExecutor(1, thread_name_prefix=f"ordering-layer-redis-{self._subscription}")
+        if writer.pipe is None:
+            return self._sender.submit(writer.send, flush)
+        if self._reader is None:
+            self._reader = ThreadPoolExecutor(1, thread_name_prefix=f"ordering-layer-redis-read-{self._subscription}")
+        written = self._sender.submit(writer.write, flush)
+
+        def read() -> None:
+            written.result()
+            writer.read(flush)
+
+        return self._reader.submit(read)
 
     def poll(self) -> None:
-        """Apply the answer of the flush in flight, if it came."""
-        if self._in_flight is not None and self._in_flight[2].done():
-            self.settle_in_flight()
+        """Apply the answers of the flushes in flight that came, in the order sent."""
+        flights = self._flights
+        while flights and flights[0][2].done():
+            self._settle(*flights.popleft())
+
+    @property
+    def in_flight(self) -> int:
+        """How many flushes are in flight."""
+        return len(self._flights)
 
     def next_due(self) -> float | None:
         """When a flush is due by age or for leases to write (None while one is in flight: its answer
         wakes the coordinator)."""
-        if self._in_flight is not None:
+        if self._flights:
             return None
         due, oldest = self._writer.next_due(), self._leases.next_lease_write()
         if oldest is not None:
@@ -185,7 +212,7 @@ class Ownership:
         return due
 
     def flush(self) -> bool:
-        """Write every owned partition's queued ops now, after the flush in flight; False when Redis
+        """Write every owned partition's queued ops now, after the flushes in flight; False when Redis
         failed."""
         self.settle_in_flight()
         flush, releases = self._take()
@@ -193,17 +220,27 @@ class Ownership:
         return self._finish(flush, releases)
 
     def close(self) -> None:
-        """Stop the sending thread (after the last ``flush``)."""
-        if self._sender is not None:
-            self._sender.shutdown(wait=True)
+        """Stop the sending and reading threads (after the last ``flush``)."""
+        for executor in (self._sender, self._reader):
+            if executor is not None:
+                executor.shutdown(wait=True)
+        self._writer.close()
 
     def settle_in_flight(self) -> None:
-        """Wait for the answer of the flush in flight, if any, and apply it."""
-        if self._in_flight is None:
-            return
-        flush, releases, sent = self._in_flight
-        sent.result()
-        self._in_flight = None
+        """Wait for the answers of the flushes in flight, if any, and apply them in order."""
+        flights = self._flights
+        while flights:
+            flush, releases, done = flights.popleft()
+            done.result()
+            self._settle(flush, releases, done)
+
+    def _settle(self, flush: Flush, releases: list[Released], _: Future[None]) -> None:
+        """Apply a flush's answer. A flush sent after one that failed counts as failed too, whatever
+        Redis answered: its ops go again after the failed one's, so that each partition's ops end
+        applied in the order queued (a batch applied twice leaves what it left once)."""
+        if flush.error is None and self._failed is not None:
+            flush.error = self._failed
+        self._failed = flush.error if self._flights else None
         self._finish(flush, releases)
 
     def _take(self) -> tuple[Flush, list[Released]]:

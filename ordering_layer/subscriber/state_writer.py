@@ -22,6 +22,7 @@ from concurrent.futures import Future
 from typing import Protocol
 
 from ordering_layer.state import ApplyResult, StateStore
+from ordering_layer.state.pipe import ApplyPipe, Sent
 from ordering_layer.state.store import OpLetter
 from ordering_layer.subscriber.message import AckResponse
 
@@ -58,10 +59,15 @@ class StateWriter:
         subscription: subscription name.
         max_ops: a flush is due at this many queued ops.
         max_age: a flush is due when the oldest queued op is this many seconds old.
+        pipelined: flushes may be written back to back on one connection (``ApplyPipe``; the store
+            must allow it, ``StateStore.pipelines``): two may be in flight at once.
     """
 
-    def __init__(self, store: StateStore, subscription: str, *, max_ops: int = 500, max_age: float = 0.005) -> None:
+    def __init__(self, store: StateStore, subscription: str, *, max_ops: int = 500, max_age: float = 0.005,
+                 pipelined: bool = False) -> None:
         self._store = store
+        self.pipe = ApplyPipe(store) if pipelined else None
+        self.max_in_flight = 1 if self.pipe is None else 2
         self._subscription = subscription
         self._max_ops = max_ops
         self._max_age = max_age
@@ -130,19 +136,47 @@ class StateWriter:
             return
         self.flush_seconds.append(time.perf_counter() - start)
 
+    def write(self, flush: Flush) -> None:
+        """Pipelined: write a begun flush's calls (the sending thread); ``read`` takes its answers."""
+        if not flush.batches or self.pipe is None:
+            return
+        flush.started = time.perf_counter()
+        try:
+            flush.sent = self.pipe.send(flush.batches)
+        except Exception as exc:  # noqa: BLE001 - kept for finish, on the coordinator's thread
+            flush.error = exc
+
+    def read(self, flush: Flush) -> None:
+        """Pipelined: read the answers of a written flush (the reading thread, flushes in the order
+        written)."""
+        if flush.sent is None or self.pipe is None:
+            return
+        try:
+            flush.answers = self.pipe.receive(flush.sent)
+        except Exception as exc:  # noqa: BLE001 - kept for finish, on the coordinator's thread
+            flush.error = exc
+            return
+        self.flush_seconds.append(time.perf_counter() - flush.started)
+
+    def close(self) -> None:
+        """Give the pipelined connection back (after the last flush)."""
+        if self.pipe is not None:
+            self.pipe.close()
+
     def finish(self, flush: Flush, owned: Mapping[int, PartitionOps]) -> dict[int, ApplyResult] | None:
         """Apply a sent flush's answer: each written partition's result, or None when Redis failed
         (the ops of partitions still owned by the same state are kept for the next flush, ahead of
-        those queued since, and its futures wait for that flush). Futures of partitions not written
-        or fenced learn LEASE_LOST, the others SUCCESS."""
+        those queued since and after those of a failed flush written before it, and its futures wait
+        for that flush). Futures of partitions not written or fenced learn LEASE_LOST, the others
+        SUCCESS."""
         if flush.error is not None:
             _LOGGER.warning("%s: Redis write failed (%s); will retry", self._subscription, flush.error)
             unwritten = self._unwritten
             for (_, partition, epoch, packed), state in zip(flush.batches, flush.states, strict=True):
                 if owned.get(partition) is state and state.epoch == epoch:
-                    unwritten[partition] = packed + unwritten.get(partition, "")
+                    unwritten[partition] = unwritten.get(partition, "") + packed
             for partition, waiting in flush.futures.items():
-                self._futures.setdefault(partition, [])[:0] = waiting
+                self._futures.setdefault(partition, []).extend(waiting)
             self._oldest = min(self._oldest, flush.oldest) if self.count else flush.oldest
             self.count += max(flush.count, 1)
             return None
@@ -165,7 +199,7 @@ class StateWriter:
 class Flush:
     """One round trip of queued ops: what was taken (``StateWriter.begin``) and Redis's answer."""
 
-    __slots__ = ("answers", "batches", "count", "error", "futures", "oldest", "states")
+    __slots__ = ("answers", "batches", "count", "error", "futures", "oldest", "sent", "started", "states")
 
     def __init__(self, count: int, oldest: float, futures: dict[int, list[Future[AckResponse]]]) -> None:
         self.count = count  # ops counted when taken, and when the oldest of them was queued
@@ -175,3 +209,5 @@ class Flush:
         self.states: list[PartitionOps] = []  # the partition state each batch was taken from
         self.answers: list[ApplyResult] = []
         self.error: Exception | None = None  # what the round trip raised
+        self.sent: Sent | None = None  # pipelined: where its answers are to be read
+        self.started = 0.0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -9,7 +10,9 @@ import pytest
 import redis
 
 from ordering_layer.state import ApplyResult, StateStore
+from ordering_layer.state.pipe import ApplyPipe
 from ordering_layer.state.store import Op, OpKind, cascades_key, partition_keys, seek_key
+from tests.checker import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -160,3 +163,57 @@ def test_a_flush_of_ops_held_over_an_outage_applies_in_one_call(endpoints: Any,
     assert client.zcard(settled) == count - 1
     assert client.hgetall(attempts) == {b"_": b"0", str(count - 1).encode(): b"-1"}
     assert client.hgetall(leases) == {b"_": b"0", str(count - 1).encode(): b"1000"}
+
+
+def test_flushes_written_back_to_back_on_one_connection_apply_in_the_order_written(
+        endpoints: Any, unique_name: Callable[[str], str]) -> None:
+    """ACK-4, ACK-5: ``ApplyPipe`` writes a second flush before the first's answer is read; Redis runs
+    them in the order written (a release, its nack and the next release of one offset end as the last
+    left them) and the answers are read in that order, fencing included."""
+    store = StateStore(endpoints.redis_url)
+    pipe = ApplyPipe(store)
+    name = unique_name("pipe")
+    zombie = store.claim(name, 0).epoch
+    owner = store.claim(name, 0).epoch
+    first = pipe.send([(name, 0, owner, "r,5,1;d,6,1;")])
+    second = pipe.send([(name, 0, owner, "n,5,1;r,5,2;a,6,0;"), (name, 0, zombie, "a,5,0;")])
+    assert pipe.receive(first) == [ApplyResult.APPLIED]
+    assert pipe.receive(second) == [ApplyResult.APPLIED, ApplyResult.FENCED]
+    _, settled, attempts, _ = partition_keys(name, 0)
+    assert store.client.hgetall(attempts) == {b"_": b"0", b"5": b"-2"}
+    assert store.client.zrange(settled, 0, -1) == [b"6"]
+    pipe.close()
+
+
+def test_a_pipe_reloads_a_lost_script_and_leaves_a_failed_connection(endpoints: Any,
+                                                                     unique_name: Callable[[str], str]) -> None:
+    """ACK-4: after Redis lost its scripts, the flushes written meanwhile answer NOSCRIPT (raised once
+    all their answers are read) and the script is loaded for the next; a connection that failed with
+    flushes in flight fails them all, and the next flush goes out on a new connection."""
+    store = StateStore(endpoints.redis_url)
+    pipe = ApplyPipe(store)
+    name = unique_name("pipe")
+    owner = store.claim(name, 0).epoch
+    assert pipe.receive(pipe.send([(name, 0, owner, "r,1,1;")])) == [ApplyResult.APPLIED]
+    store.client.script_flush()  # type: ignore[union-attr]
+    lost = pipe.send([(name, 0, owner, "r,2,1;"), (name, 0, owner, "r,3,1;")])
+    with pytest.raises(redis.exceptions.NoScriptError):
+        pipe.receive(lost)
+    assert pipe.receive(pipe.send([(name, 0, owner, "r,2,1;")])) == [ApplyResult.APPLIED]
+
+    connection = first_connection = pipe.send([(name, 0, owner, "r,9,1;")])
+    assert pipe.receive(connection) == [ApplyResult.APPLIED]
+    host, port = first_connection.connection._sock.getsockname()[:2]
+    store.client.client_kill_filter(addr=f"{host}:{port}")
+    wait_until(lambda: f"{host}:{port}" not in {client["addr"] for client in store.client.client_list()}, 10,
+               "the pipe's connection closed by Redis")
+    in_flight = [pipe.send([(name, 0, owner, "r,10,1;")])]
+    with contextlib.suppress(redis.exceptions.ConnectionError):  # the write may meet the closed connection
+        in_flight.append(pipe.send([(name, 0, owner, "r,11,1;")]))
+    for sent in in_flight:
+        with pytest.raises(redis.exceptions.ConnectionError):
+            pipe.receive(sent)
+    after = pipe.send([(name, 0, owner, "r,12,1;")])
+    assert after.connection is not first_connection.connection
+    assert pipe.receive(after) == [ApplyResult.APPLIED]
+    pipe.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
@@ -49,7 +50,7 @@ def test_the_engine_builds_its_consumer_from_these_settings(monkeypatch: pytest.
             made.append(conf)
 
     monkeypatch.setattr(fetcher, "Consumer", Recording)
-    Engine({"bootstrap.servers": "127.0.0.1:1"}, cast(StateStore, object()), "orders-sub",
+    Engine({"bootstrap.servers": "127.0.0.1:1"}, cast(StateStore, SimpleNamespace(pipelines=False)), "orders-sub",
            SubscriptionSettings(topic="orders"), flow_control=FlowControl(), on_messages=None)
     [conf] = made
     assert conf["fetch.queue.backoff.ms"] == FETCH_QUEUE_BACKOFF_MS

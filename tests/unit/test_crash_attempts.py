@@ -34,6 +34,8 @@ KEYS = 12  # offset 0 is the poison (key k0); offsets 1..11 are the first messag
 class RedisLike:
     """One partition's epoch, settled and attempts keys, written as apply.lua writes them."""
 
+    pipelines = False  # flushes one at a time, through ``apply_packed``
+
     def __init__(self) -> None:
         self.epoch = 0
         self.settled: set[int] = set()

@@ -28,6 +28,8 @@ P0 = [TopicPartition(TOPIC, 0)]
 class FakeStore:
     """Claims hand out increasing epochs and nothing settled; writes succeed unless ``failing``."""
 
+    pipelines = False  # flushes one at a time, through ``apply_packed``
+
     def __init__(self) -> None:
         self.epoch = 0
         self.failing = False

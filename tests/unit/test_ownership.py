@@ -6,11 +6,14 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
-from typing import cast
+from typing import Any, cast
+
+from redis.exceptions import RedisError
 
 from ordering_layer.config import SubscriptionSettings
 from ordering_layer.state import ApplyResult, StateStore
-from ordering_layer.state.store import ClaimedPartition, Op, OpKind
+from ordering_layer.state.pipe import Sent
+from ordering_layer.state.store import ClaimedPartition, Op, OpKind, unpack_ops
 from ordering_layer.subscriber.commits import Commits
 from ordering_layer.subscriber.leases import lease_table
 from ordering_layer.subscriber.message import AckResponse
@@ -259,3 +262,108 @@ def test_a_verdict_in_flight_applies_only_to_the_ownership_that_sent_it() -> Non
     rig.gated.gate.set()
     assert rig.ownership.flush()
     assert len(rig.gated.written) == 1  # the first flush; nothing of the ownerships before was kept
+
+
+class FakePipe:
+    """Flushes written back to back to one connection: each answer waits for its gate, and the answers
+    are read in the order written (the reading thread takes them one flush at a time)."""
+
+    def __init__(self) -> None:
+        self.written: list[list[tuple[int, list[Op]]]] = []
+        self._gates: dict[int, threading.Event] = {}
+        self._lock = threading.Lock()
+        self.failing: set[int] = set()  # flushes (by number) whose answer is an error
+
+    def gate(self, flush: int) -> threading.Event:
+        """What the answer of the flush written ``flush``-th (from 0) waits for."""
+        with self._lock:
+            return self._gates.setdefault(flush, threading.Event())
+
+    def send(self, batches: Sequence[tuple[str, int, int, str]]) -> Sent:
+        self.written.append([(partition, unpack_ops(packed)) for _, partition, _, packed in batches])
+        return Sent(len(self.written) - 1, len(batches))
+
+    def receive(self, sent: Sent) -> list[ApplyResult]:
+        assert self.gate(sent.connection).wait(10)
+        if sent.connection in self.failing:
+            raise RedisError("down")
+        return [ApplyResult.APPLIED] * sent.count
+
+    def close(self) -> None:
+        pass
+
+
+class PipelinedRig(Rig):
+    """``Rig`` with a pipelined writer (two flushes in flight at most) on a ``FakePipe``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pipe = FakePipe()
+        self.writer.pipe = cast(Any, self.pipe)
+        self.writer.max_in_flight = 2
+        self.delivered: list[tuple[list[int], bool]] = []
+        self.woken = threading.Semaphore(0)
+        self.ownership = Ownership("sub", SETTINGS, self.changed, self.owned, self.leases, self.writer, self.commits,
+                                   deliver=lambda released, ok: self.delivered.append(
+                                       ([m.record.offset for _, batch in released for m in batch], ok)),
+                                   wake=self.woken.release)
+        self.ownership.assigned([0], {0: 1})
+
+    def release(self, offsets: list[int]) -> None:
+        state = self.owned.owned[0]
+        state.add([record(o, b"k%d" % o) for o in offsets])
+        batch, _ = state.release_ready(0.0, 100, 1, 10**9, None, pooled=True, leases=self.leases)
+        self.ownership.hold([(state, batch)])
+
+    def answer(self, flush: int) -> None:
+        """Let a written flush's answer come, and apply what came."""
+        self.pipe.gate(flush).set()
+        assert self.woken.acquire(timeout=10)
+        self.ownership.poll()
+
+
+def test_a_pipelined_flush_goes_out_while_one_is_in_flight_and_answers_apply_in_order() -> None:
+    """ACK-4, DLQ-3: with a pipelined writer, messages released while a flush is in flight go out in a
+    second flush at once, written after the first on the same connection, so that a partition's ops
+    reach Redis in the order queued; each flush's messages are handed out after its own answer, the
+    answers applied in the order written; a third waits for a place."""
+    rig = PipelinedRig()
+    rig.release([0, 1])
+    rig.ownership.start(0.0)
+    rig.writer.push(rig.owned.owned[0], OpKind.SETTLED, 7, 0, 0.0)
+    rig.ownership.start(0.0)  # ops queued, no message waiting: no second flush for them alone
+    assert rig.ownership.in_flight == 1
+    rig.release([2])
+    rig.ownership.start(0.0)
+    rig.release([3])
+    rig.ownership.start(0.0)
+    assert rig.ownership.in_flight == 2 and rig.ownership.next_due() is None
+    rig.answer(0)
+    assert rig.delivered == [([0, 1], True)]
+    rig.ownership.start(0.0)  # a place is free: the release waiting goes out
+    rig.answer(1)
+    rig.answer(2)
+    assert rig.delivered == [([0, 1], True), ([2], True), ([3], True)]
+    ops = [[(op[0], op[1]) for op in batch[0][1]] for batch in rig.pipe.written]
+    assert ops == [[(OpKind.RELEASED, 0), (OpKind.RELEASED, 1)], [(OpKind.SETTLED, 7), (OpKind.RELEASED, 2)],
+                   [(OpKind.RELEASED, 3)]]
+
+
+def test_a_failed_pipelined_flush_fails_the_one_written_after_it_and_their_ops_go_again_in_order() -> None:
+    """ACK-4, DLQ-3: when the first of two flushes in flight fails, the second counts as failed too,
+    whatever Redis answered it: both give their messages back, and their ops are written again in the
+    order first queued, ahead of what was queued since; the flush after that takes them all."""
+    rig = PipelinedRig()
+    rig.release([0])
+    rig.ownership.start(0.0)
+    rig.release([1])
+    rig.ownership.start(0.0)
+    rig.pipe.failing = {0}
+    rig.answer(0)
+    rig.answer(1)
+    assert rig.delivered == [([0], False), ([1], False)]
+    rig.writer.push(rig.owned.owned[0], OpKind.SETTLED, 9, 0, 0.0)
+    rig.ownership.start(1.0)
+    rig.answer(2)
+    [[(_, ops)]] = rig.pipe.written[2:]
+    assert [(op[0], op[1]) for op in ops] == [(OpKind.RELEASED, 0), (OpKind.RELEASED, 1), (OpKind.SETTLED, 9)]

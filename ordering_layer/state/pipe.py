@@ -1,0 +1,111 @@
+"""Flushes of ``apply.lua`` calls sent back to back on one connection, their answers read in order
+(ACK-4).
+
+A subscriber's flush is a round trip: the released messages it carries wait for its answer before
+they are handed out (ACK-6). ``ApplyPipe`` lets the next flush go out before the answer of the one
+in flight has come: both are written to the same connection, so Redis runs their calls in the order
+sent, and a partition's ops keep the order they were queued in, as with one flush at a time. One
+thread sends (``send``) and another reads the answers (``receive``), each flush in turn.
+
+A connection that failed (an error writing or reading, a timeout) is not used again: ``receive``
+disconnects it, and the next ``send`` takes a new one from the client's pool, so that answers are
+only ever read from the connection their calls were written to. Answers that are errors (NOSCRIPT
+after Redis lost its scripts, a refused write) are all read before the first is raised, so the
+connection stays in step; after NOSCRIPT the script is loaded for the next flush. What a failure
+means for the flushes sent after the failed one is the caller's to decide (``Ownership`` fails
+them too and sends their ops again, in order).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import redis
+
+from ordering_layer.state.store import ApplyResult, StateStore
+
+
+class Sent:
+    """A flush written to a connection: where its answers are to be read, how many, and which of the
+    pipe's connections it was (``epoch``)."""
+
+    __slots__ = ("connection", "count", "epoch")
+
+    def __init__(self, connection: Any, count: int, epoch: int = 0) -> None:
+        self.connection = connection
+        self.count = count
+        self.epoch = epoch
+
+
+class ApplyPipe:
+    """One connection of ``store``'s client for back-to-back flushes (a single server only,
+    ``StateStore.pipelines``)."""
+
+    def __init__(self, store: StateStore) -> None:
+        self._store = store
+        self._pool = store.client.connection_pool  # type: ignore[union-attr]
+        self._connection: Any = None
+        self._epoch = 0  # raised with each new connection
+        self._failed = False  # the current connection failed: the next send takes a new one
+        self._lock = threading.Lock()
+
+    def send(self, batches: Sequence[tuple[str, int, int, str]]) -> Sent:
+        """Write one flush's ``apply.lua`` calls (the sending thread); the answers are ``receive``'s."""
+        with self._lock:
+            if self._connection is None or self._failed:
+                old, self._connection = self._connection, self._pool.get_connection()
+                if old is not None:
+                    old.disconnect()  # whatever was written to it since it failed is never read
+                    self._pool.release(old)
+                self._epoch += 1
+                self._failed = False
+            connection, epoch = self._connection, self._epoch
+        sha = self._store.script_sha("apply")
+        commands = [("EVALSHA", sha, len(keys), *keys, *args) for keys, args in self._store.apply_calls(batches)]
+        try:
+            connection.send_packed_command(connection.pack_commands(commands), check_health=False)
+        except BaseException:
+            self._fail(connection, epoch)
+            raise
+        return Sent(connection, len(commands), epoch)
+
+    def receive(self, sent: Sent) -> list[ApplyResult]:
+        """Read the answers of a flush ``send`` wrote, after those of every flush written before it
+        (the reading thread). Raises the first error answer, or what the connection raised; a flush
+        written to a connection that failed since is not read."""
+        connection = sent.connection
+        with self._lock:
+            if sent.epoch != self._epoch or self._failed:
+                raise redis.exceptions.ConnectionError("the connection failed while the flush was in flight")
+        answers: list[Any] = []
+        try:
+            for _ in range(sent.count):
+                try:
+                    answers.append(connection.read_response())
+                except redis.exceptions.ResponseError as exc:
+                    answers.append(exc)  # read on: the next answers belong to this flush too
+        except BaseException:
+            self._fail(connection, sent.epoch)
+            raise
+        errors = [answer for answer in answers if isinstance(answer, Exception)]
+        if errors:
+            if any(isinstance(error, redis.exceptions.NoScriptError) for error in errors):
+                self._store.load_script("apply")
+            raise errors[0]
+        return [ApplyResult(int(answer)) for answer in answers]
+
+    def _fail(self, connection: Any, epoch: int) -> None:
+        connection.disconnect()
+        with self._lock:
+            if epoch == self._epoch:
+                self._failed = True
+
+    def close(self) -> None:
+        """Give the connection back to the pool."""
+        with self._lock:
+            connection, self._connection = self._connection, None
+        if connection is not None:
+            connection.disconnect()
+            self._pool.release(connection)
