@@ -5,8 +5,9 @@ window (first delivery to last ack) it times, with ``perf_counter`` around the e
 
 * the coordinator waiting for events (``Inbox.wait``) and the fetch thread sleeping (its worker's
   pauses: the flow-control gate held, or its batches not yet taken);
-* each Redis flush on the sending thread (``StateWriter.send``): wall time, the thread's CPU, ops and
-  bytes, against Redis's own EVALSHA time (``INFO commandstats``);
+* each Redis flush (``StateWriter.send``, or ``write`` and ``read`` when flushes are pipelined): wall
+  time from its write to its last answer, the sending and reading threads' CPU, ops and bytes,
+  against Redis's own EVALSHA time (``INFO commandstats``);
 * the CPU of the Python threads and of the whole machine (``/proc/stat``) as a share of the wall;
 
 and samples the engine every ~2 ms from a thread of its own: outstanding, buffered, the gate, a
@@ -65,6 +66,8 @@ def _instrument(no_redis: bool) -> None:
     ``no_redis`` each flush is answered at once without a round trip (a ceiling, not a mode)."""
     _timed(inbox.Inbox, "wait", "coordinator waiting for events")
     send = _answer_at_once if no_redis else StateWriter.send
+    if no_redis:  # flushes answered on the sending thread at once: one at a time is enough
+        StateWriter.__init__ = _no_pipe(StateWriter.__init__)  # type: ignore[method-assign]
 
     def timed_send(self: StateWriter, flush: Flush) -> None:
         wall, cpu = time.perf_counter(), time.thread_time()
@@ -76,6 +79,26 @@ def _instrument(no_redis: bool) -> None:
         FLUSHES["bytes"] += sum(len(batch[3]) for batch in flush.batches)
 
     state_writer.StateWriter.send = timed_send  # type: ignore[method-assign]
+    write, read = StateWriter.write, StateWriter.read
+
+    def timed_write(self: StateWriter, flush: Flush) -> None:
+        cpu = time.thread_time()
+        write(self, flush)
+        FLUSHES["cpu"] += time.thread_time() - cpu
+
+    def timed_read(self: StateWriter, flush: Flush) -> None:
+        cpu = time.thread_time()
+        read(self, flush)
+        FLUSHES["cpu"] += time.thread_time() - cpu
+        if flush.sent is not None:
+            FLUSHES["wall"] += time.perf_counter() - flush.started
+            FLUSHES["count"] += 1
+            FLUSHES["ops"] += sum(batch[3].count(";") for batch in flush.batches)
+            FLUSHES["bytes"] += sum(len(batch[3]) for batch in flush.batches)
+
+    if not no_redis:
+        state_writer.StateWriter.write = timed_write  # type: ignore[method-assign]
+        state_writer.StateWriter.read = timed_read  # type: ignore[method-assign]
     run = Worker._run
 
     def timed_run(self: Worker) -> None:
@@ -101,6 +124,13 @@ def _instrument(no_redis: bool) -> None:
 
 def _answer_at_once(self: StateWriter, flush: Flush) -> None:
     flush.answers = [ApplyResult.APPLIED] * len(flush.batches)
+
+
+def _no_pipe(init: Callable[..., None]) -> Callable[..., None]:
+    def one_at_a_time(self: StateWriter, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **{**kwargs, "pipelined": False})
+
+    return one_at_a_time
 
 
 def machine_cpu() -> tuple[int, int]:
@@ -173,7 +203,8 @@ def report(first: dict[str, Any], last: dict[str, Any], samples: list[tuple[int,
     n = max(1, flushes.get("count", 0))
     print(f"  flushes {int(flushes.get('count', 0))}: {flushes.get('ops', 0) / n:.0f} ops, "
           f"{flushes.get('bytes', 0) / n / 1024:.1f} KiB each; wall {flushes.get('wall', 0) / n * 1e3:.2f} ms, "
-          f"sending thread CPU {flushes.get('cpu', 0) / n * 1e3:.2f} ms, Redis EVALSHA {evalsha / n * 1e3:.2f} ms; "
+          f"sending and reading threads' CPU {flushes.get('cpu', 0) / n * 1e3:.2f} ms, "
+          f"Redis EVALSHA {evalsha / n * 1e3:.2f} ms; "
           f"sent {flushes.get('wall', 0) / wall:.0%} of wall")
     if not samples:
         return
