@@ -8,8 +8,8 @@ a record read once) -> ``inbox`` ->
 ``core/src/partition.rs``, whose pure-Python reference is ``partition`` with ``key_queue`` and
 ``commit_point``) -> ``dispatch`` (released as a ``Message`` within ``flow``, made outstanding in
 ``leases``, its attempt queued in the core and flushed by ``state_writer`` through ``ownership``,
-on a thread of its own, one flush in flight) -> ``dead_letters`` or ``handoff`` once the flush
-answered; its ack comes back through ``message`` -> ``inbox`` ->
+on a thread of its own, one or two flushes in flight, ``state/pipe.py``) -> ``dead_letters`` or
+``handoff`` once the flush answered; its ack comes back through ``message`` -> ``inbox`` ->
 ``settlement``. The coordinator's rules live in ``dispatch`` (release, hand-out),
 ``settlement`` (acks, nacks, deadlines, lapses, dead-letter reports, start notes), ``commits``
 (commit points, commit reports, seek look-ups) and ``ownership`` (claims on assignment, revocation,
@@ -39,7 +39,9 @@ rules under the same names, checked against it by ``tests/unit/test_core.py``:
   ``core/src/leases.rs``: deadlines, the p99 extension, lapses),
   ``message``, ``settlement`` (lease ops, lapses)
 - ACK-4 state in Redis, batched; commit of the lowest unsettled offset: the core (ops queued in
-  decision order), ``state_writer``, ``state/``; ``settlement`` (ops), ``ownership`` (``flush``),
+  decision order), ``state_writer``, ``state/`` (``pipe``: flushes back to back on one
+  connection); ``settlement`` (ops), ``ownership`` (``flush``; leases of deliveries held past
+  ``LEASE_WRITE_AGE``, ``leases.write_leases``),
   ``commits`` (commit interval, watermarks after a commit report), ``partitions``
   (``commit_offsets``), ``fetcher`` (commits)
 - ACK-5 fencing, ``ack_with_response``: ``partitions`` (epochs), ``ownership`` (fencing verdicts),

@@ -15,10 +15,13 @@ or gives them back when Redis failed (DLQ-3). A delivery's lease is not written 
 the first flush that begins ``LEASE_WRITE_AGE`` after the release writes it if the delivery is still
 outstanding (``LeaseTable.write_leases``; a flush is due for it then), so that the many settled
 sooner never reach Redis's leases hash (ACK-4). The coordinator's flushes are sent on a thread of
-their own, one in flight at a time (``start``, ``poll``), so that the coordinator takes acks and
-releases while Redis works and the ops of a partition reach Redis in the order they were queued;
-``flush`` writes at once, after the flush in flight (a revocation, a seek, a close). A seek (GRP-3)
-claims owned partitions again (``apply_seeks``): what they had outstanding is void.
+their own (``start``, ``poll``), so that the coordinator takes acks and releases while Redis works.
+One is in flight at a time, or two with a pipelined writer (``StateWriter.pipe``: a single Redis
+server), the second written behind the first on the same connection for messages released meanwhile;
+either way the ops of a partition reach Redis in the order they were queued, and the answers are
+applied in the order sent (a flush sent after one that failed counts as failed too). ``flush``
+writes at once, after the flushes in flight (a revocation, a seek, a close). A seek (GRP-3) claims
+owned partitions again (``apply_seeks``): what they had outstanding is void.
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ class Ownership:
         commits: the commit points.
         deliver: takes one release's messages once a flush answered for them: True when Redis took
             their attempts (hand them out), False when it failed (give them back).
-        wake: called on the sending thread when a flush in flight has its answer.
+        wake: called on the sending (or reading) thread when a flush in flight has its answer.
     """
 
     def __init__(self, subscription: str, settings: SubscriptionSettings, changed: threading.Condition,
