@@ -8,12 +8,12 @@ sent, and a partition's ops keep the order they were queued in, as with one flus
 thread sends (``send``) and another reads the answers (``receive``), each flush in turn.
 
 A connection that failed (an error writing or reading, a timeout) is not used again: ``receive``
-disconnects it, and the next ``send`` takes a new one from the client's pool, so that answers are
-only ever read from the connection their calls were written to. Answers that are errors (NOSCRIPT
-after Redis lost its scripts, a refused write) are all read before the first is raised, so the
-connection stays in step; after NOSCRIPT the script is loaded for the next flush. What a failure
-means for the flushes sent after the failed one is the caller's to decide (``Ownership`` fails
-them too and sends their ops again, in order).
+disconnects it, and the next ``send`` takes a new one from the client's pool (and loads the script
+first), so that answers are only ever read from the connection their calls were written to. Answers
+that are errors (NOSCRIPT after Redis lost its scripts, a refused write) are all read before the
+first is raised, so the connection stays in step; after NOSCRIPT the script is loaded for the next
+flush. What a failure means for the flushes sent after the failed one is the caller's to decide
+(``Ownership`` fails them too and sends their ops again, in order).
 """
 
 from __future__ import annotations
@@ -54,7 +54,8 @@ class ApplyPipe:
     def send(self, batches: Sequence[tuple[str, int, int, str]]) -> Sent:
         """Write one flush's ``apply.lua`` calls (the sending thread); the answers are ``receive``'s."""
         with self._lock:
-            if self._connection is None or self._failed:
+            fresh = self._connection is None or self._failed
+            if fresh:
                 old, self._connection = self._connection, self._pool.get_connection()
                 if old is not None:
                     old.disconnect()  # whatever was written to it since it failed is never read
@@ -62,6 +63,14 @@ class ApplyPipe:
                 self._epoch += 1
                 self._failed = False
             connection, epoch = self._connection, self._epoch
+        if fresh:
+            # A new server, or one restarted since, may not have the script: load it before the
+            # first flush rather than have that flush answered NOSCRIPT.
+            try:
+                self._store.load_script("apply")
+            except BaseException:
+                self._fail(connection, epoch)
+                raise
         sha = self._store.script_sha("apply")
         commands = [("EVALSHA", sha, len(keys), *keys, *args) for keys, args in self._store.apply_calls(batches)]
         try:

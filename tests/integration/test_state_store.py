@@ -187,13 +187,16 @@ def test_flushes_written_back_to_back_on_one_connection_apply_in_the_order_writt
 
 def test_a_pipe_reloads_a_lost_script_and_leaves_a_failed_connection(endpoints: Any,
                                                                      unique_name: Callable[[str], str]) -> None:
-    """ACK-4: after Redis lost its scripts, the flushes written meanwhile answer NOSCRIPT (raised once
-    all their answers are read) and the script is loaded for the next; a connection that failed with
-    flushes in flight fails them all, and the next flush goes out on a new connection."""
+    """ACK-4: a pipe's first flush on a server without the script is applied (the script is loaded
+    with each new connection); after Redis lost its scripts, the flushes written meanwhile answer
+    NOSCRIPT (raised once all their answers are read) and the script is loaded for the next; a
+    connection that failed with flushes in flight fails them all, and the next flush goes out on a
+    new connection."""
     store = StateStore(endpoints.redis_url)
     pipe = ApplyPipe(store)
     name = unique_name("pipe")
     owner = store.claim(name, 0).epoch
+    store.client.script_flush()  # type: ignore[union-attr]
     assert pipe.receive(pipe.send([(name, 0, owner, "r,1,1;")])) == [ApplyResult.APPLIED]
     store.client.script_flush()  # type: ignore[union-attr]
     lost = pipe.send([(name, 0, owner, "r,2,1;"), (name, 0, owner, "r,3,1;")])
