@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, cast
 
@@ -159,18 +159,17 @@ class GatedStore(VerdictStore):
         return answers
 
 
-class AsyncRig(Rig):
-    """``Rig`` with a gated store, a wake-up event and the deliveries ``Ownership`` hands back."""
+class DeliveringRig(Rig):
+    """``Rig`` whose ``Ownership`` records the deliveries it hands back and calls ``wake`` when a flush
+    in flight answers; partition 0 assigned."""
 
-    def __init__(self) -> None:
-        self.gated = GatedStore()
-        super().__init__(self.gated)
+    def __init__(self, fake: VerdictStore | None, wake: Callable[[], Any]) -> None:
+        super().__init__(fake)
         self.delivered: list[tuple[list[int], bool]] = []
-        self.woken = threading.Event()
         self.ownership = Ownership("sub", SETTINGS, self.changed, self.owned, self.leases, self.writer, self.commits,
                                    deliver=lambda released, ok: self.delivered.append(
                                        ([m.record.offset for _, batch in released for m in batch], ok)),
-                                   wake=self.woken.set)
+                                   wake=wake)
         self.ownership.assigned([0], {0: 1})
 
     def release(self, offsets: list[int]) -> None:
@@ -179,6 +178,15 @@ class AsyncRig(Rig):
         state.add([record(o, b"k%d" % o) for o in offsets])
         batch, _ = state.release_ready(0.0, 100, 1, 10**9, None, pooled=True, leases=self.leases)
         self.ownership.hold([(state, batch)])
+
+
+class AsyncRig(DeliveringRig):
+    """A rig with a gated store and a wake-up event."""
+
+    def __init__(self) -> None:
+        self.gated = GatedStore()
+        self.woken = threading.Event()
+        super().__init__(self.gated, self.woken.set)
 
     def answer(self) -> None:
         """Let the write in flight through and wait for its wake-up."""
@@ -293,27 +301,15 @@ class FakePipe:
         pass
 
 
-class PipelinedRig(Rig):
-    """``Rig`` with a pipelined writer (two flushes in flight at most) on a ``FakePipe``."""
+class PipelinedRig(DeliveringRig):
+    """A rig with a pipelined writer (two flushes in flight at most) on a ``FakePipe``."""
 
     def __init__(self) -> None:
-        super().__init__()
+        self.woken = threading.Semaphore(0)
+        super().__init__(None, self.woken.release)
         self.pipe = FakePipe()
         self.writer.pipe = cast(Any, self.pipe)
         self.writer.max_in_flight = 2
-        self.delivered: list[tuple[list[int], bool]] = []
-        self.woken = threading.Semaphore(0)
-        self.ownership = Ownership("sub", SETTINGS, self.changed, self.owned, self.leases, self.writer, self.commits,
-                                   deliver=lambda released, ok: self.delivered.append(
-                                       ([m.record.offset for _, batch in released for m in batch], ok)),
-                                   wake=self.woken.release)
-        self.ownership.assigned([0], {0: 1})
-
-    def release(self, offsets: list[int]) -> None:
-        state = self.owned.owned[0]
-        state.add([record(o, b"k%d" % o) for o in offsets])
-        batch, _ = state.release_ready(0.0, 100, 1, 10**9, None, pooled=True, leases=self.leases)
-        self.ownership.hold([(state, batch)])
 
     def answer(self, flush: int) -> None:
         """Let a written flush's answer come, and apply what came."""
