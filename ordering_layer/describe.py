@@ -25,7 +25,7 @@ from ordering_layer.offsets import PartitionOffsets, partition_offsets
 from ordering_layer.publisher.partitioner import murmur2
 from ordering_layer.record import display_key
 from ordering_layer.state import StateStore
-from ordering_layer.state.store import offset_fields, partition_keys
+from ordering_layer.state.store import FLOOR_MEMBER, offset_fields, partition_keys
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -107,6 +107,7 @@ class _RedisState:
     epoch: int | None
     settled: set[int]
     leased: set[int]
+    floor: int = -1  # every offset below it is settled (``OpKind.FLOOR``); -1: none kept
 
 
 @dataclass
@@ -169,16 +170,21 @@ def _read_redis(store: StateStore, name: str, count: int) -> dict[int, _RedisSta
         epoch, settled, _, leases = partition_keys(name, partition)
         pipe.get(epoch)
         pipe.zrange(settled, 0, -1)
+        pipe.zscore(settled, FLOOR_MEMBER)
         pipe.hkeys(leases)
     replies = pipe.execute()
-    return {p: _RedisState(int(replies[3 * p]) if replies[3 * p] is not None else None,
-                           {int(o) for o in replies[3 * p + 1]}, set(offset_fields(replies[3 * p + 2])))
-            for p in range(count)}
+    states = {}
+    for p in range(count):
+        epoch, settled, floor, leased = replies[4 * p:4 * p + 4]
+        states[p] = _RedisState(int(epoch) if epoch is not None else None, set(offset_fields(settled)),
+                                set(offset_fields(leased)), int(floor) if floor is not None else -1)
+    return states
 
 
-def _first_unsettled(row: PartitionOffsets, settled: set[int]) -> int:
+def _first_unsettled(row: PartitionOffsets, state: _RedisState) -> int:
     offset = row.low if row.committed is None else max(row.committed, row.low)
-    while offset in settled:
+    offset = max(offset, state.floor)
+    while offset in state.settled:
         offset += 1
     return offset
 
@@ -189,7 +195,7 @@ def _scan(consumer: Consumer, topic: str, offsets: list[PartitionOffsets], redis
     leased one (at most ``scan_limit`` records): the first record's time, the leased records' keys."""
     scans = {}
     for row in offsets:
-        start = _first_unsettled(row, redis_state[row.partition].settled)
+        start = _first_unsettled(row, redis_state[row.partition])
         if start < row.end:
             scans[row.partition] = _Scan(start, max(redis_state[row.partition].leased, default=start))
     if not scans:

@@ -71,7 +71,7 @@ fn key_bytes<'a>(key: &'a Bound<'_, PyAny>) -> PyResult<Option<&'a [u8]>> {
 impl PartitionCore {
     #[new]
     #[pyo3(signature = (*, ordered, settled_before = None, attempts_before = None, suspects = true,
-                        start_offset = None, cascades = None))]
+                        start_offset = None, cascades = None, floor = None))]
     fn new(
         ordered: bool,
         settled_before: Option<StdHashSet<i64>>,
@@ -79,6 +79,7 @@ impl PartitionCore {
         suspects: bool,
         start_offset: Option<i64>,
         cascades: Option<StdHashSet<i64>>,
+        floor: Option<i64>,
     ) -> Self {
         PartitionCore {
             core: Core::new(
@@ -88,6 +89,7 @@ impl PartitionCore {
                 suspects,
                 start_offset,
                 cascades.unwrap_or_default().into_iter().collect(),
+                floor,
             ),
         }
     }
@@ -260,7 +262,12 @@ impl PartitionCore {
     }
 
     /// The queued ops packed for `apply.lua` (`"<letter>,<offset>,<value>;"` each); empties the queue.
-    fn take_ops(&mut self) -> String {
+    /// With `floor` (a flush takes them) the commit point follows as a `FLOOR` op when it rose.
+    #[pyo3(signature = (*, floor = false))]
+    fn take_ops(&mut self, floor: bool) -> String {
+        if floor {
+            self.core.queue_floor();
+        }
         self.core.ops.take()
     }
 

@@ -18,6 +18,7 @@ pub const NACKED: char = 'n';
 pub const UNSETTLED: char = 'u';
 pub const CASCADE_FROM: char = 'c';
 pub const CASCADE_DONE: char = 'x';
+pub const FLOOR: char = 'f';
 
 /// Ops queued since the last `take`.
 #[derive(Default)]

@@ -25,7 +25,13 @@
 //! * records an earlier owner handed out and never settled get the attempts charged to them
 //!   (ACK-6) and, with `suspects` (callback mode), are suspects; those charged `QUARANTINE_FROM`
 //!   attempts or more go out alone and one at a time per partition (`Quarantine`, DLQ-3): a batch
-//!   stops before a quarantined record that is not its first.
+//!   stops before a quarantined record that is not its first;
+//! * the commit point is written to Redis with the partition's flushes as its *floor* (`FLOOR`,
+//!   `queue_floor`): everything below it is settled, so the settled set keeps only the offsets
+//!   settled above it, and a new owner skips the records below the floor it claims (`floor`) as it
+//!   skips those below the committed offset. No record below the commit point can go out again (a
+//!   cascade starts at an unsettled record and only unsettles records after it, and the commit
+//!   point is held at the lowest cascade mark), so a floor never has to come down.
 //!
 //! Queues live in a slab (`slots`) so that the ready list, the quarantine's waiting list and the
 //! outstanding offsets refer to them by index (see `key_queue`).
@@ -75,6 +81,8 @@ pub struct PartitionCore<T> {
     pub buffered: i64,
     settled_before: HashSet<i64>,
     horizon: i64,
+    floor: i64,         // the claim's floor: every offset below it is settled (-1: none)
+    floor_queued: i64,  // the highest FLOOR queued, or the claim's floor
     cascading: HashMap<QueueKey, i64>, // cascading key -> the offset it cascades from
     // Marks in Redis or queued for it: the claim's, whose records cascade their keys when taken
     // (an own mark's record was taken already: offsets are taken once), and own.
@@ -91,9 +99,11 @@ impl<T> PartitionCore<T> {
     /// `suspects` the records charged attempts are suspects, quarantined from `QUARANTINE_FROM`.
     /// `start_offset` is where a seek restarted the partition: the commit point until records
     /// arrive, and nothing below it is taken. `cascades` are the marks of an earlier owner whose
-    /// walk did not end (see the module's text).
+    /// walk did not end (see the module's text). `floor` is the claim's floor: the records below it
+    /// were settled before and are skipped.
     pub fn new(ordered: bool, settled_before: HashSet<i64>, attempts_before: HashMap<i64, u32>,
-               suspects: bool, start_offset: Option<i64>, cascades: HashSet<i64>) -> Self {
+               suspects: bool, start_offset: Option<i64>, cascades: HashSet<i64>, floor: Option<i64>) -> Self {
+        let floor = floor.unwrap_or(-1);
         let horizon = settled_before.iter().chain(cascades.iter()).copied().max().unwrap_or(-1);
         let marks = cascades.into_iter().collect();
         PartitionCore {
@@ -111,6 +121,8 @@ impl<T> PartitionCore<T> {
             buffered: 0,
             settled_before,
             horizon,
+            floor,
+            floor_queued: floor,
             cascading: HashMap::new(),
             marks,
             walk_holds: true,
@@ -127,6 +139,17 @@ impl<T> PartitionCore<T> {
         match (watermark, self.marks.first()) {
             (Some(offset), Some(&mark)) => Some(offset.min(mark)),
             _ => watermark,
+        }
+    }
+
+    /// Queue the commit point as the partition's floor in Redis (`FLOOR`) when it rose since the
+    /// last one queued (a flush takes it after the ops that raised it).
+    pub fn queue_floor(&mut self) {
+        if let Some(watermark) = self.watermark() {
+            if watermark > self.floor_queued {
+                self.ops.push(ops::FLOOR, 0, watermark);
+                self.floor_queued = watermark;
+            }
         }
     }
 
@@ -208,6 +231,13 @@ impl<T> PartitionCore<T> {
             return false;
         }
         self.tracker.add(offset);
+        if offset < self.floor {
+            self.tracker.settle(offset);
+            if self.horizon >= 0 && offset >= self.horizon {
+                self.end_of_walk();
+            }
+            return false;
+        }
         if offset <= self.horizon {
             let qkey = self.queue_key(offset, key);
             let settled = self.settled_before.contains(&offset);
@@ -509,6 +539,7 @@ impl<T> PartitionCore<T> {
             }
             if entry.acked {
                 entry.acked = false;
+                self.tracker.unsettle(entry.offset);
                 self.ops.push(ops::UNSETTLED, entry.offset, 0);
             }
         }
@@ -597,7 +628,7 @@ mod tests {
 
     fn claimed(ordered: bool, keys: &[&[u8]], charged: &[(i64, u32)], suspects: bool) -> PartitionCore<()> {
         let mut core = PartitionCore::new(ordered, HashSet::new(), charged.iter().copied().collect::<HashMap<_, _>>(),
-                                          suspects, None, HashSet::new());
+                                          suspects, None, HashSet::new(), None);
         for (offset, key) in keys.iter().enumerate() {
             assert!(core.add(offset as i64, Some(key), 1, ()));
         }
@@ -659,7 +690,7 @@ mod tests {
     fn a_walk_ended_early_marks_its_cascades_for_a_successor() {
         // 0: k unsettled (the cascade's start), 1: j settled, 2: k settled before the crash.
         let mut first = PartitionCore::new(true, [1, 2].into_iter().collect(), HashMap::default(), true, None,
-                                           HashSet::new());
+                                           HashSet::new(), None);
         assert!(first.add(0, Some(b"k"), 1, ()));
         assert!(!first.add(1, Some(b"j"), 1, ()));
         first.end_walk();
@@ -670,7 +701,7 @@ mod tests {
         assert_eq!(first.watermark(), Some(0), "held at the mark, not 2");
         // The owner crashed before offset 2 came: Redis has 0, 1, 2 settled and the mark 0.
         let mut next = PartitionCore::new(true, [0, 1, 2].into_iter().collect(), HashMap::default(), true, None,
-                                          [0].into_iter().collect());
+                                          [0].into_iter().collect(), None);
         assert!(next.add(0, Some(b"k"), 1, ()), "the mark's record cascades its key, settled or not");
         assert!(!next.add(1, Some(b"j"), 1, ()));
         assert!(next.add(2, Some(b"k"), 1, ()));
@@ -692,6 +723,50 @@ mod tests {
         assert!(core.ack(0, batch[0].1));
         assert_eq!(offsets(&release(&mut core, 10)), vec![1, 2]);
         assert_eq!(core.ready_keys(), Vec::<&QueueKey>::new());
+    }
+
+    /// A record acked and then unsettled by a cascade holds the commit point again: the ack of the
+    /// record the key rewound to does not carry the commit point (nor the floor) past it.
+    #[test]
+    fn a_cascade_holds_the_commit_point_below_what_it_unsettled() {
+        let mut core = state(true, &[b"k", b"k", b"k"]);
+        let batch = release(&mut core, 10);
+        assert!(core.ack(1, batch[1].1) && core.ack(2, batch[2].1));
+        assert!(core.nack(0, batch[0].1, 0.0, false, no_backoff).unwrap());
+        let again = release(&mut core, 1);
+        assert!(core.ack(0, again[0].1));
+        assert_eq!(core.watermark(), Some(1), "1 and 2 go out again: not settled");
+        core.queue_floor();
+        assert!(core.ops.take().ends_with("f,0,1;"));
+    }
+
+    /// The floor: queued when the commit point rose, once; a claim's floor skips the records below
+    /// it (settled before) and ends a walk whose horizon lies below it.
+    #[test]
+    fn the_floor_follows_the_commit_point_and_a_claim_skips_below_it() {
+        let mut core = state(false, &[b"a", b"b", b"c"]);
+        core.queue_floor();
+        assert_eq!(core.ops.take(), "f,0,0;");
+        let out = release(&mut core, 1);
+        assert!(core.ack(1, out[1].1));
+        core.ops.take();
+        core.queue_floor();
+        assert_eq!(core.ops.take(), "", "0 is outstanding: the commit point has not moved");
+        assert!(core.ack(0, out[0].1));
+        core.queue_floor();
+        core.queue_floor();
+        assert_eq!(core.ops.take(), "a,0,0;f,0,2;");
+        let mut next = PartitionCore::new(true, [4].into_iter().collect(), HashMap::default(), true, None,
+                                          HashSet::new(), Some(3));
+        assert!(!next.add(0, Some(b"k"), 1, ()) && !next.add(2, Some(b"k"), 1, ()));
+        assert!(next.walking() && next.add(3, Some(b"k"), 1, ()));
+        assert!(!next.add(4, Some(b"j"), 1, ()) && !next.walking());
+        assert_eq!(next.watermark(), Some(3));
+        next.queue_floor();
+        assert_eq!(next.ops.take(), "", "the claim's floor is in Redis already");
+        let mut beyond = PartitionCore::<()>::new(true, [1].into_iter().collect(), HashMap::default(), true, None,
+                                                  HashSet::new(), Some(5));
+        assert!(!beyond.add(1, Some(b"k"), 1, ()) && !beyond.walking(), "a horizon below the floor ends the walk");
     }
 
     #[test]

@@ -13,15 +13,21 @@
 //! | `e` BATCH_DELIVERED | HSET attempts offset value; HSET leases offset (the batch lease) |
 //! | `q` BATCH_RELEASED | HSET attempts offset -value; HSET leases offset (the batch lease) |
 //! | `s` STARTED | HSET attempts offset value |
-//! | `a` SETTLED | ZADD settled offset offset; HDEL attempts offset; HDEL leases offset unless the value is 1 (no lease was written) |
+//! | `a` SETTLED | ZADD settled offset offset, unless the batch's floor is above the offset; HDEL attempts offset; HDEL leases offset unless the value is 1 (no lease was written) |
 //! | `n` NACKED | HDEL leases offset; with a value above 0, HSET attempts offset value |
 //! | `u` UNSETTLED | ZREM settled offset |
 //! | `c` CASCADE_FROM | SADD cascades offset |
 //! | `x` CASCADE_DONE | SREM cascades offset |
-//! | `w` WATERMARK | ZREMRANGEBYSCORE settled -inf (value |
+//! | `f` FLOOR | ZADD settled GT value `_`; ZREMRANGEBYSCORE settled -inf (value |
+//!
+//! The floor (the member `_` of the settled set, its score) is the partition's commit point:
+//! everything below it is settled, so the set keeps only the offsets settled above it. A batch's
+//! settles below its highest floor add nothing (the floor covers them), and nothing below a floor
+//! is ever unsettled (`core/src/partition.rs`). `GT` keeps the floor from coming down when a batch
+//! is applied again after a later one.
 //!
 //! Consecutive writes of one command to one key become one multi-field call: a key's run ends when
-//! that key gets another command (or a WATERMARK trims the settled set), so each key's writes keep
+//! that key gets another command (or a FLOOR writes the settled set), so each key's writes keep
 //! their order, and different keys are independent; the outcome is that of the ops one by one, with
 //! a fraction of the calls. `apply.lua` gets the runs as a header (`"<key>,<COMMAND>;"` each) and one
 //! MessagePack array of strings per run, which Redis's Lua unpacks in C (`cmsgpack`): parsing the
@@ -105,6 +111,7 @@ impl Runs {
 /// Group packed ops into the runs `apply.lua` sends (see the module's text).
 pub fn group(packed: &str) -> Result<Runs, OpsError> {
     let mut runs = Runs::default();
+    let floor = highest_floor(packed);
     let mut batch_lease: Option<&str> = None;
     let mut rest = packed;
     while !rest.is_empty() {
@@ -131,7 +138,9 @@ pub fn group(packed: &str) -> Result<Runs, OpsError> {
                 runs.add(LEASES_KEY, "HSET", &[("", offset), ("", lease)]);
             }
             "a" => {
-                runs.add(SETTLED_KEY, "ZADD", &[("", offset), ("", offset)]);
+                if !below(offset, floor) {
+                    runs.add(SETTLED_KEY, "ZADD", &[("", offset), ("", offset)]);
+                }
                 runs.add(ATTEMPTS_KEY, "HDEL", &[("", offset)]);
                 if value != "1" {
                     runs.add(LEASES_KEY, "HDEL", &[("", offset)]);
@@ -146,7 +155,9 @@ pub fn group(packed: &str) -> Result<Runs, OpsError> {
             "u" => runs.add(SETTLED_KEY, "ZREM", &[("", offset)]),
             "c" => runs.add(CASCADES_KEY, "SADD", &[("", offset)]),
             "x" => runs.add(CASCADES_KEY, "SREM", &[("", offset)]),
-            "w" => {
+            "f" => {
+                runs.close(SETTLED_KEY);
+                runs.add(SETTLED_KEY, "ZADD", &[("", "GT"), ("", value), ("", FLOOR_MEMBER)]);
                 runs.close(SETTLED_KEY);
                 runs.add(SETTLED_KEY, "ZREMRANGEBYSCORE", &[("", "-inf"), ("(", value)]);
                 runs.close(SETTLED_KEY);
@@ -158,6 +169,23 @@ pub fn group(packed: &str) -> Result<Runs, OpsError> {
         runs.close(key);
     }
     Ok(runs)
+}
+
+/// The settled set's member whose score is the partition's floor (not an offset: readers skip it).
+pub const FLOOR_MEMBER: &str = "_";
+
+/// The highest value of the batch's FLOOR ops (as text; malformed ones are refused by `group`).
+fn highest_floor(packed: &str) -> Option<&str> {
+    packed
+        .split(';')
+        .filter_map(|op| op.strip_prefix("f,0,"))
+        .filter(|value| is_decimal(value))
+        .max_by_key(|value| (value.len(), *value))
+}
+
+/// `offset` (decimal text) is below `floor` (decimal text without leading zeros, as Rust writes it).
+fn below(offset: &str, floor: Option<&str>) -> bool {
+    floor.is_some_and(|floor| (offset.len(), offset) < (floor.len(), floor))
 }
 
 /// A non-negative decimal integer (what the packed ops carry).
@@ -221,14 +249,36 @@ mod tests {
     }
 
     #[test]
-    fn a_watermark_trims_after_the_settles_queued_before_it() {
-        let runs = decoded("a,3,0;w,0,4;a,9,0;u,9,0;c,9,0;x,2,0;n,11,0;n,12,3;d,13,1;l,13,77;");
+    fn a_floor_covers_the_settles_below_it_and_trims_the_set() {
+        let runs = decoded("a,3,0;a,12,0;f,0,4;a,9,0;u,9,0;c,9,0;x,2,0;n,11,0;n,12,3;d,13,1;l,13,77;f,0,10;");
         assert_eq!(
             runs,
             vec![
-                run("2,ZADD", &["3", "3"]),
+                run("2,ZADD", &["12", "12"]),
+                run("2,ZADD", &["GT", "4", "_"]),
                 run("2,ZREMRANGEBYSCORE", &["-inf", "(4"]),
-                run("2,ZADD", &["9", "9"]),
+                run("5,SADD", &["9"]),
+                run("3,HDEL", &["3", "12", "9"]),
+                run("4,HDEL", &["3", "12", "9", "11", "12"]),
+                run("2,ZREM", &["9"]),
+                run("2,ZADD", &["GT", "10", "_"]),
+                run("2,ZREMRANGEBYSCORE", &["-inf", "(10"]),
+                run("3,HSET", &["12", "3", "13", "1"]),
+                run("4,HSET", &["13", "77"]),
+                run("5,SREM", &["2"]),
+            ]
+        );
+        assert_eq!(highest_floor("f,0,99;f,0,100;a,1000,0;"), Some("100"));
+        assert!(below("99", Some("100")) && !below("100", Some("100")) && !below("5", None));
+    }
+
+    #[test]
+    fn each_key_keeps_the_order_of_its_writes() {
+        let runs = decoded("a,3,0;a,9,0;u,9,0;c,9,0;x,2,0;n,11,0;n,12,3;d,13,1;l,13,77;");
+        assert_eq!(
+            runs,
+            vec![
+                run("2,ZADD", &["3", "3", "9", "9"]),
                 run("5,SADD", &["9"]),
                 run("3,HDEL", &["3", "9"]),
                 run("4,HDEL", &["3", "9", "11", "12"]),

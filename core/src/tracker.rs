@@ -33,6 +33,15 @@ impl OffsetTracker {
         }
     }
 
+    /// A settled offset goes out again (a cascade over it, SUB-4): the commit point stays below it
+    /// until it is settled again. An offset of the settled prefix (already dropped) stays settled:
+    /// a cascade only unsettles offsets above an outstanding one.
+    pub fn unsettle(&mut self, offset: i64) {
+        if let Ok(index) = self.order.binary_search_by_key(&offset, |entry| entry.0) {
+            self.order[index].1 = false;
+        }
+    }
+
     /// The offset to commit: everything below it is settled. None before any fetch.
     pub fn watermark(&self) -> Option<i64> {
         self.order.front().map(|entry| entry.0).or(self.next_offset)
@@ -57,5 +66,20 @@ mod tests {
         assert_eq!(tracker.watermark(), Some(7));
         tracker.settle(7);
         assert_eq!(tracker.watermark(), Some(10));
+    }
+
+    #[test]
+    fn an_unsettled_offset_holds_the_commit_point_again() {
+        let mut tracker = OffsetTracker::default();
+        for offset in [5, 6, 7] {
+            tracker.add(offset);
+        }
+        tracker.settle(6);
+        tracker.unsettle(6);
+        tracker.settle(5);
+        assert_eq!(tracker.watermark(), Some(6));
+        tracker.settle(6);
+        tracker.settle(7);
+        assert_eq!(tracker.watermark(), Some(8));
     }
 }

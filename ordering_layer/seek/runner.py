@@ -122,16 +122,18 @@ class SeekRunner:
     def capture(self, name: str, ttl: float) -> Snapshot:
         """The subscription's acked state now, as snapshot ``name`` expiring in ``ttl`` seconds.
 
-        The committed offsets are read before the settled sets: a commit and the trim of Redis in
-        between can only leave out of the snapshot acks it could have held (a later seek delivers
-        them again), never count an unacked message as acked.
+        The committed offsets are read before the settled sets, and a partition's acked state starts
+        at its floor in Redis when that is above its committed offset (``StateStore.settled_from``):
+        a commit or a flush in between can only leave out of the snapshot acks it could have held (a
+        later seek delivers them again), never count an unacked message as acked.
         """
         committed = {row.partition: row.committed if row.committed is not None else row.low
                      for row in self.positions()}
-        settled = self._store.settled_from(self.subscription, committed)
+        acked = self._store.settled_from(self.subscription, committed)
         created = now_ms()
         return Snapshot(name, self.subscription, self.topic, created, created + int(ttl * 1000),
-                        snapshot_state(committed, settled))
+                        snapshot_state({p: start for p, (start, _) in acked.items()},
+                                       {p: settled for p, (_, settled) in acked.items()}))
 
     def time_targets(self, when_ms: int, positions: Sequence[PartitionOffsets]) -> list[SeekTarget]:
         """Targets of a seek to ``when_ms`` (ms since the epoch)."""

@@ -35,7 +35,7 @@ from ordering_layer.state.durable import SettingsLog
 
 _LOGGER = logging.getLogger(__name__)
 
-OpLetter = Literal["d", "l", "b", "e", "r", "q", "s", "a", "n", "u", "c", "x", "w"]
+OpLetter = Literal["d", "l", "b", "e", "r", "q", "s", "a", "n", "u", "c", "x", "f"]
 
 
 class OpKind:
@@ -54,8 +54,9 @@ class OpKind:
       has not been seen to start it; its lease comes with a ``LEASE``;
     * ``BATCH_RELEASED``: attempts[offset] = -value and leases[offset] = the batch lease;
     * ``STARTED``: attempts[offset] = value: user code started attempt ``value`` (callback mode);
-    * ``SETTLED``: acked or dead-lettered: added to the settled set, attempts and lease dropped (with
-      value 1 the lease is left alone: the engine never wrote one for the delivery);
+    * ``SETTLED``: acked or dead-lettered: added to the settled set (unless below a ``FLOOR`` of the same
+      batch, which covers it), attempts and lease dropped (with value 1 the lease is left alone: the
+      engine never wrote one for the delivery);
     * ``NACKED``: the lease is dropped (the message stays unsettled); a value above 0 is the attempt
       user code nacked, so attempts[offset] = value (it started); 0 for a lapsed lease;
     * ``UNSETTLED``: a settled record goes out again in a cascade (SUB-4): dropped from the settled set,
@@ -63,7 +64,10 @@ class OpKind:
     * ``CASCADE_FROM``: the key of the record at offset cascades from it, found by a recovery walk
       that released before its end (SUB-4): added to the partition's cascades set (value 0);
     * ``CASCADE_DONE``: a walk has ended: the mark at offset is dropped from the cascades set (value 0);
-    * ``WATERMARK``: value is the committed offset: everything settled below it is forgotten (offset 0).
+    * ``FLOOR``: value is the owner's commit point: everything below it is settled. It is kept as the
+      settled set's member ``_`` (raised, never lowered) and the offsets below it are dropped from
+      the set, which so holds only the offsets settled above the floor (offset 0). A claim reads it
+      (``ClaimedPartition.floor``) and the new owner skips the records below it.
     """
 
     DELIVERED: Final = "d"
@@ -78,7 +82,7 @@ class OpKind:
     UNSETTLED: Final = "u"
     CASCADE_FROM: Final = "c"
     CASCADE_DONE: Final = "x"
-    WATERMARK: Final = "w"
+    FLOOR: Final = "f"
 
 
 Op = tuple[OpLetter, int, int]
@@ -101,7 +105,9 @@ class ClaimedPartition:
     being seen to start it (it may have started: the mark travels in a later flush).
     ``seek_generation`` is the partition's latest seek (0: never sought); ``seek_offset`` is that
     seek's target when the claim applied it (the owner starts there instead of the committed offset
-    and, once it has committed it, marks it applied), None when no seek was pending.
+    and, once it has committed it, marks it applied), None when no seek was pending. ``floor`` is
+    the last owner's commit point as written to Redis (everything below it is settled; it may be
+    above the committed offset, which lags it by up to a commit interval), None when none is kept.
     """
 
     epoch: int
@@ -111,6 +117,7 @@ class ClaimedPartition:
     seek_generation: int = 0
     seek_offset: int | None = None
     cascades: frozenset[int] = frozenset()
+    floor: int | None = None
 
 
 @dataclass(frozen=True)
@@ -143,19 +150,20 @@ def unpack_ops(packed: str) -> list[Op]:
 
 def parse_claim(raw: Sequence[Any]) -> ClaimedPartition:
     """``claim.lua``'s answer: ``[epoch, settled offsets..., "|", offset, attempt, ..., "|", seek
-    generation, seek target, "|", cascade marks...]``, an attempt negated while it waited in a
-    callback pool, the target -1 when the claim applied no seek (the parts after the attempts may be
-    left out: no seek, no marks)."""
+    generation, seek target, "|", cascade marks..., "|", floor]``, an attempt negated while it waited
+    in a callback pool, the target -1 when the claim applied no seek, the floor -1 when none is kept
+    (the parts after the attempts may be left out: no seek, no marks, no floor)."""
     split = raw.index(b"|")
-    rest = list(raw[split + 1:])
-    seek_generation, target = 0, -1
-    cascades: frozenset[int] = frozenset()
-    if b"|" in rest:
-        second = rest.index(b"|")
-        seek_generation, target = int(rest[second + 1]), int(rest[second + 2])
-        cascades = frozenset(int(o) for o in rest[second + 4:])
-        rest = rest[:second]
-    stored = {int(rest[i]): int(rest[i + 1]) for i in range(0, len(rest), 2)}
+    sections: list[list[Any]] = [[]]
+    for item in raw[split + 1:]:
+        if item == b"|":
+            sections.append([])
+        else:
+            sections[-1].append(item)
+    attempts, seek, marks, floor = (*sections, [], [], [])[:4]
+    seek_generation, target = (int(seek[0]), int(seek[1])) if seek else (0, -1)
+    stored = {int(attempts[i]): int(attempts[i + 1]) for i in range(0, len(attempts), 2)}
+    kept_floor = int(floor[0]) if floor else -1
     return ClaimedPartition(
         epoch=int(raw[0]),
         settled=frozenset(int(o) for o in raw[1:split]),
@@ -163,7 +171,8 @@ def parse_claim(raw: Sequence[Any]) -> ClaimedPartition:
         unstarted=frozenset(offset for offset, n in stored.items() if n < 0),
         seek_generation=seek_generation,
         seek_offset=target if target >= 0 else None,
-        cascades=cascades,
+        cascades=frozenset(int(o) for o in marks),
+        floor=kept_floor if kept_floor >= 0 else None,
     )
 
 
@@ -174,8 +183,12 @@ def _script(name: str) -> str:
 KEEP_FIELD = "_"  # the field of the attempts and leases hashes that is not an offset (apply.lua)
 
 
+FLOOR_MEMBER = KEEP_FIELD  # the settled set's member whose score is the floor (``OpKind.FLOOR``)
+
+
 def offset_fields(fields: Iterable[bytes | str]) -> list[int]:
-    """The offsets among the fields of an attempts or leases hash (``KEEP_FIELD`` left out)."""
+    """The offsets among the fields of an attempts or leases hash (``KEEP_FIELD`` left out), or among
+    the members of a settled set (its floor, ``FLOOR_MEMBER``, left out)."""
     return [int(f) for f in fields if f not in (KEEP_FIELD, KEEP_FIELD.encode())]
 
 
@@ -495,13 +508,23 @@ class StateStore:
         return {p: int(raw or 0) for p, raw in zip(partitions, pipe.execute(), strict=True)}
 
     @_redis_call
-    def settled_from(self, subscription: str, floors: Mapping[int, int]) -> dict[int, list[int]]:
-        """Per partition, the settled offsets at or above its floor (the committed offset), ascending."""
-        order = sorted(floors)
+    def settled_from(self, subscription: str, committed: Mapping[int, int]) -> dict[int, tuple[int, list[int]]]:
+        """Per partition, where its acked state starts and the offsets settled at or above it: the
+        start is the committed offset, or the floor an owner wrote (``OpKind.FLOOR``) when that is
+        higher (everything below it is settled too); the offsets ascending."""
+        order = sorted(committed)
         pipe = self.client.pipeline(transaction=False)
         for partition in order:
-            pipe.zrangebyscore(partition_keys(subscription, partition)[1], floors[partition], "+inf")
-        return {p: [int(o) for o in raw] for p, raw in zip(order, pipe.execute(), strict=True)}
+            key = partition_keys(subscription, partition)[1]
+            pipe.zscore(key, FLOOR_MEMBER)
+            pipe.zrangebyscore(key, committed[partition], "+inf")
+        replies = pipe.execute()
+        out = {}
+        for index, partition in enumerate(order):
+            floor, members = replies[2 * index], replies[2 * index + 1]
+            start = max(committed[partition], int(floor) if floor is not None else -1)
+            out[partition] = (start, [o for o in offset_fields(members) if o >= start])
+        return out
 
     @_redis_call
     def parked_keys(self, subscription: str) -> set[bytes]:

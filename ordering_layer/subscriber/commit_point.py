@@ -31,6 +31,11 @@ class OffsetTracker:
         while order and order[0] in settled:
             settled.discard(order.popleft())
 
+    def unsettle(self, offset: int) -> None:
+        """A settled offset goes out again (a cascade over it, SUB-4): the commit point stays below
+        it until it is settled again."""
+        self._settled.discard(offset)
+
     @property
     def watermark(self) -> int | None:
         """The offset to commit: everything below it is settled. None before any fetch."""

@@ -22,10 +22,8 @@ from collections.abc import Callable
 import redis
 from confluent_kafka import TopicPartition
 
-from ordering_layer.state.store import OpKind
 from ordering_layer.subscriber.partitions import Partitions
 from ordering_layer.subscriber.requests import Committed, SeekPartition
-from ordering_layer.subscriber.state_writer import StateWriter
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -37,14 +35,12 @@ class Commits:
 
     Args:
         owned: the owned partitions (commit points, seek generations, claims for a seek).
-        writer: the queued Redis ops (watermarks of committed offsets).
         topic: the subscribed topic.
         subscription: subscription name (for logs).
     """
 
-    def __init__(self, owned: Partitions, writer: StateWriter, topic: str, subscription: str) -> None:
+    def __init__(self, owned: Partitions, topic: str, subscription: str) -> None:
         self._owned = owned
-        self._writer = writer
         self._topic = topic
         self._subscription = subscription
         self.last = 0.0  # monotonic time the commit points were last taken
@@ -60,14 +56,11 @@ class Commits:
         return self._owned.commit_offsets(self._topic, sync=sync, only=only)
 
     def committed(self, event: Committed, now: float) -> None:
-        """Commits the group coordinator took: Redis may forget what is settled below them (trimming
-        before the commit succeeded would make a new owner redeliver acked messages), unless the
-        commit was made before a seek (GRP-3) of the partition; a commit after a seek completes it."""
+        """Commits the group coordinator took: a commit after a seek (GRP-3) of the partition
+        completes the seek. (Redis forgets what is settled below the commit point with each flush,
+        ``OpKind.FLOOR``, whether or not it is committed in Kafka yet.)"""
         owned = self._owned
-        for partition, offset, seek_generation in event.offsets:
-            state = owned.owned.get(partition)
-            if state is not None and seek_generation == state.seek_generation:
-                self._writer.push(state, OpKind.WATERMARK, 0, offset, now)
+        for partition, _, seek_generation in event.offsets:
             if seek_generation is not None:
                 owned.confirm(partition, seek_generation)
         for partition in event.failed:

@@ -107,7 +107,7 @@ class Engine:
         self._started = self._settlement.starts  # appended per message by the workers: no layer between
         self._dispatcher = Dispatcher(settings, self._owned, self._gate, self._leases, self._writer, self._pulls,
                                       self._dead_letters, self._counts, on_messages, self._settlement.give_back)
-        self._commits = Commits(self._owned, self._writer, self.topic, subscription)
+        self._commits = Commits(self._owned, self.topic, subscription)
         self._ownership = Ownership(subscription, settings, self._changed, self._owned, self._leases, self._writer,
                                     self._commits, deliver=self._dispatcher.deliver, wake=self._inbox.nudge)
         self._fetcher = Fetcher(conf, subscription, self.topic, self._gate, self._ownership, self._inbox.put,

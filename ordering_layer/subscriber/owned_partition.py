@@ -31,7 +31,7 @@ class OwnedPartition:
     """An owned partition: ownership fields and the core holding its records.
 
     Args: those of ``PartitionState`` (partition, epoch, ordering, the claim's settled offsets,
-    charged attempts and cascade marks, suspects, generation, seek), and:
+    charged attempts, cascade marks and floor, suspects, generation, seek), and:
         topic: the topic, named in each ``Message``.
         submit: where a released ``Message`` posts its acks (the engine's inbox).
     """
@@ -42,8 +42,8 @@ class OwnedPartition:
     def __init__(self, partition: int, epoch: int, *, ordered: bool,
                  settled_before: frozenset[int] = frozenset(), attempts_before: dict[int, int] | None = None,
                  suspects: bool = True, generation: int = 0, start_offset: int | None = None,
-                 seek_generation: int = 0, cascades: frozenset[int] = frozenset(), topic: str = "",
-                 submit: Callable[[Any], None] = unattached) -> None:
+                 seek_generation: int = 0, cascades: frozenset[int] = frozenset(), floor: int | None = None,
+                 topic: str = "", submit: Callable[[Any], None] = unattached) -> None:
         self.partition = partition
         self.topic = topic
         self.submit = submit
@@ -55,7 +55,7 @@ class OwnedPartition:
         self.revoking = False
         self.core: PartitionCore[Record] = PartitionCore(
             ordered=ordered, settled_before=set(settled_before), attempts_before=attempts_before or {},
-            suspects=suspects, start_offset=start_offset, cascades=set(cascades))
+            suspects=suspects, start_offset=start_offset, cascades=set(cascades), floor=floor)
 
     def add(self, records: list[Record], start: int = 0, stop: int | None = None) -> None:
         """Take fetched records ``records[start:stop]`` (duplicates and records settled before a
@@ -108,9 +108,10 @@ class OwnedPartition:
         """Queue an op the coordinator decided (``STARTED``, ``LEASE``) after those queued so far."""
         self.core.push_op(kind, offset, value)
 
-    def take_ops(self) -> str:
-        """The queued ops packed for ``apply.lua``; the queue is emptied."""
-        return self.core.take_ops()
+    def take_ops(self, *, floor: bool = False) -> str:
+        """The queued ops packed for ``apply.lua``; the queue is emptied. With ``floor`` (a flush takes
+        them) the commit point follows as a ``FLOOR`` op when it rose since the last one."""
+        return self.core.take_ops(floor=floor)
 
     @property
     def buffered(self) -> int:

@@ -55,13 +55,15 @@ class PartitionState:
         seek_generation: the partition's latest seek applied (0: none); its commits carry it.
         cascades: the marks of an earlier owner whose walk was ended early: the key of each
             mark's record cascades from it (SUB-4).
+        floor: the floor read at claim (``OpKind.FLOOR``): the records below it were settled before
+            and are skipped. None: no floor was kept.
     """
 
     def __init__(self, partition: int, epoch: int, *, ordered: bool,
                  settled_before: frozenset[int] = frozenset(),
                  attempts_before: dict[int, int] | None = None, suspects: bool = True, generation: int = 0,
                  start_offset: int | None = None, seek_generation: int = 0,
-                 cascades: frozenset[int] = frozenset()) -> None:
+                 cascades: frozenset[int] = frozenset(), floor: int | None = None) -> None:
         self.partition = partition
         self.epoch = epoch
         self.generation = generation
@@ -81,6 +83,7 @@ class PartitionState:
         # ("c", offset) a key cascades from offset (CASCADE_FROM), ("x", offset) a mark is dropped.
         self.cascade_ops: list[tuple[str, int]] = []
         self._walk = RecoveryWalk(settled_before, cascades, self.cascade_ops)
+        self._floor = -1 if floor is None else floor
         self._attempts_before = dict(attempts_before or {})
         self._suspects = suspects
         self.quarantine = Quarantine()
@@ -99,6 +102,10 @@ class PartitionState:
         if next_offset is not None and record.offset < next_offset:
             return False
         self.tracker.add(record.offset)
+        if record.offset < self._floor:
+            self.tracker.settle(record.offset)
+            self._walk.passed(record.offset)
+            return False
         qkey = self.queue_key(record)
         if not self._walk.take(record.offset, qkey):
             self.tracker.settle(record.offset)
@@ -273,6 +280,7 @@ class PartitionState:
             queue.outstanding.pop(record.offset, None)
             if record.offset in queue.acked:
                 queue.acked.discard(record.offset)
+                self.tracker.unsettle(record.offset)
                 self.cascade_ops.append(("u", record.offset))
         self.buffered += queue.cursor - index
         queue.cursor = index

@@ -134,7 +134,7 @@ class Partitions:
             partition, claimed.epoch, ordered=self._settings.enable_message_ordering,
             settled_before=claimed.settled, attempts_before=attempts, suspects=self._suspects,
             generation=generation, start_offset=claimed.seek_offset, seek_generation=claimed.seek_generation,
-            cascades=claimed.cascades, topic=self._settings.topic, submit=self._submit)
+            cascades=claimed.cascades, floor=claimed.floor, topic=self._settings.topic, submit=self._submit)
         return state
 
     def _restart(self, partition: int, claimed: ClaimedPartition) -> None:

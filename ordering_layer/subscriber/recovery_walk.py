@@ -64,6 +64,12 @@ class RecoveryWalk:
             self._end()
         return not skipped
 
+    def passed(self, offset: int) -> None:
+        """A record below the claim's floor was skipped (settled before, cascading nothing): the walk
+        ends when it reaches the horizon."""
+        if 0 <= self._horizon <= offset:
+            self._end()
+
     @property
     def holding(self) -> bool:
         """Releases are held: the walk has not taken every record settled before yet."""

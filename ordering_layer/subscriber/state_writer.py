@@ -3,7 +3,8 @@
 Each owned partition queues its ops (``OpKind``) in decision order in its compiled core
 (``OwnedPartition``): the core those of its own decisions, the coordinator the others through
 ``push``. ``StateWriter`` counts them; a flush takes every owned partition's ops (``begin``), sends
-them as one fenced ``apply.lua`` call each (the Redis command runs they make), all in one pipeline
+them, each partition's commit point last as its floor (``OpKind.FLOOR``, when it rose), as one fenced
+``apply.lua`` call each (the Redis command runs they make), all in one pipeline
 (``send``: on any thread, so that the coordinator works on while Redis does), and resolves the
 ``ack_with_response`` futures of each partition with the answer (``finish``): SUCCESS when applied,
 LEASE_LOST when fenced (a newer owner) or when the partition is no longer owned. Ops a failed flush
@@ -35,8 +36,9 @@ class PartitionOps(Protocol):
     def push_op(self, kind: OpLetter, offset: int, value: int) -> None:
         """Queue one op after those queued so far."""
 
-    def take_ops(self) -> str:
-        """The queued ops, packed for ``apply.lua``; the queue is emptied."""
+    def take_ops(self, *, floor: bool = False) -> str:
+        """The queued ops, packed for ``apply.lua``; the queue is emptied. With ``floor`` the commit
+        point follows them as a ``FLOOR`` op when it rose."""
 
 
 _LOGGER = logging.getLogger(__name__)
@@ -117,7 +119,7 @@ class StateWriter:
         subscription, unwritten = self._subscription, self._unwritten
         flush = Flush(self.count, self._oldest, self._futures)
         for partition, state in owned.items():
-            packed = unwritten.pop(partition, "") + state.take_ops()
+            packed = unwritten.pop(partition, "") + state.take_ops(floor=True)
             if packed:
                 flush.batches.append((subscription, partition, state.epoch, packed))
                 flush.states.append(state)

@@ -181,6 +181,6 @@ def test_seek_state_spans_every_master(cluster: RedisNodes, unique_name: Callabl
     assert sorted(reclaimed) == rest and all(c is not None for c in reclaimed.values())
     assert store.seek_applied(name, first, claimed.epoch, generation)
     assert not any(s.pending for s in store.seek_status(name, partitions).values())
-    assert store.settled_from(name, {p: 6 for p in partitions}) == {p: [6, 9] for p in partitions}
+    assert store.settled_from(name, {p: 6 for p in partitions}) == {p: (6, [6, 9]) for p in partitions}
     store.delete_subscription(name)
     assert all(not s.generation for s in store.seek_status(name, partitions).values())

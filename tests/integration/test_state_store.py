@@ -111,7 +111,8 @@ def test_a_pending_seek_is_applied_by_a_claim_or_by_its_owner_and_fences_earlier
 def test_each_state_op_writes_its_keys_in_the_order_queued(endpoints: Any, unique_name: Callable[[str], str]) -> None:
     """ACK-4, ACK-6, SUB-4: every kind of state op, as ``apply.lua`` applies its command runs: attempts
     (pooled ones negative), batch leases, settles, nacks with and without an attempt, unsettles and
-    cascade marks undone in the order queued, and the watermark's trim of the settled set."""
+    cascade marks undone in the order queued, and the floor: kept as the member ``_`` (raised, never
+    lowered), the settled set trimmed below it, a settle below it adding nothing; a claim reads it."""
     store = StateStore(endpoints.redis_url)
     name = unique_name("ops")
     owner = store.claim(name, 0).epoch
@@ -120,15 +121,24 @@ def test_each_state_op_writes_its_keys_in_the_order_queued(endpoints: Any, uniqu
         (OpKind.BATCH_DELIVERED, 3, 2), (OpKind.STARTED, 1, 1), (OpKind.SETTLED, 1, 0), (OpKind.NACKED, 2, 0),
         (OpKind.NACKED, 3, 2), (OpKind.DELIVERED, 4, 1), (OpKind.LEASE, 4, 2000), (OpKind.RELEASED, 5, 3),
         (OpKind.SETTLED, 6, 0), (OpKind.UNSETTLED, 6, 0), (OpKind.SETTLED, 7, 0), (OpKind.CASCADE_FROM, 8, 0),
-        (OpKind.CASCADE_FROM, 9, 0), (OpKind.CASCADE_DONE, 8, 0), (OpKind.SETTLED, 0, 0), (OpKind.WATERMARK, 0, 1),
+        (OpKind.CASCADE_FROM, 9, 0), (OpKind.CASCADE_DONE, 8, 0), (OpKind.SETTLED, 0, 0), (OpKind.FLOOR, 0, 1),
         (OpKind.SETTLED, 10, 0)]
     assert store.apply_many([(name, 0, owner, ops)]) == [ApplyResult.APPLIED]
     _, settled, attempts, leases = partition_keys(name, 0)
     client = store.client
-    assert client.zrange(settled, 0, -1) == [b"1", b"7", b"10"]
+    assert client.zrange(settled, 0, -1, withscores=True) == [(b"1", 1), (b"_", 1), (b"7", 7), (b"10", 10)]
     assert client.hgetall(attempts) == {b"_": b"0", b"2": b"-1", b"3": b"2", b"4": b"1", b"5": b"-3"}
     assert client.hgetall(leases) == {b"_": b"0", b"4": b"2000"}
     assert client.smembers(cascades_key(name, 0)) == {b"9"}
+    # A later floor covers the settles below it; a lower one (a batch applied again) lowers nothing.
+    assert store.apply_many([(name, 0, owner, [(OpKind.SETTLED, 8, 0), (OpKind.SETTLED, 12, 0),
+                                               (OpKind.FLOOR, 0, 9)])]) == [ApplyResult.APPLIED]
+    assert store.apply_many([(name, 0, owner, [(OpKind.FLOOR, 0, 2)])]) == [ApplyResult.APPLIED]
+    assert client.zrange(settled, 0, -1, withscores=True) == [(b"_", 9), (b"10", 10), (b"12", 12)]
+    claimed = store.claim(name, 0)
+    assert (claimed.floor, claimed.settled) == (9, frozenset({10, 12}))
+    assert store.settled_from(name, {0: 3}) == {0: (9, [10, 12])}  # the floor is above the commit
+    assert store.settled_from(name, {0: 11}) == {0: (11, [12])}
 
 
 def test_a_batch_naming_another_command_is_refused_before_any_write(endpoints: Any,

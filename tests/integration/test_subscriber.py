@@ -9,6 +9,8 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from confluent_kafka import ConsumerGroupTopicPartitions, TopicPartition
+from confluent_kafka.admin import AdminClient
 
 from ordering_layer import (
     AckResponse,
@@ -75,6 +77,41 @@ def test_slow_key_does_not_block_other_keys(kafka_config: dict[str, Any], endpoi
         release.set()
         wait_until(lambda: checker.acked_count() == checker.total(), 60, "key-0 finished")
     assert checker.verify() == []
+
+
+def test_a_new_owner_skips_what_the_floor_in_redis_says_was_acked(kafka_config: dict[str, Any], endpoints: Any,
+                                                                 admin: Admin,
+                                                                 subscription: Callable[..., tuple[str, str]]) -> None:
+    """ACK-4, SUB-3: each flush writes the partition's commit point to Redis as its floor, and the
+    settled set keeps only what is settled above it. A new owner whose Kafka commit lags the floor
+    (its predecessor crashed after a flush and before its next commit) skips the records below the
+    floor instead of delivering them again, and commits past them."""
+    topic, name = subscription(partitions=1)
+    checker = publish_keys(kafka_config, topic, keys=10, per_key=5)
+    subscriber = Subscriber(kafka_config, redis_url=endpoints.redis_url)
+    settled_key = partition_keys(name, 0)[1]
+    client = redis_client(endpoints.redis_url)
+    with subscriber.subscribe(name, recording_callback(checker, "s1"), max_workers=4):
+        wait_until(lambda: checker.acked_count() == checker.total(), 60, "all messages acked")
+        wait_until(lambda: client.zscore(settled_key, "_") == checker.total(), 30, "the floor in Redis")
+        assert offset_fields(client.zrange(settled_key, 0, -1)) == []  # nothing settled above it
+    assert checker.verify() == []
+    # The predecessor's last commits are lost: Kafka's committed offset goes back to the start.
+    kafka_admin = AdminClient({"bootstrap.servers": kafka_config["bootstrap.servers"]})
+    [future] = kafka_admin.alter_consumer_group_offsets(
+        [ConsumerGroupTopicPartitions(name, [TopicPartition(topic, 0, 0)])]).values()
+    future.result(30)
+    assert admin.describe_subscription(name).partitions[0].committed == 0
+    delivered: list[int] = []
+
+    def record_offset(message: Message) -> None:
+        delivered.append(message.offset())
+        message.ack()
+
+    with subscriber.subscribe(name, record_offset, max_workers=4):
+        wait_until(lambda: admin.describe_subscription(name).partitions[0].committed == checker.total(), 60,
+                   "the new owner commits past the floor")
+    assert delivered == []
 
 
 def test_nack_cascades_and_other_keys_are_not_redelivered(kafka_config: dict[str, Any], endpoints: Any,
@@ -330,12 +367,13 @@ def test_batched_redis_writes_equal_one_by_one(endpoints: Any, unique_name: Call
                               OpKind.BATCH_DELIVERED, OpKind.BATCH_DELIVERED, OpKind.BATCH_LEASE,
                               OpKind.BATCH_RELEASED, OpKind.STARTED, OpKind.UNSETTLED, OpKind.CASCADE_FROM,
                               OpKind.CASCADE_DONE]
-    rare: list[OpLetter] = [OpKind.DELIVERED, OpKind.LEASE, OpKind.SETTLED, OpKind.NACKED, OpKind.WATERMARK,
+    rare: list[OpLetter] = [OpKind.DELIVERED, OpKind.LEASE, OpKind.SETTLED, OpKind.NACKED, OpKind.FLOOR,
                             OpKind.RELEASED]
     for trial in range(40):
         name = unique_name(f"lua{trial}")
         epoch = store.claim(name, 0).epoch
         settled: set[int] = set()
+        floor = -1
         attempts: dict[int, int] = {}
         leases: dict[int, int] = {}
         cascades: set[int] = set()
@@ -379,11 +417,15 @@ def test_batched_redis_writes_equal_one_by_one(endpoints: Any, unique_name: Call
                     cascades.add(offset)
                 elif kind == OpKind.CASCADE_DONE:
                     cascades.discard(offset)
-                elif kind == OpKind.WATERMARK:
-                    settled = {o for o in settled if o >= value}
+                elif kind == OpKind.FLOOR:
+                    floor = max(floor, value)
             assert store.apply_many([(name, 0, epoch, ops)]) == [ApplyResult.APPLIED]
         keys = partition_keys(name, 0)
-        assert {int(o) for o in store.client.zrange(keys[1], 0, -1)} == settled
+        # Below the floor everything counts as settled: the set holds what is settled above it.
+        assert {o for o in offset_fields(store.client.zrange(keys[1], 0, -1)) if o >= floor} == {
+            o for o in settled if o >= floor}
+        stored_floor = store.client.zscore(keys[1], "_")
+        assert (-1 if stored_floor is None else int(stored_floor)) == floor
         assert offset_values(store.client.hgetall(keys[2])) == attempts
         assert offset_values(store.client.hgetall(keys[3])) == leases
         # The hashes outlive their last offset (KEEP_FIELD): Redis does not recreate them at each write.
@@ -393,6 +435,7 @@ def test_batched_redis_writes_equal_one_by_one(endpoints: Any, unique_name: Call
         assert claimed.attempts == {o: abs(n) for o, n in attempts.items()}
         assert claimed.unstarted == {o for o, n in attempts.items() if n < 0}
         assert claimed.cascades == cascades  # SUB-4: the marks of a walk ended early reach the successor
+        assert claimed.floor == (None if floor < 0 else floor)
     name = unique_name("lua-run")
     epoch = store.claim(name, 0).epoch
     run: list[Op] = [(OpKind.DELIVERED, o, 1) for o in range(5001)] + [(OpKind.LEASE, o, 7) for o in range(5001)]

@@ -47,7 +47,7 @@ class Rig:
             assert self.owned.claim(number, 1)
         self.owned.owned[0].add([record(offset, b"k") for offset in range(3)])
         self.writer = StateWriter(store, "sub")
-        self.commits = Commits(self.owned, self.writer, "t", "sub")
+        self.commits = Commits(self.owned, "t", "sub")
         self.flushes = 0
         self.flush_ok = True
 
@@ -78,15 +78,13 @@ def test_commit_points_that_moved_are_taken_once_an_interval() -> None:
     assert [tp.offset for tp in rig.commits.offsets(sync=True, only=[0])] == [1]  # a sync commit trusts nothing
 
 
-def test_a_commit_report_trims_redis_unless_made_before_a_seek_and_a_refused_one_is_sent_again() -> None:
-    """ACK-4, GRP-3: a commit the coordinator took queues a WATERMARK (Redis may forget what is settled
-    below it); one tagged with an earlier seek generation trims nothing; a refused commit is sent again."""
+def test_a_commit_report_writes_nothing_to_redis_and_a_refused_one_is_sent_again() -> None:
+    """ACK-4: Redis forgets what is settled below the commit point with each flush (``FLOOR``), not
+    when Kafka took the commit: a report queues no op; a refused commit is sent again."""
     rig = Rig()
     assert [tp.offset for tp in rig.commits.offsets(sync=False)] == [0]
+    assert rig.written() == [(0, (OpKind.FLOOR, 0, 0))]  # the flush carries the commit point
     rig.commits.committed(Committed([(0, 1, 0), (1, 5, 0)]), 0.0)
-    assert rig.written() == [(0, (OpKind.WATERMARK, 0, 1)), (1, (OpKind.WATERMARK, 0, 5))]
-    rig.owned.owned[0].seek_generation = 2
-    rig.commits.committed(Committed([(0, 1, 1)]), 0.0)
     assert rig.written() == []
     assert rig.commits.offsets(sync=False) == []
     rig.commits.committed(Committed([], failed=(0,)), 0.0)

@@ -49,6 +49,7 @@ class Twin:
     deliveries: list[Delivered] = field(default_factory=list)
     latest: dict[int, Delivered] = field(default_factory=dict)  # the last delivery of each offset
     ops: list[str] = field(default_factory=list)
+    settled_aside: set[int] = field(default_factory=set)  # dead-lettered while not outstanding
 
     def check(self) -> None:
         py, core = self.py, self.core
@@ -65,6 +66,12 @@ class Twin:
         assert out == ([] if py.quarantine.offset is None else [py.quarantine.offset])  # one out at most
         assert core.take_ops() == "".join(self.ops)
         self.ops.clear()
+        # Nothing below the commit point goes out again (what the floor written with it relies on):
+        # every record still queued and not settled is at or above it (a record dead-lettered while
+        # not outstanding aside: it is settled, whatever happens to it next).
+        if py.watermark is not None:
+            assert all(r.offset >= py.watermark for q in py.keys.values() for r in q.records
+                       if r.offset not in q.acked and r.offset not in self.settled_aside)
 
     def add(self, specs: list[tuple[int, int, int]]) -> None:
         """Fetched records: (gap before the offset, key index, size); a gap of -1 repeats an offset."""
@@ -156,6 +163,8 @@ class Twin:
 
     def dead_lettered(self, pick: tuple[bool, int]) -> None:
         offset, _, _, qkey, key, _ = self.pick(pick)
+        if offset not in self.outstanding():
+            self.settled_aside.add(offset)
         self.py.settle_dead_lettered(qkey, offset)
         self.core.settle_dead_lettered(offset, key)
         self.ops.append(f"a,{offset},0;")
@@ -195,15 +204,17 @@ _ON_DELIVERIES = {"ack", "nack", "requeue", "dead_lettered"}
 _settled_before = st.frozensets(st.integers(0, 15), max_size=8)
 _cascades = st.frozensets(st.integers(0, 15), max_size=3)  # marks of an owner whose walk ended early
 _attempts_before = st.dictionaries(st.integers(0, 24), st.integers(0, 4), max_size=16)
+_floor = st.one_of(st.none(), st.integers(0, 12))  # the commit point an earlier owner wrote to Redis
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ordered=st.booleans(), settled=_settled_before, charged=_attempts_before, suspects=st.booleans(),
-       cascades=_cascades, operations=st.lists(_operation, min_size=20, max_size=80))
+       cascades=_cascades, floor=_floor, operations=st.lists(_operation, min_size=20, max_size=80))
 def test_core_decides_as_partition_state(ordered: bool, settled: frozenset[int], charged: dict[int, int],
-                                         suspects: bool, cascades: frozenset[int],
+                                         suspects: bool, cascades: frozenset[int], floor: int | None,
                                          operations: list[tuple[object, ...]]) -> None:
-    """SUB-1, SUB-2, SUB-3, SUB-4, SUB-6, SUB-7, ACK-4, ACK-6, DLQ-1, DLQ-3: for any claim and any
+    """SUB-1, SUB-2, SUB-3, SUB-4, SUB-6, SUB-7, ACK-4, ACK-6, DLQ-1, DLQ-3: for any claim (a floor
+    included) and any
     sequence of fetches, releases, acks, nacks, lapses, requeues, dead-letter settlements, wakes and
     walks ended early (with the marks of an earlier owner's),
     the compiled core releases the same records in the same order with the same attempts and suspect
@@ -211,9 +222,9 @@ def test_core_decides_as_partition_state(ordered: bool, settled: frozenset[int],
     backoffs and quarantine (the outstanding quarantined suspect, the keys waiting for it in order)
     as ``PartitionState``, and packs the engine's Redis ops."""
     twin = Twin(PartitionState(0, 1, ordered=ordered, settled_before=settled, attempts_before=charged,
-                               suspects=suspects, cascades=cascades),
+                               suspects=suspects, cascades=cascades, floor=floor),
                 PartitionCore(ordered=ordered, settled_before=settled, attempts_before=charged, suspects=suspects,
-                              cascades=cascades),
+                              cascades=cascades, floor=floor),
                 ordered)
     twin.check()
     for name, *args in operations:
@@ -313,6 +324,20 @@ def test_a_cascade_unsettles_in_redis_what_it_delivers_again() -> None:
     core.take_ops()
     assert core.nack(0, tokens[0], 0.0, lambda failures: 0.0, lapsed=False)
     assert core.take_ops() == "u,1,0;u,2,0;n,0,1;"
+    # What the cascade unsettled holds the commit point (and the floor written with it) again: the
+    # ack of the record the key rewound to does not carry it past them.
+    again, again_tokens, _, _, _, _ = core.release_ready(0.0, 1, 1, 10)
+    core.ack([0], again_tokens)
+    assert [r.offset for r in again] == [0] and core.watermark == 1
+    assert core.take_ops(floor=True) == "d,0,2;a,0,0;f,0,1;"
+    reference = PartitionState(0, 1, ordered=True)
+    for offset in range(3):
+        reference.add(record(offset, b"k", 1))
+    batch_py = reference.release_ready(0.0, 3, 3, 10)
+    assert reference.ack(b"k", 1, batch_py[1].token) and reference.ack(b"k", 2, batch_py[2].token)
+    assert reference.nack(b"k", 0, batch_py[0].token, 0.0, lambda failures: 0.0)
+    [first] = reference.release_ready(0.0, 1, 1, 10)
+    assert reference.ack(b"k", 0, first.token) and reference.watermark == 1
     # The next owner: 10 unsettled (the cascade's start), 11 and 12 settled before the crash; it
     # releases nothing until it has taken every record up to 14, the highest settled before: so the
     # flush that records 10's release carries the unsettling of every later record of its key.

@@ -32,20 +32,26 @@ KEYS = 12  # offset 0 is the poison (key k0); offsets 1..11 are the first messag
 
 
 class RedisLike:
-    """One partition's epoch, settled and attempts keys, written as apply.lua writes them."""
+    """One partition's epoch, settled (with its floor) and attempts keys, written as apply.lua writes them."""
 
     pipelines = False  # flushes one at a time, through ``apply_packed``
 
     def __init__(self) -> None:
         self.epoch = 0
         self.settled: set[int] = set()
+        self.floor = -1
         self.attempts: dict[int, int] = {}
         self.ops: list[Op] = []
 
     def claim(self, subscription: str, partition: int) -> ClaimedPartition:
         self.epoch += 1
         pairs = [str(v).encode() for item in self.attempts.items() for v in item]
-        return parse_claim([self.epoch, *(str(o).encode() for o in sorted(self.settled)), b"|", *pairs])
+        return parse_claim([self.epoch, *(str(o).encode() for o in sorted(self.settled)), b"|", *pairs,
+                            b"|", b"0", b"-1", b"|", b"|", str(self.floor).encode()])
+
+    def acked(self) -> set[int]:
+        """Every offset Redis has settled: those below the floor and the settled set's."""
+        return set(range(self.floor)) | self.settled
 
     def apply_many(self, batches: Sequence[tuple[str, int, int, Sequence[Op]]]) -> list[ApplyResult]:
         results = []
@@ -63,6 +69,9 @@ class RedisLike:
                 elif kind == OpKind.SETTLED:
                     self.settled.add(offset)
                     self.attempts.pop(offset, None)
+                elif kind == OpKind.FLOOR:
+                    self.floor = max(self.floor, value)
+                    self.settled = {o for o in self.settled if o >= self.floor}
             results.append(ApplyResult.APPLIED)
         return results
 
@@ -148,7 +157,7 @@ def test_a_crashing_poison_is_dead_lettered_alone_after_exactly_max_attempts() -
         assert last.engine.begin(last.handed[-1])
         last.handed[-1].ack()
     last.step()
-    assert store.settled == set(range(KEYS)) and last.dead == [(POISON, MAX_ATTEMPTS + 1)]
+    assert store.acked() == set(range(KEYS)) and last.dead == [(POISON, MAX_ATTEMPTS + 1)]
     last.crash()
 
 
@@ -165,6 +174,10 @@ def test_an_unstarted_attempt_counts_but_never_reaches_the_limit() -> None:
     assert charged_attempts(claimed, None) == claimed.attempts
     started_only = parse_claim([8, b"|", b"20", b"6"])
     assert charged_attempts(started_only, 5) == {20: 5}
+    assert claimed.floor is None and started_only.floor is None
+    floored = parse_claim([9, b"12", b"|", b"|", b"2", b"-1", b"|", b"5", b"|", b"10"])
+    assert (floored.settled, floored.seek_generation, floored.seek_offset) == (frozenset({12}), 2, None)
+    assert (floored.cascades, floored.floor) == (frozenset({5}), 10)
 
 
 def test_a_suspect_that_starts_and_crashes_is_charged_in_full() -> None:
@@ -207,7 +220,7 @@ def test_a_start_is_not_written_after_the_settle_and_a_stale_suspect_does_not_ru
     assert second.engine.begin(message)
     message.ack()
     second.step()
-    assert 0 in store.settled and 0 not in store.attempts
+    assert 0 in store.acked() and 0 not in store.attempts
     assert [op for op in store.ops[plain_before:] if op[0] == OpKind.STARTED and op[1] == 0] == [
         (OpKind.STARTED, 0, 2)]
     given_back = second.handed[1]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ordering_layer.config import DeadLetterPolicy, SubscriptionSettings
-from ordering_layer.describe import PartitionDescription, SubscriptionDescription, _first_unsettled
+from ordering_layer.describe import PartitionDescription, SubscriptionDescription, _first_unsettled, _RedisState
 from ordering_layer.describe_table import COLUMNS, render_description
 from ordering_layer.offsets import PartitionOffsets
 
@@ -16,9 +16,11 @@ def test_backlog_counts_from_committed_or_log_start() -> None:
 
 
 def test_first_unsettled_skips_settled_offsets_above_the_commit() -> None:
-    """ACK-4: acks above the committed offset live in Redis; the oldest unacked is the first gap."""
-    assert _first_unsettled(PartitionOffsets(0, 5, 0, 20), {5, 6, 8}) == 7
-    assert _first_unsettled(PartitionOffsets(0, None, 3, 20), set()) == 3
+    """ACK-4: acks above the committed offset live in Redis (the floor, and the settled offsets above
+    it); the oldest unacked is the first gap."""
+    assert _first_unsettled(PartitionOffsets(0, 5, 0, 20), _RedisState(1, {5, 6, 8}, set())) == 7
+    assert _first_unsettled(PartitionOffsets(0, None, 3, 20), _RedisState(1, set(), set())) == 3
+    assert _first_unsettled(PartitionOffsets(0, 5, 0, 20), _RedisState(1, {9, 11}, set(), floor=9)) == 10
 
 
 def row(partition: int, **changes: object) -> PartitionDescription:

@@ -71,7 +71,7 @@ def test_an_ack_settles_the_key_forgets_the_lease_and_queues_settled() -> None:
     rig.settlement.settle(SettleKind.ACK, first, 1, 0.0, None, future, 1.0)
     assert not rig.leases.holds(first.lease) and rig.counts["acked"] == 1
     assert not future.done()
-    assert rig.written() == [(OpKind.SETTLED, 0, 0)]
+    assert rig.written() == [(OpKind.SETTLED, 0, 0), (OpKind.FLOOR, 0, 1)]  # the commit point rose to 1
     assert future.result(0) is AckResponse.SUCCESS
     assert [d.record.offset for d in rig.release(1.0)] == [1]
 
@@ -146,7 +146,7 @@ def test_dead_letter_reports_settle_or_give_back_without_a_failure() -> None:
     assert not rig.settlement.dead_lettered(DeadLettered(0, 2, a0.queue_key, 0, None), 1.0)
     assert rig.settlement.dead_lettered(DeadLettered(0, 1, a0.queue_key, 0, None), 1.0)
     assert not rig.settlement.dead_lettered(DeadLettered(0, 1, b2.queue_key, 2, "refused"), 1.0)
-    assert rig.written() == [(OpKind.SETTLED, 0, 0)]
+    assert rig.written() == [(OpKind.SETTLED, 0, 0), (OpKind.FLOOR, 0, 1)]
     assert rig.state.next_wake() == 1.0 + REQUEUE_DELAY
     assert [d.record.offset for d in rig.release(1.0)] == [1]
     [again] = rig.release(1.0 + REQUEUE_DELAY)
@@ -181,6 +181,7 @@ def test_a_run_of_plain_acks_applies_in_one_pass_as_settle_would_one_by_one() ->
     rig.settlement.acks([b2, a0, a0], 3.0)
     assert rig.counts == {"acked": 1, "nacked": 1}
     assert rig.leases.count == 0 and rig.leases.bytes == 0
-    assert rig.written() == [(OpKind.NACKED, 2, 1), (OpKind.SETTLED, 0, 1)]  # 1: no lease to delete
+    # 1: no lease to delete; then the commit point, risen to 1, as the floor
+    assert rig.written() == [(OpKind.NACKED, 2, 1), (OpKind.SETTLED, 0, 1), (OpKind.FLOOR, 0, 1)]
     assert rig.leases.take_latencies() == [3.0]
     assert [d.record.offset for d in rig.release(3.0)] == [1]  # key a's next; key b backs off

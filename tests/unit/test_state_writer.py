@@ -40,7 +40,7 @@ class Ops:
     def push_op(self, kind: OpLetter, offset: int, value: int) -> None:
         self.packed += f"{kind},{offset},{value};"
 
-    def take_ops(self) -> str:
+    def take_ops(self, *, floor: bool = False) -> str:
         packed, self.packed = self.packed, ""
         return packed
 

@@ -1,7 +1,9 @@
 -- Apply a batch of subscriber state changes for one (subscription, partition), fenced by epoch.
 --
 -- KEYS[1]  epoch    string: owner epoch of the partition (INCR on each claim)
--- KEYS[2]  settled  zset: offsets acked or dead-lettered above the committed offset (score = offset)
+-- KEYS[2]  settled  zset: offsets acked or dead-lettered above the committed offset (score = offset),
+--          and the floor: the member '_', whose score is the owner's commit point as of its last
+--          flush (everything below it is settled; only offsets settled above it are kept)
 -- KEYS[3]  attempts hash: offset -> n, the number of the offset's last attempt (unsettled messages
 --          only): n when user code has it (handed out by a pull, or started by a callback worker),
 --          -n while it waits in a callback pool (user code not yet seen to start it)
@@ -14,7 +16,7 @@
 --          strings (unpacked in C by cmsgpack: one argument per run keeps the client's encoding cheap
 --          for runs of hundreds of fields). The client makes the runs from the subscriber's state ops
 --          (core/src/runs.rs gives each op's writes: attempts, leases, settles, cascade marks, the
---          watermark's trim); each key's runs come in the ops' order. Only the commands below, each on
+--          floor and its trim); each key's runs come in the ops' order. Only the commands below, each on
 --          its own key, are taken; a batch naming another is refused whole, before any write.
 -- The attempts and leases hashes keep a field '_' that is not an offset (readers skip it), so that a
 -- hash whose last offset is dropped is not deleted and created again by the next write: Redis 7.0

@@ -1,7 +1,8 @@
 -- Claim a partition for a new owner and read the state it recovers from; apply a pending seek.
 --
 -- KEYS[1]  epoch    string: owner epoch, raised here
--- KEYS[2]  settled  zset: settled offsets above the committed offset
+-- KEYS[2]  settled  zset: settled offsets above the committed offset, and the floor (member '_',
+--          see apply.lua): every offset below its score is settled
 -- KEYS[3]  attempts hash: offset -> number of the last attempt of unsettled messages, negated while
 --          that attempt waited in a callback pool (see apply.lua)
 -- KEYS[4]  leases   hash: offset -> lease deadline (ms)
@@ -18,10 +19,10 @@
 -- ARGV[3]  re-claim only: the seek generation expected ('' any); another pending one returns {0}
 -- Returns {epoch, settled offsets..., '|', attempts as offset, count pairs..., '|', seek gen,
 --          seek target offset (-1: no seek pending, start at the committed offset), '|',
---          cascade marks...}
+--          cascade marks..., '|', floor (-1: none)}
 --
 -- A pending seek (gen above applied) is applied with the claim, atomically: settled is replaced by
--- the seek's set, attempts, leases and cascade marks are dropped (delivery attempts restart at 1,
+-- the seek's set (no floor: the owner starts at the target), attempts, leases and cascade marks are dropped (delivery attempts restart at 1,
 -- ACK-6; what was delivered before the seek is not redelivered as a cascade), and the
 -- new epoch fences every write of the ownership before the seek (ACK-5).
 --
@@ -65,8 +66,13 @@ if pending then
   end
 end
 local out = {epoch}
+local floor = -1
 for _, offset in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do
-  table.insert(out, offset)
+  if offset == '_' then  -- the floor (apply.lua), not an offset
+    floor = tonumber(redis.call('ZSCORE', KEYS[2], '_'))
+  else
+    table.insert(out, offset)
+  end
 end
 table.insert(out, '|')
 local fields = redis.call('HGETALL', KEYS[3])
@@ -83,4 +89,6 @@ table.insert(out, '|')
 for _, offset in ipairs(redis.call('SMEMBERS', KEYS[6])) do
   table.insert(out, offset)
 end
+table.insert(out, '|')
+table.insert(out, string.format('%d', floor))
 return out
