@@ -2,8 +2,8 @@
 
 This machine's pace drifts by up to half over an hour, so two versions of the subscriber are compared
 only by alternated runs: one topic of bench (a)'s workload (100 B, 10,000 keys, 6 partitions) is
-published once, then each tree in turn runs one callback subscription (16 workers, no-op callback
-and ack) in a process of its own, with ``PYTHONPATH`` set to the tree, so each imports its own
+published once, then each tree in turn runs one callback subscription (16 workers unless told,
+no-op callback and ack) in a process of its own, with ``PYTHONPATH`` set to the tree, so each imports its own
 package and compiled core (``ordering_layer/_core.abi3.so`` in the tree: build it there first). The
 rate is from the first delivery to the last ack. Prints each pair and the median change.
 
@@ -26,7 +26,7 @@ import uuid
 from pathlib import Path
 
 
-def one_run(bootstrap: str, redis_url: str, topic: str, count: int) -> float:
+def one_run(bootstrap: str, redis_url: str, topic: str, count: int, workers: int = 16) -> float:
     """One subscription of ``topic`` on the tree imported; returns msg/s."""
     from ordering_layer import Admin, Message, RetryPolicy, Subscriber
 
@@ -49,7 +49,7 @@ def one_run(bootstrap: str, redis_url: str, topic: str, count: int) -> float:
                 done.set()
 
     subscriber = Subscriber({"bootstrap.servers": bootstrap}, redis_url=redis_url)
-    handle = subscriber.subscribe(name, callback, max_workers=16)
+    handle = subscriber.subscribe(name, callback, max_workers=workers)
     if not done.wait(600):
         raise RuntimeError(f"{acked} of {count} acked in 600 s")
     handle.cancel()
@@ -61,11 +61,12 @@ def main() -> None:
     parser.add_argument("trees", nargs="*", type=Path)
     parser.add_argument("--pairs", type=int, default=4)
     parser.add_argument("--messages", type=int, default=300_000)
+    parser.add_argument("--workers", type=int, default=16, help="callback workers (default 16)")
     parser.add_argument("--one", metavar="TOPIC", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
         rate = one_run(os.environ["ORDERING_LAYER_BOOTSTRAP"], os.environ["ORDERING_LAYER_REDIS_URL"], args.one,
-                       args.messages)
+                       args.messages, args.workers)
         print(f"{rate:.0f}")
         return
     if len(args.trees) != 2:
@@ -88,7 +89,8 @@ def main() -> None:
             order = args.trees if pair % 2 == 0 else args.trees[::-1]
             for tree in order:
                 out = subprocess.run(
-                    [sys.executable, str(Path(__file__).resolve()), "--one", topic, "--messages", str(args.messages)],
+                    [sys.executable, str(Path(__file__).resolve()), "--one", topic, "--messages", str(args.messages),
+                     "--workers", str(args.workers)],
                     env={**env, "PYTHONPATH": str(tree.resolve())}, cwd=tree, check=True, capture_output=True,
                     text=True)
                 rates.append(float(out.stdout.split()[-1]))

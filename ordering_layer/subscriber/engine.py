@@ -75,18 +75,24 @@ class Engine:
             None for pull mode, where ``pull`` releases on demand.
         rebalance: user callbacks told of assignments, revocations and losses (after the engine
             has claimed, resp. before it lets go), on the fetch thread.
+        watch: callback mode: called by the coordinator at each step with the time, returns when it
+            wants to be called again (None: at the next step); the callback pool wakes workers for
+            messages that wait (``CallbackPool.watch``).
         track_leases: watch, extend and expire lease deadlines (ACK-1, ACK-2); off only for comparisons.
     """
 
     def __init__(self, kafka_config: Mapping[str, Any], store: StateStore, subscription: str,
                  settings: SubscriptionSettings, *, flow_control: FlowControl,
                  on_messages: Callable[[list[Message]], None] | None,
-                 rebalance: RebalanceHooks | None = None, track_leases: bool = True) -> None:
+                 rebalance: RebalanceHooks | None = None, track_leases: bool = True,
+                 watch: Callable[[float], float | None] | None = None) -> None:
         self.subscription = subscription
         self.settings = settings
         self.topic = settings.topic
         self.flow_control = flow_control
         self._on_messages = on_messages
+        self._watch = watch
+        self._watch_due: float | None = None
         conf = consumer_settings(kafka_config, subscription)
         self._inbox: Inbox[Any] = Inbox()
         self._lock = threading.RLock()
@@ -265,6 +271,8 @@ class Engine:
                 self._ownership.apply_seeks()
             for request in commits.take_seeks():
                 self._fetcher.seek(request)
+            if self._watch is not None:
+                self._watch_due = self._watch(now)
             leases, gate, buffered = self._leases, self._gate, self._owned.buffered()
             gate.update(leases.count, leases.bytes, buffered, now)
             if gate.state is not Gate.OPEN and buffered >= gate.max_buffered * gate.resume_fraction:
@@ -273,7 +281,7 @@ class Engine:
         return 0.0
 
     def _wait_time(self, now: float) -> float:
-        times = [self._ownership.next_due(), self._leases.next_check(), self._pulls.next_deadline(),
+        times = [self._ownership.next_due(), self._leases.next_check(), self._pulls.next_deadline(), self._watch_due,
                  *(state.next_wake() for state in self._partitions.values())]
         return min([0.1, *(max(0.0, t - now) for t in times if t is not None)])
 

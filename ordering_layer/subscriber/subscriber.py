@@ -123,7 +123,7 @@ class Subscriber:
 
         engine = Engine(self._kafka, self._store, subscription, settings,
                         flow_control=flow_control or FlowControl(), on_messages=pool.submit,
-                        track_leases=track_leases)
+                        track_leases=track_leases, watch=pool.watch)
         engine.start()
         if self._metrics_port is not None:
             metrics.register(engine, kafka_config=self._kafka)

@@ -6,9 +6,10 @@ import threading
 from concurrent.futures import Future
 from typing import cast
 
-from ordering_layer.subscriber.handoff import CallbackPool, PullWaiters
+from ordering_layer.subscriber.handoff import WATCH_INTERVAL, CallbackPool, PullWaiters
 from ordering_layer.subscriber.message import Message
 from ordering_layer.subscriber.requests import Pull
+from tests.checker import wait_until
 
 
 def test_callback_pool_runs_each_message_once_on_its_workers() -> None:
@@ -24,6 +25,42 @@ def test_callback_pool_runs_each_message_once_on_its_workers() -> None:
     pool.submit(cast(list[Message], list(range(100))))
     pool.shutdown()
     assert sorted(seen) == list(range(100))
+
+
+def test_quick_callbacks_run_on_one_worker_and_waiting_messages_wake_more() -> None:
+    """SUB-2: callbacks that return at once run on the one worker a hand-out wakes; a message that
+    waits behind a callback held in user code gets another worker at the coordinator's next watch
+    but one (it was queued at the previous one), so a slow callback does not hold the others."""
+    threads: set[str] = set()
+    held, entered = threading.Event(), threading.Event()
+    ran: list[int] = []
+
+    def run(message: Message) -> None:
+        threads.add(threading.current_thread().name)
+        if cast(int, message) == -1:
+            entered.set()
+            held.wait(30)
+        ran.append(cast(int, message))
+
+    pool = CallbackPool("test-pool", 4, run)
+    wait_until(lambda: pool._idle == 4, 10, "workers asleep")
+    for start in range(0, 400, 100):
+        threads.clear()
+        pool.submit(cast(list[Message], list(range(start, start + 100))))
+        wait_until(lambda: len(ran) == start + 100 and pool._idle == 4, 10, "the batch ran")
+        assert len(threads) == 1  # the worker the hand-out woke
+    assert sorted(ran) == list(range(400))
+    threads.clear()
+    pool.submit(cast(list[Message], [-1, 7]))
+    assert entered.wait(10)  # one worker held in user code, 7 waiting behind it
+    assert pool.watch(0.0) == 0.0 + WATCH_INTERVAL  # queued since the last look: not overdue yet
+    assert ran[-1] != 7
+    assert pool.watch(1.0) is not None
+    wait_until(lambda: ran[-1] == 7, 10, "7 ran beside the held callback")
+    assert len(threads) == 2 and not held.is_set()  # 7 on another worker
+    held.set()
+    pool.shutdown()
+    assert pool.watch(2.0) is None
 
 
 def test_pulls_are_answered_oldest_first_and_expire_empty() -> None:
