@@ -349,6 +349,26 @@ fn command_runs(py: Python<'_>, packed: &str) -> PyResult<(String, Vec<Py<PyByte
     Ok((runs.header, arguments))
 }
 
+/// Take the objects of `items` out of the cyclic garbage collector's sight (`Message`s as they are
+/// handed out). A message refers to its record (untracked too), ints, bytes, its topic and its
+/// engine inbox's bound `put`; the only cycle it can be part of runs through that inbox while it
+/// waits there as an ack, and the engine drains its inbox, so reference counting alone frees it.
+/// Thousands of messages are outstanding at a time: tracked, each young collection walked them
+/// (`bench/RESULTS.md`).
+#[pyfunction]
+fn untrack_all(items: &Bound<'_, PyList>) {
+    for item in items.iter() {
+        // SAFETY: the object is alive (the list holds it); untracking an untracked object or one
+        // of a type the collector does not track changes nothing.
+        unsafe {
+            let flags = pyo3::ffi::PyType_GetFlags(pyo3::ffi::Py_TYPE(item.as_ptr()));
+            if flags & pyo3::ffi::Py_TPFLAGS_HAVE_GC != 0 {
+                pyo3::ffi::PyObject_GC_UnTrack(item.as_ptr().cast());
+            }
+        }
+    }
+}
+
 /// Outstanding deliveries and their leases (`leases.rs`), for the engine's coordinator: deliveries
 /// are named by handles; a run of plain acks is settled here and in the partitions' cores in one call.
 #[pyclass(module = "ordering_layer._core", name = "LeaseTable")]
@@ -592,5 +612,6 @@ fn ordering_layer_core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_function(wrap_pyfunction!(partition_runs, module)?)?;
     module.add_function(wrap_pyfunction!(kafka_partition_runs, module)?)?;
     module.add_function(wrap_pyfunction!(command_runs, module)?)?;
+    module.add_function(wrap_pyfunction!(untrack_all, module)?)?;
     Ok(())
 }

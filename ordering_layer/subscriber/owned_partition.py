@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ordering_layer._core import LeaseTable, PartitionCore
+from ordering_layer._core import LeaseTable, PartitionCore, untrack_all
 from ordering_layer.state.store import OpLetter
 from ordering_layer.subscriber.key_queue import Delivery, QueueKey, Record
 from ordering_layer.subscriber.message import Message, unattached
@@ -84,6 +84,7 @@ class OwnedPartition:
             key = record.key
             messages.append(Message(record, key if ordered and key else record.offset, token, attempt, topic, epoch,
                                     submit, handle))
+        untrack_all(messages)  # out of the cyclic collector's sight, as the records are (see the core)
         return messages, size
 
     def nack(self, delivery: Delivery, now: float, backoff: Callable[[int], float], *, lapsed: bool = False) -> bool:

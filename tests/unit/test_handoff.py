@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future
+from functools import partial
 from typing import cast
 
 from ordering_layer.subscriber.handoff import WATCH_INTERVAL, CallbackPool, PullWaiters
@@ -43,11 +44,15 @@ def test_quick_callbacks_run_on_one_worker_and_waiting_messages_wake_more() -> N
         ran.append(cast(int, message))
 
     pool = CallbackPool("test-pool", 4, run)
+
+    def batch_ran(end: int) -> bool:
+        return len(ran) == end and pool._idle == 4
+
     wait_until(lambda: pool._idle == 4, 10, "workers asleep")
-    for start in range(0, 400, 100):
+    for end in range(100, 500, 100):
         threads.clear()
-        pool.submit(cast(list[Message], list(range(start, start + 100))))
-        wait_until(lambda: len(ran) == start + 100 and pool._idle == 4, 10, "the batch ran")
+        pool.submit(cast(list[Message], list(range(end - 100, end))))
+        wait_until(partial(batch_ran, end), 10, "the batch ran")
         assert len(threads) == 1  # the worker the hand-out woke
     assert sorted(ran) == list(range(400))
     threads.clear()
