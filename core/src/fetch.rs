@@ -127,33 +127,15 @@ impl Api {
 type Headers = Vec<(String, Option<Vec<u8>>)>;
 /// Fetch errors: (partition, offset, librdkafka's text).
 type Errors = Vec<(i32, i64, String)>;
-/// Where bytes of a batch lie in its arena: (start, length).
-type Span = (usize, usize);
 
-/// A record's headers as copied out of librdkafka: none, a header set whose metadata is shared
-/// already (its slot in `NativeFetch::shared`), or a set to read (`metadata_of`).
-enum RecordHeaders {
-    None,
-    Shared(usize),
-    Read(Headers),
-}
-
-/// A record copied out of librdkafka (no GIL needed to make it); key and value lie in the batch's
-/// arena (one allocation per batch, not two per record).
+/// A record copied out of librdkafka (no GIL needed to make it).
 struct Fetched {
     partition: i32,
     offset: i64,
-    key: Option<Span>,
-    value: Option<Span>,
-    headers: RecordHeaders,
+    key: Option<Vec<u8>>,
+    value: Option<Vec<u8>>,
+    headers: Option<Headers>,
     timestamp_ms: i64,
-}
-
-/// One batch copied out of librdkafka: its records and the bytes of their keys and values.
-struct Batch {
-    records: Vec<Fetched>,
-    arena: Vec<u8>,
-    errors: Errors,
 }
 
 struct Queues {
@@ -172,10 +154,7 @@ pub struct NativeFetch {
     /// alive until the queues are given back (a consumer destroyed while its partitions are
     /// forwarded here would wait for them forever).
     refs: Option<Refs>,
-    /// Header sets whose metadata is shared, by their packed key (`header_key`): the slot of
-    /// their metadata and kept headers in `shared`. Read without the GIL while a batch is copied.
-    shared_keys: Mutex<HashMap<Vec<u8>, usize>>,
-    shared: Vec<(Py<PyAny>, Py<PyAny>)>,
+    plain: HashMap<Vec<u8>, (Py<PyAny>, Py<PyAny>)>,
 }
 
 /// The Python objects of a `NativeFetch` (seen by the collector: `metadata_of` refers back to the
@@ -187,31 +166,24 @@ struct Refs {
     empty: Py<PyAny>,
 }
 
-// SAFETY: librdkafka's handles are thread-safe; the queue map and the shared header keys are behind
-// mutexes and the rest is read-only after construction (the shared metadata is only touched with
-// `&mut self`).
+// SAFETY: librdkafka's handles are thread-safe; the queue map is behind a mutex and the rest is
+// read-only after construction (the metadata cache is only touched with `&mut self`).
 unsafe impl Send for NativeFetch {}
 unsafe impl Sync for NativeFetch {}
 
-/// Appends one header to a header set's packed key (for the shared metadata): its name and value
-/// with their lengths.
-fn pack_header(key: &mut Vec<u8>, name: &[u8], value: Option<&[u8]>) {
-    key.extend_from_slice(&(name.len() as u32).to_le_bytes());
-    key.extend_from_slice(name);
-    match value {
-        None => key.extend_from_slice(&u32::MAX.to_le_bytes()),
-        Some(value) => {
-            key.extend_from_slice(&(value.len() as u32).to_le_bytes());
-            key.extend_from_slice(value);
-        }
-    }
-}
-
-/// The packed key of a header set (see `pack_header`).
+/// Packs a record's headers into one key (for the metadata cache): names and values with lengths.
 fn header_key(headers: &Headers) -> Vec<u8> {
     let mut key = Vec::new();
     for (name, value) in headers {
-        pack_header(&mut key, name.as_bytes(), value.as_deref());
+        key.extend_from_slice(&(name.len() as u32).to_le_bytes());
+        key.extend_from_slice(name.as_bytes());
+        match value {
+            None => key.extend_from_slice(&u32::MAX.to_le_bytes()),
+            Some(value) => {
+                key.extend_from_slice(&(value.len() as u32).to_le_bytes());
+                key.extend_from_slice(value);
+            }
+        }
     }
     key
 }
@@ -241,90 +213,74 @@ impl NativeFetch {
     }
 
     /// Copies up to `max` messages out of librdkafka, waiting up to `timeout_ms` (no GIL held).
-    fn take(&self, max: usize, timeout_ms: c_int) -> Batch {
+    fn take(&self, max: usize, timeout_ms: c_int) -> (Vec<Fetched>, Errors) {
         let queues = self.queues.lock().expect("fetch queues lock");
-        let mut batch = Batch { records: Vec::new(), arena: Vec::new(), errors: Vec::new() };
         if queues.own.is_null() {
-            return batch;
+            return (Vec::new(), Vec::new());
         }
         let mut raw: Vec<*mut RawMessage> = vec![ptr::null_mut(); max.clamp(1, BATCH_MAX)];
         let api = &self.api;
         // SAFETY: queues.own is a live queue (destroyed only in close, under this lock); raw has room
         // for the count asked for; every message returned is destroyed below.
         let count = unsafe { (api.consume_batch_queue)(queues.own, timeout_ms, raw.as_mut_ptr(), raw.len()) };
-        let messages = &raw[..count.max(0) as usize];
-        // SAFETY (both sums): librdkafka returned the messages; their fields are valid until destroyed.
-        let bytes: usize = messages.iter().map(|&m| unsafe { (*m).len + (*m).key_len }).sum();
-        batch.records.reserve(messages.len());
-        batch.arena.reserve(bytes);
-        let shared = self.shared_keys.lock().expect("shared header keys lock");
-        let mut scratch = Vec::new();
-        for &message in messages {
+        let mut records = Vec::with_capacity(count.max(0) as usize);
+        let mut errors = Vec::new();
+        for &message in raw.iter().take(count.max(0) as usize) {
             // SAFETY: librdkafka returned it; its fields are valid until message_destroy.
             unsafe {
                 let m = &*message;
                 if m.err != 0 {
                     let text = CStr::from_ptr((api.err2str)(m.err)).to_string_lossy().into_owned();
-                    batch.errors.push((m.partition, m.offset, text));
+                    errors.push((m.partition, m.offset, text));
                 } else {
-                    batch.records.push(Fetched {
+                    records.push(Fetched {
                         partition: m.partition,
                         offset: m.offset,
-                        key: copy(&mut batch.arena, m.key, m.key_len),
-                        value: copy(&mut batch.arena, m.payload, m.len),
-                        headers: self.headers(message, &shared, &mut scratch),
+                        key: copy(m.key, m.key_len),
+                        value: copy(m.payload, m.len),
+                        headers: self.headers(message),
                         timestamp_ms: (api.message_timestamp)(message, ptr::null_mut()),
                     });
                 }
                 (api.message_destroy)(message);
             }
         }
-        batch
+        (records, errors)
     }
 
-    /// A message's headers: none, a set whose metadata is shared already (looked up by its packed
-    /// key, made in `scratch`), or a copy to read.
+    /// A message's headers, or None when it has none.
     ///
     /// # Safety
     /// `message` is a live message librdkafka returned.
-    unsafe fn headers(&self, message: *const RawMessage, shared: &HashMap<Vec<u8>, usize>,
-                      scratch: &mut Vec<u8>) -> RecordHeaders {
+    unsafe fn headers(&self, message: *const RawMessage) -> Option<Headers> {
         let api = &self.api;
         let mut hdrs: *mut c_void = ptr::null_mut();
         if (api.message_headers)(message, &mut hdrs) != 0 || hdrs.is_null() {
-            return RecordHeaders::None;
+            return None;
         }
         let count = (api.header_cnt)(hdrs);
-        let mut pairs: Vec<(*const c_char, Option<&[u8]>)> = Vec::with_capacity(count);
-        scratch.clear();
+        let mut headers = Vec::with_capacity(count);
         for index in 0..count {
             let (mut name, mut value, mut size): (*const c_char, *const u8, usize) = (ptr::null(), ptr::null(), 0);
             if (api.header_get_all)(hdrs, index, &mut name, &mut value, &mut size) != 0 {
                 break;
             }
-            let value = if value.is_null() { None } else { Some(std::slice::from_raw_parts(value, size)) };
-            pack_header(scratch, CStr::from_ptr(name).to_bytes(), value);
-            pairs.push((name, value));
+            let name = CStr::from_ptr(name).to_string_lossy().into_owned();
+            headers.push((name, if value.is_null() { None } else { Some(std::slice::from_raw_parts(value, size).to_vec()) }));
         }
-        if let Some(&slot) = shared.get(scratch.as_slice()) {
-            return RecordHeaders::Shared(slot);
-        }
-        RecordHeaders::Read(pairs.into_iter()
-            .map(|(name, value)| (CStr::from_ptr(name).to_string_lossy().into_owned(), value.map(<[u8]>::to_vec)))
-            .collect())
+        Some(headers)
     }
 
     /// The metadata of a record and the headers it keeps: shared per distinct header set.
-    fn metadata<'py>(&mut self, py: Python<'py>, refs: &Refs, headers: RecordHeaders, partition: i32,
+    fn metadata<'py>(&mut self, py: Python<'py>, refs: &Refs, headers: Option<Headers>, partition: i32,
                      offset: i64) -> PyResult<(Py<PyAny>, Py<PyAny>)> {
-        let headers = match headers {
-            RecordHeaders::None => return Ok((refs.empty.clone_ref(py), py.None())),
-            RecordHeaders::Shared(slot) => {
-                let (metadata, kept) = &self.shared[slot];
-                return Ok((metadata.clone_ref(py), kept.clone_ref(py)));
-            }
-            RecordHeaders::Read(headers) => headers,
+        let Some(headers) = headers else {
+            return Ok((refs.empty.clone_ref(py), py.None()));
         };
+        let key = header_key(&headers);
+        if let Some((metadata, shared)) = self.plain.get(&key) {
+            return Ok((metadata.clone_ref(py), shared.clone_ref(py)));
+        }
         let pairs = PyList::empty(py);
         for (name, value) in &headers {
             let value: Bound<'py, PyAny> = match value {
@@ -335,31 +291,25 @@ impl NativeFetch {
         }
         // metadata_of(headers, partition, offset) -> (metadata, headers to keep, shareable)
         let (metadata, kept, shareable): (Py<PyAny>, Py<PyAny>, bool) = refs.metadata_of.call1(py, (pairs, partition, offset))?.extract(py)?;
-        if shareable && self.shared.len() < 64 {
-            let key = header_key(&headers);
-            let mut keys = self.shared_keys.lock().expect("shared header keys lock");
-            if let std::collections::hash_map::Entry::Vacant(entry) = keys.entry(key) {
-                entry.insert(self.shared.len());
-                self.shared.push((metadata.clone_ref(py), kept.clone_ref(py)));
-            }
+        if shareable && self.plain.len() < 64 {
+            self.plain.insert(key, (metadata.clone_ref(py), kept.clone_ref(py)));
         }
         Ok((metadata, kept))
     }
 }
 
-/// Appends `len` bytes at `data` to `arena`: where they lie, None for a null pointer.
+/// A copy of `len` bytes at `data`, None for a null pointer.
 ///
 /// # Safety
 /// `data` is null or points to `len` readable bytes.
-unsafe fn copy(arena: &mut Vec<u8>, data: *const u8, len: usize) -> Option<Span> {
+unsafe fn copy(data: *const u8, len: usize) -> Option<Vec<u8>> {
     if data.is_null() {
         None
     } else {
-        let start = arena.len();
-        arena.extend_from_slice(std::slice::from_raw_parts(data, len));
-        Some((start, len))
+        Some(std::slice::from_raw_parts(data, len).to_vec())
     }
 }
+
 #[pymethods]
 impl NativeFetch {
     /// Wrap the `rd_kafka_t` of a confluent-kafka `Consumer`.
@@ -390,8 +340,7 @@ impl NativeFetch {
             topic: CString::new(topic).map_err(|_| PyRuntimeError::new_err("bad topic name"))?,
             queues: Mutex::new(Queues { own, partitions: HashMap::new() }),
             refs: Some(Refs { consumer, record, metadata_of, empty }),
-            shared_keys: Mutex::new(HashMap::new()),
-            shared: Vec::new(),
+            plain: HashMap::new(),
         })
     }
 
@@ -453,18 +402,17 @@ impl NativeFetch {
             return Ok((PyList::empty(py), Vec::new()));
         };
         let this = &*self;
-        let batch = py.detach(|| this.take(max, timeout_ms));
+        let (fetched, errors) = py.detach(|| this.take(max, timeout_ms));
         let records = PyList::empty(py);
-        let bytes = |span: Option<Span>| span.map(|(start, len)| PyBytes::new(py, &batch.arena[start..start + len]));
-        for item in batch.records {
-            let size = item.value.map_or(0, |(_, len)| len);
+        for item in fetched {
+            let size = item.value.as_ref().map_or(0, Vec::len);
             let (metadata, headers) = self.metadata(py, &refs, item.headers, item.partition, item.offset)?;
-            let key = match bytes(item.key.filter(|&(_, len)| len > 0)) {
-                Some(key) => key.into_any().unbind(),
-                None => py.None(),
+            let key = match item.key {
+                Some(key) if !key.is_empty() => PyBytes::new(py, &key).into_any().unbind(),
+                _ => py.None(),
             };
-            let value = match bytes(item.value) {
-                Some(value) => value.into_any().unbind(),
+            let value = match item.value {
+                Some(value) => PyBytes::new(py, &value).into_any().unbind(),
                 None => py.None(),
             };
             let record = refs.record.call1(py, (item.partition, item.offset, key, value, headers, metadata, size,
@@ -472,7 +420,6 @@ impl NativeFetch {
             untrack(&record);
             records.append(record)?;
         }
-        let errors = batch.errors;
         Ok((records, errors))
     }
 
@@ -481,8 +428,7 @@ impl NativeFetch {
     fn close(&mut self) {
         self.release();
         self.refs = None;
-        self.shared.clear();
-        self.shared_keys.lock().expect("shared header keys lock").clear();
+        self.plain.clear();
     }
 
     fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
@@ -491,7 +437,7 @@ impl NativeFetch {
                 visit.call(object)?;
             }
         }
-        for (metadata, headers) in &self.shared {
+        for (metadata, headers) in self.plain.values() {
             visit.call(metadata)?;
             visit.call(headers)?;
         }
