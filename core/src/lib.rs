@@ -381,6 +381,15 @@ fn handle_of(item: &Bound<'_, PyAny>) -> PyResult<u64> {
     item.getattr(intern!(item.py(), "lease"))?.extract()
 }
 
+/// Partition cores borrowed mutably (their `PyRefMut` guards kept by the caller) for a stretch run
+/// without the GIL: (partition, owner epoch, the core).
+struct Borrowed(Vec<(i32, i64, *mut Core<Py<PyAny>>)>);
+
+// SAFETY: `Python::detach` runs its closure on the calling thread, which keeps each core's
+// `PyRefMut` guard until the closure has returned: no other borrow of a core can be made meanwhile
+// (one would fail, not alias), and the coordinator's lock keeps other threads away from them anyway.
+unsafe impl Send for Borrowed {}
+
 /// An owned partition's core and owner epoch.
 type OwnedState<'py> = (Bound<'py, PartitionCore>, i64);
 
@@ -502,16 +511,41 @@ impl LeaseTable {
     /// queues its SETTLED op. Returns how many were settled; an ack of a delivery given back or
     /// dropped since, or made under an older epoch, changes nothing (ACK-5).
     fn ack_run(&mut self, messages: &Bound<'_, PyList>, owned: &Bound<'_, PyDict>, now: f64) -> PyResult<usize> {
-        let mut settled = 0;
-        let mut cache = OwnedCache { owned: owned.clone(), current: None };
+        // With the GIL: the handles, and the cores of the partitions they name (each borrowed once).
+        let mut handles = Vec::with_capacity(messages.len());
+        let mut looked_up: Vec<i32> = Vec::new();
+        let mut guards: Vec<(i32, i64, PyRefMut<'_, PartitionCore>)> = Vec::new();
         for message in messages.iter() {
             let handle = handle_of(&message)?;
-            let Some(&lease) = self.leases.get(handle) else { continue };
-            let Some(core) = cache.core(lease.partition, lease.epoch)? else { continue };
-            core.borrow_mut().core.ack_leased(lease.offset, lease.token, lease.written);
-            self.leases.pop(handle, Some(now));
-            settled += 1;
+            if let Some(lease) = self.leases.get(handle) {
+                if !looked_up.contains(&lease.partition) {
+                    looked_up.push(lease.partition);
+                    if let Some((core, epoch)) = owned_core(owned, lease.partition)? {
+                        guards.push((lease.partition, epoch, core.borrow_mut()));
+                    }
+                }
+            }
+            handles.push(handle);
         }
+        // Without it: the settling itself, which touches no Python object (the records a settled
+        // queue lets go are dropped through PyO3's pool, released when the GIL is next taken).
+        let cores = Borrowed(guards.iter_mut().map(|(partition, epoch, core)| (*partition, *epoch, &raw mut core.core)).collect());
+        let leases = &mut self.leases;
+        let settled = messages.py().detach(move || {
+            let cores = cores;
+            let mut settled = 0;
+            for handle in handles {
+                let Some(&lease) = leases.get(handle) else { continue };
+                let Some(&(_, _, core)) = cores.0.iter().find(|(p, e, _)| *p == lease.partition && *e == lease.epoch)
+                else { continue };
+                // SAFETY: see `Borrowed`.
+                unsafe { (*core).ack_leased(lease.offset, lease.token, lease.written) };
+                leases.pop(handle, Some(now));
+                settled += 1;
+            }
+            settled
+        });
+        drop(guards);
         Ok(settled)
     }
 
