@@ -39,7 +39,8 @@ struct PartitionCore {
 }
 
 impl PartitionCore {
-    /// `items[start:stop]` into the core; `read` gives an item's offset, payload size and key.
+    /// `items[start:stop]` into the core; `read` gives an item's offset, payload size and key. What
+    /// is read is read with the GIL; the queueing itself runs without it.
     fn take<'py>(
         &mut self,
         items: &Bound<'py, PyList>,
@@ -48,17 +49,42 @@ impl PartitionCore {
         read: impl Fn(&Bound<'py, PyAny>) -> PyResult<(i64, i64, Bound<'py, PyAny>)>,
     ) -> PyResult<Vec<i64>> {
         let stop = stop.unwrap_or(usize::MAX).min(items.len());
-        let mut skipped = Vec::new();
+        let mut keys = Vec::with_capacity(stop.saturating_sub(start)); // the key objects, alive until queued
+        let mut read_items = Intake(Vec::with_capacity(keys.capacity()));
         for index in start..stop {
             let item = items.get_item(index)?;
             let (offset, size, key) = read(&item)?;
-            if !self.core.add(offset, key_bytes(&key)?, size, item.unbind()) {
-                skipped.push(offset);
-            }
+            let span = key_bytes(&key)?.map(|bytes| (bytes.as_ptr(), bytes.len()));
+            read_items.0.push((offset, size, span, item.unbind()));
+            keys.push(key);
         }
+        let core = &mut self.core;
+        let skipped = items.py().detach(move || {
+            let read_items = read_items;
+            let mut skipped = Vec::new();
+            for (offset, size, span, item) in read_items.0 {
+                // SAFETY: see `Intake`.
+                let key = span.map(|(data, len)| unsafe { std::slice::from_raw_parts(data, len) });
+                if !core.add(offset, key, size, item) {
+                    skipped.push(offset);
+                }
+            }
+            skipped
+        });
+        drop(keys);
         Ok(skipped)
     }
 }
+
+/// A fetched item read with the GIL: offset, payload size, its key's bytes (pointer, length), item.
+type ReadItem = (i64, i64, Option<(*const u8, usize)>, Py<PyAny>);
+
+/// Fetched items read with the GIL, queued without it.
+struct Intake(Vec<ReadItem>);
+
+// SAFETY: each key pointer is the buffer of a `bytes` object (immutable) that the caller keeps a
+// reference to until the closure of `Python::detach` it is moved into has returned.
+unsafe impl Send for Intake {}
 
 fn key_bytes<'a>(key: &'a Bound<'_, PyAny>) -> PyResult<Option<&'a [u8]>> {
     if key.is_none() {
