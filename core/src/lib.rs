@@ -39,8 +39,7 @@ struct PartitionCore {
 }
 
 impl PartitionCore {
-    /// `items[start:stop]` into the core; `read` gives an item's offset, payload size and key. What
-    /// is read is read with the GIL; the queueing itself runs without it.
+    /// `items[start:stop]` into the core; `read` gives an item's offset, payload size and key.
     fn take<'py>(
         &mut self,
         items: &Bound<'py, PyList>,
@@ -49,42 +48,17 @@ impl PartitionCore {
         read: impl Fn(&Bound<'py, PyAny>) -> PyResult<(i64, i64, Bound<'py, PyAny>)>,
     ) -> PyResult<Vec<i64>> {
         let stop = stop.unwrap_or(usize::MAX).min(items.len());
-        let mut keys = Vec::with_capacity(stop.saturating_sub(start)); // the key objects, alive until queued
-        let mut read_items = Intake(Vec::with_capacity(keys.capacity()));
+        let mut skipped = Vec::new();
         for index in start..stop {
             let item = items.get_item(index)?;
             let (offset, size, key) = read(&item)?;
-            let span = key_bytes(&key)?.map(|bytes| (bytes.as_ptr(), bytes.len()));
-            read_items.0.push((offset, size, span, item.unbind()));
-            keys.push(key);
-        }
-        let core = &mut self.core;
-        let skipped = items.py().detach(move || {
-            let read_items = read_items;
-            let mut skipped = Vec::new();
-            for (offset, size, span, item) in read_items.0 {
-                // SAFETY: see `Intake`.
-                let key = span.map(|(data, len)| unsafe { std::slice::from_raw_parts(data, len) });
-                if !core.add(offset, key, size, item) {
-                    skipped.push(offset);
-                }
+            if !self.core.add(offset, key_bytes(&key)?, size, item.unbind()) {
+                skipped.push(offset);
             }
-            skipped
-        });
-        drop(keys);
+        }
         Ok(skipped)
     }
 }
-
-/// A fetched item read with the GIL: offset, payload size, its key's bytes (pointer, length), item.
-type ReadItem = (i64, i64, Option<(*const u8, usize)>, Py<PyAny>);
-
-/// Fetched items read with the GIL, queued without it.
-struct Intake(Vec<ReadItem>);
-
-// SAFETY: each key pointer is the buffer of a `bytes` object (immutable) that the caller keeps a
-// reference to until the closure of `Python::detach` it is moved into has returned.
-unsafe impl Send for Intake {}
 
 fn key_bytes<'a>(key: &'a Bound<'_, PyAny>) -> PyResult<Option<&'a [u8]>> {
     if key.is_none() {
@@ -407,15 +381,6 @@ fn handle_of(item: &Bound<'_, PyAny>) -> PyResult<u64> {
     item.getattr(intern!(item.py(), "lease"))?.extract()
 }
 
-/// Partition cores borrowed mutably (their `PyRefMut` guards kept by the caller) for a stretch run
-/// without the GIL: (partition, owner epoch, the core).
-struct Borrowed(Vec<(i32, i64, *mut Core<Py<PyAny>>)>);
-
-// SAFETY: `Python::detach` runs its closure on the calling thread, which keeps each core's
-// `PyRefMut` guard until the closure has returned: no other borrow of a core can be made meanwhile
-// (one would fail, not alias), and the coordinator's lock keeps other threads away from them anyway.
-unsafe impl Send for Borrowed {}
-
 /// An owned partition's core and owner epoch.
 type OwnedState<'py> = (Bound<'py, PartitionCore>, i64);
 
@@ -537,41 +502,16 @@ impl LeaseTable {
     /// queues its SETTLED op. Returns how many were settled; an ack of a delivery given back or
     /// dropped since, or made under an older epoch, changes nothing (ACK-5).
     fn ack_run(&mut self, messages: &Bound<'_, PyList>, owned: &Bound<'_, PyDict>, now: f64) -> PyResult<usize> {
-        // With the GIL: the handles, and the cores of the partitions they name (each borrowed once).
-        let mut handles = Vec::with_capacity(messages.len());
-        let mut looked_up: Vec<i32> = Vec::new();
-        let mut guards: Vec<(i32, i64, PyRefMut<'_, PartitionCore>)> = Vec::new();
+        let mut settled = 0;
+        let mut cache = OwnedCache { owned: owned.clone(), current: None };
         for message in messages.iter() {
             let handle = handle_of(&message)?;
-            if let Some(lease) = self.leases.get(handle) {
-                if !looked_up.contains(&lease.partition) {
-                    looked_up.push(lease.partition);
-                    if let Some((core, epoch)) = owned_core(owned, lease.partition)? {
-                        guards.push((lease.partition, epoch, core.borrow_mut()));
-                    }
-                }
-            }
-            handles.push(handle);
+            let Some(&lease) = self.leases.get(handle) else { continue };
+            let Some(core) = cache.core(lease.partition, lease.epoch)? else { continue };
+            core.borrow_mut().core.ack_leased(lease.offset, lease.token, lease.written);
+            self.leases.pop(handle, Some(now));
+            settled += 1;
         }
-        // Without it: the settling itself, which touches no Python object (the records a settled
-        // queue lets go are dropped through PyO3's pool, released when the GIL is next taken).
-        let cores = Borrowed(guards.iter_mut().map(|(partition, epoch, core)| (*partition, *epoch, &raw mut core.core)).collect());
-        let leases = &mut self.leases;
-        let settled = messages.py().detach(move || {
-            let cores = cores;
-            let mut settled = 0;
-            for handle in handles {
-                let Some(&lease) = leases.get(handle) else { continue };
-                let Some(&(_, _, core)) = cores.0.iter().find(|(p, e, _)| *p == lease.partition && *e == lease.epoch)
-                else { continue };
-                // SAFETY: see `Borrowed`.
-                unsafe { (*core).ack_leased(lease.offset, lease.token, lease.written) };
-                leases.pop(handle, Some(now));
-                settled += 1;
-            }
-            settled
-        });
-        drop(guards);
         Ok(settled)
     }
 
