@@ -6,18 +6,88 @@
 //! waiting list are queues of (slot, stamp) pairs where a pair whose stamp is no longer its queue's
 //! is stale and skipped, which gives a Python dict's insertion order with O(1) removal.
 
+use std::borrow::Borrow;
 use std::cmp::Ordering;
 use std::collections::VecDeque;
+use std::fmt;
+use std::hash::{Hash, Hasher};
+use std::ops::Deref;
 
 /// Suspects charged this many attempts or more are quarantined (`key_queue.QUARANTINE_FROM`): one
 /// crash charges what was out one attempt, and those suspects go out together; from a second crash
 /// on each goes out alone, so an innocent is charged for two crashes at most.
 pub const QUARANTINE_FROM: u32 = 2;
 
+/// Keys up to this many bytes are kept inline (`KeyBytes`).
+const INLINE: usize = 30;
+
+/// An ordering key's bytes: inline when short, as most keys are, so that making, cloning and
+/// dropping a key's queue allocates nothing for it; boxed otherwise. Hashes and compares as the
+/// bytes (`Borrow<[u8]>`: a map keyed by it is looked up by a byte slice).
+#[derive(Clone)]
+pub enum KeyBytes {
+    Inline(u8, [u8; INLINE]),
+    Boxed(Box<[u8]>),
+}
+
+impl KeyBytes {
+    pub fn as_slice(&self) -> &[u8] {
+        match self {
+            KeyBytes::Inline(len, bytes) => &bytes[..usize::from(*len)],
+            KeyBytes::Boxed(bytes) => bytes,
+        }
+    }
+}
+
+impl From<&[u8]> for KeyBytes {
+    fn from(bytes: &[u8]) -> Self {
+        if bytes.len() <= INLINE {
+            let mut inline = [0u8; INLINE];
+            inline[..bytes.len()].copy_from_slice(bytes);
+            KeyBytes::Inline(bytes.len() as u8, inline)
+        } else {
+            KeyBytes::Boxed(bytes.into())
+        }
+    }
+}
+
+impl Deref for KeyBytes {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        self.as_slice()
+    }
+}
+
+impl Borrow<[u8]> for KeyBytes {
+    fn borrow(&self) -> &[u8] {
+        self.as_slice()
+    }
+}
+
+impl PartialEq for KeyBytes {
+    fn eq(&self, other: &Self) -> bool {
+        self.as_slice() == other.as_slice()
+    }
+}
+
+impl Eq for KeyBytes {}
+
+impl Hash for KeyBytes {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        self.as_slice().hash(state);
+    }
+}
+
+impl fmt::Debug for KeyBytes {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.as_slice().fmt(f)
+    }
+}
+
 /// What a record queues under.
 #[derive(Clone, PartialEq, Eq, Hash, Debug)]
 pub enum QueueKey {
-    Key(Box<[u8]>),
+    Key(KeyBytes),
     Offset(i64),
 }
 
@@ -51,10 +121,11 @@ pub struct KeyQueue<T> {
 }
 
 impl<T> KeyQueue<T> {
-    pub fn new(qkey: QueueKey) -> Self {
+    /// A key's queue, its records kept in `records` (empty; a spare one keeps its capacity).
+    pub fn new(qkey: QueueKey, records: VecDeque<Entry<T>>) -> Self {
         KeyQueue {
             qkey,
-            records: VecDeque::new(),
+            records,
             cursor: 0,
             outstanding: 0,
             failures: 0,
@@ -150,5 +221,25 @@ impl Quarantine {
             .iter()
             .filter(|&&(slot, stamp)| matches!(slots.get(slot as usize), Some(Some(q)) if q.waiting_stamp == stamp))
             .map(|&(slot, _)| slot)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::KeyBytes;
+    use foldhash::{HashMap, HashMapExt};
+
+    #[test]
+    fn key_bytes_look_up_as_byte_slices_short_or_long() {
+        let long = [7u8; 100];
+        let mut map: HashMap<KeyBytes, u32> = HashMap::new();
+        map.insert(KeyBytes::from(&b"key-1"[..]), 1);
+        map.insert(KeyBytes::from(&long[..]), 2);
+        map.insert(KeyBytes::from(&b""[..]), 3);
+        assert!(matches!(KeyBytes::from(&b"key-1"[..]), KeyBytes::Inline(5, _)));
+        assert!(matches!(KeyBytes::from(&long[..]), KeyBytes::Boxed(_)));
+        assert_eq!((map.get(&b"key-1"[..]), map.get(&long[..]), map.get(&b""[..])), (Some(&1), Some(&2), Some(&3)));
+        assert_eq!(map.get(&b"key-2"[..]), None);
+        assert_eq!(&*KeyBytes::from(&long[..]), &long[..]);
     }
 }

@@ -41,7 +41,7 @@ use std::sync::atomic::{AtomicU64, Ordering as AtomicOrdering};
 
 use foldhash::{HashMap, HashMapExt, HashSet};
 
-pub use crate::key_queue::{Entry, QueueKey};
+pub use crate::key_queue::{Entry, KeyBytes, QueueKey};
 use crate::key_queue::{KeyQueue, Quarantine, Wake, QUARANTINE_FROM};
 use crate::ops::{self, OpBuffer};
 use crate::tracker::OffsetTracker;
@@ -71,7 +71,7 @@ pub struct PartitionCore<T> {
     tracker: OffsetTracker,
     slots: Vec<Option<KeyQueue<T>>>,
     free: Vec<u32>,
-    by_key: HashMap<Box<[u8]>, u32>,
+    by_key: HashMap<KeyBytes, u32>,
     by_offset: HashMap<i64, u32>,
     delivered: HashMap<i64, u32>, // outstanding offset -> slot of its queue
     ready: VecDeque<(u32, u64)>,
@@ -92,7 +92,12 @@ pub struct PartitionCore<T> {
     suspects: bool,
     quarantine: Quarantine,
     pub ops: OpBuffer,
+    spare: Vec<VecDeque<Entry<T>>>, // emptied queues' record buffers, kept for new queues
 }
+
+/// Emptied record buffers kept at most (each of at most `SPARE_CAPACITY` entries).
+const SPARE_KEPT: usize = 4096;
+const SPARE_CAPACITY: usize = 64;
 
 impl<T> PartitionCore<T> {
     /// `settled_before` and `attempts_before` come from the claim (the recovery walk, ACK-6); with
@@ -130,6 +135,7 @@ impl<T> PartitionCore<T> {
             suspects,
             quarantine: Quarantine::default(),
             ops: OpBuffer::default(),
+            spare: Vec::new(),
         }
     }
 
@@ -192,7 +198,7 @@ impl<T> PartitionCore<T> {
             Some(key) => QueueKey::Key(key.into()),
             None => QueueKey::Offset(offset),
         };
-        let queue = KeyQueue::new(qkey.clone());
+        let queue = KeyQueue::new(qkey.clone(), self.spare.pop().unwrap_or_default());
         let slot = match self.free.pop() {
             Some(slot) => {
                 self.slots[slot as usize] = Some(queue);
@@ -482,16 +488,20 @@ impl<T> PartitionCore<T> {
             queue.records.pop_front();
             queue.cursor -= 1;
         }
-        if queue.records.is_empty() {
-            let qkey = queue.qkey.clone();
-            match qkey {
-                QueueKey::Key(key) => self.by_key.remove(&key),
-                QueueKey::Offset(offset) => self.by_offset.remove(&offset),
-            };
-            self.slots[slot as usize] = None;
-            self.free.push(slot);
-        } else if queue.outstanding == 0 && !queue.backing_off {
-            self.mark_ready(slot);
+        if !queue.records.is_empty() {
+            if queue.outstanding == 0 && !queue.backing_off {
+                self.mark_ready(slot);
+            }
+            return;
+        }
+        let queue = self.slots[slot as usize].take().expect("a live slot");
+        match &queue.qkey {
+            QueueKey::Key(key) => self.by_key.remove(key.as_slice()),
+            QueueKey::Offset(offset) => self.by_offset.remove(offset),
+        };
+        self.free.push(slot);
+        if self.spare.len() < SPARE_KEPT && queue.records.capacity() <= SPARE_CAPACITY {
+            self.spare.push(queue.records);
         }
     }
 
