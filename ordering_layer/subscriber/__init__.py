@@ -23,7 +23,8 @@ rules under the same names, checked against it by ``tests/unit/test_core.py``:
 - SUB-1 in-key order (one outstanding per key; one batch per key in pull mode): the core
   (``release_ready``; reference ``PartitionState.release``), ``dispatch`` (per-key release size)
 - SUB-2 no head-of-line blocking (per-key queues, per-key backoff heap): the core (reference
-  ``key_queue.KeyBackoff``)
+  ``key_queue.KeyBackoff``); callbacks held in user code get more workers (``handoff``: the
+  pool's watch)
 - SUB-3 nothing lost (generations on fetched batches, claims, recovery walk, commit point):
   ``fetcher``, ``partitions``, the core (``add``: recovery walk, reference ``recovery_walk``;
   ``tracker.rs``: commit point)
@@ -41,9 +42,10 @@ rules under the same names, checked against it by ``tests/unit/test_core.py``:
 - ACK-4 state in Redis, batched; commit of the lowest unsettled offset: the core (ops queued in
   decision order), ``state_writer``, ``state/`` (``pipe``: flushes back to back on one
   connection); ``settlement`` (ops), ``ownership`` (``flush``; leases of deliveries held past
-  ``LEASE_WRITE_AGE``, ``leases.write_leases``),
-  ``commits`` (commit interval, watermarks after a commit report), ``partitions``
-  (``commit_offsets``), ``fetcher`` (commits)
+  ``LEASE_WRITE_AGE``, ``leases.write_leases``; each partition's commit point as its floor in
+  Redis, the core's ``take_ops(floor=True)``, so the settled set keeps only what is above it),
+  ``commits`` (commit interval, commit reports), ``partitions`` (``commit_offsets``; a claim's
+  floor skips what an earlier owner settled below it), ``fetcher`` (commits)
 - ACK-5 fencing, ``ack_with_response``: ``partitions`` (epochs), ``ownership`` (fencing verdicts),
   ``settlement`` and ``leases`` (stale epochs and lease handles refused), ``state_writer`` (answers),
   ``state/lua/apply.lua``
