@@ -5,7 +5,8 @@ A subscriber's flush is a round trip: the released messages it carries wait for 
 they are handed out (ACK-6). ``ApplyPipe`` lets the next flush go out before the answer of the one
 in flight has come: both are written to the same connection, so Redis runs their calls in the order
 sent, and a partition's ops keep the order they were queued in, as with one flush at a time. One
-thread sends (``send``) and another reads the answers (``receive``), each flush in turn.
+thread writes (``send``: the subscriber's coordinator) and another reads the answers
+(``receive``), each flush in turn.
 
 A connection that failed (an error writing or reading, a timeout) is not used again: ``receive``
 disconnects it, and the next ``send`` takes a new one from the client's pool (and loads the script
@@ -51,8 +52,14 @@ class ApplyPipe:
         self._failed = False  # the current connection failed: the next send takes a new one
         self._lock = threading.Lock()
 
+    @property
+    def ready(self) -> bool:
+        """A connection is open and has not failed: ``send`` only writes (no connect, no script load)."""
+        with self._lock:
+            return self._connection is not None and not self._failed
+
     def send(self, batches: Sequence[tuple[str, int, int, str]]) -> Sent:
-        """Write one flush's ``apply.lua`` calls (the sending thread); the answers are ``receive``'s."""
+        """Write one flush's ``apply.lua`` calls (the writing thread); the answers are ``receive``'s."""
         with self._lock:
             fresh = self._connection is None or self._failed
             if fresh:

@@ -7,13 +7,14 @@ deadline changes, pulls, commit and dead-letter reports), routes each typed requ
 state is kept and applies the verdicts: partitions release what may go out (``OwnedPartition``: the
 compiled core's key queues) within flow control (``FlowGate``), as outstanding leases (``LeaseTable``).
 Attempts and leases reach Redis in one pipeline (``StateWriter``) *before* the messages are handed
-out (``handoff``) or dead-lettered (``DeadLetters``); the pipeline goes out on the *sending* thread,
-one at a time (``Ownership``), and its answer wakes the coordinator, which meanwhile takes acks and
-releases more. Commits go back to the fetch thread as queued requests. The components hold no
-references to each other; the rules live in modules handed the components they act on:
-``dispatch`` (release, hand-out), ``settlement`` (acks, nacks, deadlines, lapses, dead-letter
-reports, start notes), ``commits`` (commit points and seeks, GRP-3) and ``ownership`` (claims,
-revocations, flushes and their fencing verdicts).
+out (``handoff``) or dead-lettered (``DeadLetters``); on a single Redis server the coordinator
+writes the pipeline to its connection and the *reading* thread waits for the answer, one or two in
+flight (``Ownership``); on a cluster the *sending* thread makes the round trip, one at a time. The
+answer wakes the coordinator, which meanwhile takes acks and releases more. Commits go back to the
+fetch thread as queued requests. The components hold no references to each other; the rules live
+in modules handed the components they act on: ``dispatch`` (release, hand-out), ``settlement``
+(acks, nacks, deadlines, lapses, dead-letter reports, start notes), ``commits`` (commit points and
+seeks, GRP-3) and ``ownership`` (claims, revocations, flushes and their fencing verdicts).
 
 Attempt counts (ACK-6, DLQ-3): a callback worker writes the start of a suspect (a record an earlier
 owner handed out and never settled, see ``partitions``) to Redis before user code runs (``begin``);

@@ -83,6 +83,7 @@ class Ownership:
         self._flights: deque[tuple[Flush, list[Released], Future[None]]] = deque()  # in the order sent
         self._failed: Exception | None = None  # a flush in flight before those still in flight failed
         self._sender: ThreadPoolExecutor | None = None
+        self._writing: Future[None] | None = None  # the last flush written on the sending thread
         self._reader: ThreadPoolExecutor | None = None
 
     # -- fetch thread ------------------------------------------------------------------------------
@@ -176,8 +177,11 @@ class Ownership:
             done.add_done_callback(lambda _: wake())
 
     def _send(self, flush: Flush) -> Future[None]:
-        """The round trip of a flush on the sending thread (pipelined: written there, its answers read
-        on the reading thread, flushes in the order sent)."""
+        """The round trip of a flush on the sending thread; pipelined, its answers are read on the
+        reading thread, flushes in the order written. A pipelined flush is written here when the
+        connection is open and every earlier flush is written (a socket write of at most two flushes
+        in flight, which Redis reads as they come); one that needs a new connection (the first, or
+        after a failure: connect and script load) is written on the sending thread."""
         writer = self._writer
         if self._sender is None:
             self._sender = ThreadPoolExecutor(1, thread_name_prefix=f"ordering-layer-redis-{self._subscription}")
@@ -185,7 +189,11 @@ class Ownership:
             return self._sender.submit(writer.send, flush)
         if self._reader is None:
             self._reader = ThreadPoolExecutor(1, thread_name_prefix=f"ordering-layer-redis-read-{self._subscription}")
-        written = self._sender.submit(writer.write, flush)
+        writing = self._writing
+        if writer.pipe.ready and (writing is None or writing.done()):
+            writer.write(flush)
+            return self._reader.submit(writer.read, flush)
+        written = self._writing = self._sender.submit(writer.write, flush)
 
         def read() -> None:
             written.result()

@@ -139,7 +139,7 @@ class StateWriter:
         self.flush_seconds.append(time.perf_counter() - start)
 
     def write(self, flush: Flush) -> None:
-        """Pipelined: write a begun flush's calls (the sending thread); ``read`` takes its answers."""
+        """Pipelined: write a begun flush's calls (the coordinator); ``read`` takes its answers."""
         if not flush.batches or self.pipe is None:
             return
         flush.started = time.perf_counter()

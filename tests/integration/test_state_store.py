@@ -207,7 +207,9 @@ def test_a_pipe_reloads_a_lost_script_and_leaves_a_failed_connection(endpoints: 
     name = unique_name("pipe")
     owner = store.claim(name, 0).epoch
     store.client.script_flush()  # type: ignore[union-attr]
+    connected_before = pipe.ready  # the first send connects
     assert pipe.receive(pipe.send([(name, 0, owner, "r,1,1;")])) == [ApplyResult.APPLIED]
+    assert (connected_before, pipe.ready) == (False, True)
     store.client.script_flush()  # type: ignore[union-attr]
     lost = pipe.send([(name, 0, owner, "r,2,1;"), (name, 0, owner, "r,3,1;")])
     with pytest.raises(redis.exceptions.NoScriptError):
@@ -226,6 +228,7 @@ def test_a_pipe_reloads_a_lost_script_and_leaves_a_failed_connection(endpoints: 
     for sent in in_flight:
         with pytest.raises(redis.exceptions.ConnectionError):
             pipe.receive(sent)
+    assert not pipe.ready  # the next send connects again
     after = pipe.send([(name, 0, owner, "r,12,1;")])
     assert after.connection is not first_connection.connection
     assert pipe.receive(after) == [ApplyResult.APPLIED]

@@ -279,6 +279,8 @@ class FakePipe:
 
     def __init__(self) -> None:
         self.written: list[list[tuple[int, list[Op]]]] = []
+        self.writers: list[str] = []  # the thread that wrote each flush
+        self.ready = True  # a connection is open (else the write connects first)
         self._gates: dict[int, threading.Event] = {}
         self._lock = threading.Lock()
         self.failing: set[int] = set()  # flushes (by number) whose answer is an error
@@ -289,6 +291,8 @@ class FakePipe:
             return self._gates.setdefault(flush, threading.Event())
 
     def send(self, batches: Sequence[tuple[str, int, int, str]]) -> Sent:
+        self.writers.append(threading.current_thread().name)
+        self.ready = True
         self.written.append([(partition, unpack_ops(packed)) for _, partition, _, packed in batches])
         return Sent(len(self.written) - 1, len(batches))
 
@@ -365,3 +369,20 @@ def test_a_failed_pipelined_flush_fails_the_one_written_after_it_and_their_ops_g
     [[(_, ops)]] = rig.pipe.written[2:]
     assert [(op[0], op[1]) for op in ops] == [(OpKind.RELEASED, 0), (OpKind.FLOOR, 0), (OpKind.RELEASED, 1),
                                               (OpKind.SETTLED, 9)]
+
+
+def test_a_pipelined_flush_is_written_by_the_coordinator_once_a_connection_is_open() -> None:
+    """ACK-4: a flush that needs a new connection (connect, script load) is written on the sending
+    thread; once the connection is open the coordinator writes the next ones itself, after every
+    earlier write, and the reading thread waits for each answer."""
+    rig = PipelinedRig()
+    rig.pipe.ready = False
+    rig.release([0])
+    rig.ownership.start(0.0)
+    rig.answer(0)
+    rig.release([1])
+    rig.ownership.start(0.0)
+    rig.answer(1)
+    assert rig.delivered == [([0], True), ([1], True)]
+    assert rig.pipe.writers[0].startswith("ordering-layer-redis-sub")
+    assert rig.pipe.writers[1] == threading.current_thread().name
