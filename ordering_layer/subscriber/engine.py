@@ -111,7 +111,7 @@ class Engine:
         self._store = store
         self._settlement = Settlement(subscription, settings, self._partitions, self._leases, self._writer,
                                       self._counts)
-        self.starts = self._settlement.starts  # start notes, appended per message by the workers (begin)
+        self._started = self._settlement.starts  # appended per message by the workers: no layer between
         self._dispatcher = Dispatcher(settings, self._owned, self._gate, self._leases, self._writer, self._pulls,
                                       self._dead_letters, self._counts, on_messages, self._settlement.give_back)
         self._commits = Commits(self._owned, self.topic, subscription)
@@ -165,7 +165,7 @@ class Engine:
         Redis did not take the start (the message is given back without counting a failure).
         """
         if not message.record.suspect:
-            self.starts.append(message)
+            self._started.append(message)
             return True
         return self._begin_suspect(message, message._epoch)
 

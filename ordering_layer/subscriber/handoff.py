@@ -65,7 +65,7 @@ class CallbackPool:
         return now + WATCH_INTERVAL if self._queue else None
 
     def _work(self, index: int) -> None:
-        pending, ready, taken, run = self._queue, self._ready, self._taken, self._run
+        pending, ready, taken = self._queue, self._ready, self._taken
         count = 0
         while True:
             try:
@@ -82,7 +82,7 @@ class CallbackPool:
             taken[index] = count
             if message is None:
                 return
-            run(message)
+            self._run(message)
 
     def shutdown(self) -> None:
         """Let queued callbacks finish, then end the threads."""

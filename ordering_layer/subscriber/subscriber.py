@@ -111,13 +111,8 @@ class Subscriber:
         settings = self._store.settings(subscription)
 
         def run(message: Message) -> None:
-            # ACK-6: the start counts the attempt (Engine.begin, its common case inline: a start is
-            # noted for the coordinator's next flush; a suspect's is written before user code runs)
-            if message.record.suspect:
-                if not engine.begin(message):
-                    return
-            else:
-                starts.append(message)
+            if not engine.begin(message):  # ACK-6: the start counts the attempt
+                return
             try:
                 callback(message)
             except Exception as exc:  # noqa: BLE001 - user code; its failure is a nack
@@ -129,7 +124,6 @@ class Subscriber:
         engine = Engine(self._kafka, self._store, subscription, settings,
                         flow_control=flow_control or FlowControl(), on_messages=pool.submit,
                         track_leases=track_leases, watch=pool.watch)
-        starts = engine.starts
         engine.start()
         if self._metrics_port is not None:
             metrics.register(engine, kafka_config=self._kafka)
