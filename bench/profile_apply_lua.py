@@ -2,9 +2,10 @@
 
 Runs the subscriber's flush shape on one partition, ``--flushes`` times: a batch lease, ``--messages``
 BATCH_RELEASED ops, a start note for every tenth message of the previous flush and the SETTLED ops
-of the previous flush's messages (the steady state of callback mode), with a WATERMARK every 50
-flushes (a commit). The ops are sent as the subscriber sends them: grouped into command runs
-(``_core.command_runs``). Each of two scripts gets the same flushes on keys of its own:
+of the previous flush's messages (the steady state of callback mode), then the partition's floor (the
+commit point, past the settled messages: their ZADDs are left out, as the engine's flushes do). The
+ops are sent as the subscriber sends them: grouped into command runs (``_core.command_runs``). Each
+of two scripts gets the same flushes on keys of its own:
 
 * ``apply.lua`` itself;
 * ``no calls``: the same header check and MessagePack unpacking, without the HSET / HDEL / ZADD calls
@@ -50,13 +51,12 @@ def flushes(messages: int, count: int) -> list[list[str | bytes]]:
     """The arguments after the epoch of ``count`` steady-state flushes of ``messages`` messages each."""
     packed: list[list[str | bytes]] = []
     base = messages  # the first flush settles the offsets of a flush before it
-    for n in range(count):
+    for _ in range(count):
         ops = [f"b,0,{10**12};"]
         ops += [f"q,{base + i},1;" for i in range(messages)]
         ops += [f"s,{base - messages + i},1;" for i in range(0, messages, 10)]
         ops += [f"a,{base - messages + i},0;" for i in range(messages)]
-        if n % 50 == 49:
-            ops.append(f"w,0,{base - 20 * messages};")
+        ops.append(f"f,0,{base};")
         header, runs = command_runs("".join(ops))
         packed.append([header, *runs])
         base += messages
