@@ -72,15 +72,13 @@ def main() -> None:
     if len(args.trees) != 2:
         parser.error("two trees")
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from bench.bench_subscribe import publish
+    from bench.bench_subscribe import workload_topic
     from bench.common import bench_stack
     from ordering_layer import Admin
 
     with bench_stack() as endpoints:
         admin = Admin({"bootstrap.servers": endpoints.bootstrap}, redis_url=endpoints.redis_url)
-        topic = f"ab-{uuid.uuid4().hex[:8]}"
-        admin.create_topic(topic, partitions=6)
-        publish(endpoints, topic, [f"key-{i}" for i in range(10_000)], args.messages)
+        topic = workload_topic(endpoints, admin, "ab", args.messages)
         env = {**os.environ, "ORDERING_LAYER_BOOTSTRAP": endpoints.bootstrap,
                "ORDERING_LAYER_REDIS_URL": endpoints.redis_url}
         changes = []

@@ -53,6 +53,15 @@ def publish(endpoints: Endpoints, topic: str, keys: list[str], count: int, paylo
             producer.produce(topic, payload, key=keys[n % len(keys)])
 
 
+def workload_topic(endpoints: Endpoints, admin: Admin, prefix: str, count: int) -> str:
+    """A new topic (``prefix``-<random>, 6 partitions) of bench (a)'s workload: ``count`` messages of
+    100 B over 10,000 keys. Returns its name."""
+    topic = f"{prefix}-{uuid.uuid4().hex[:8]}"
+    admin.create_topic(topic, partitions=6)
+    publish(endpoints, topic, [f"key-{i}" for i in range(10_000)], count)
+    return topic
+
+
 def raw_consume(endpoints: Endpoints, topic: str, count: int, handler_seconds: float = 0.0,
                 one_at_a_time: bool = False) -> float:
     """A plain consumer: consume, handle, commit (per batch, or per message when one at a time). It
@@ -186,9 +195,7 @@ def noop(endpoints: Endpoints, admin: Admin, messages: int, workers: int, rounds
          round_trips: bool) -> None:
     """(a), (a') and (d): the same topic read by raw confluent-kafka and by each front end, rounds
     interleaved; medians of the per-round ratios."""
-    topic = f"bench-noop-{uuid.uuid4().hex[:8]}"
-    admin.create_topic(topic, partitions=6)
-    publish(endpoints, topic, [f"key-{i}" for i in range(10_000)], messages)
+    topic = workload_topic(endpoints, admin, "bench-noop", messages)
     runs: dict[str, list[float]] = {name: [] for name in ("raw", "callback", "consume-fetch", "unleased", "pull",
                                                           "consumer")}
     per_message: list[float] = []
@@ -234,9 +241,7 @@ def noop(endpoints: Endpoints, admin: Admin, messages: int, workers: int, rounds
 
 def ordered_vs_unordered(endpoints: Endpoints, admin: Admin, messages: int, workers: int, rounds: int) -> None:
     """(e): 10,000 keys, 1 ms handler: an ordered subscription vs an unordered one, same topic."""
-    topic = f"bench-order-{uuid.uuid4().hex[:8]}"
-    admin.create_topic(topic, partitions=6)
-    publish(endpoints, topic, [f"key-{i}" for i in range(10_000)], messages)
+    topic = workload_topic(endpoints, admin, "bench-order", messages)
     ratios: list[float] = []
     for round_ in range(rounds):
         ordered = layer_consume(endpoints, admin, topic, messages, workers, handler=lambda _m: time.sleep(0.001))

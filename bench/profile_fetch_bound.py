@@ -21,13 +21,12 @@ import gc
 import statistics
 import sys
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.bench_subscribe import layer_consume, publish
+from bench.bench_subscribe import layer_consume, workload_topic
 from bench.common import bench_stack
 from ordering_layer import Admin
 from ordering_layer.subscriber import flow
@@ -73,9 +72,7 @@ def main() -> None:
     gc.callbacks.append(collections)
     with bench_stack() as endpoints:
         admin = Admin(endpoints.kafka_config(), redis_url=endpoints.redis_url)
-        topic = f"bench-fetch-bound-{uuid.uuid4().hex[:8]}"
-        admin.create_topic(topic, partitions=6)
-        publish(endpoints, topic, [f"key-{i}" for i in range(10_000)], args.messages)
+        topic = workload_topic(endpoints, admin, "bench-fetch-bound", args.messages)
         rates: dict[str, list[float]] = {name: [] for name in VARIANTS}
         passes: dict[str, list[tuple[int, float]]] = {name: [] for name in VARIANTS}
         for round_ in range(args.rounds):

@@ -57,7 +57,7 @@ from confluent_kafka import Consumer, TopicPartition
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.bench_subscribe import publish, raw_consume
+from bench.bench_subscribe import raw_consume, workload_topic
 from bench.common import bench_stack
 from ordering_layer import Admin, Message
 from ordering_layer._core import PartitionCore, kafka_partition_runs, partition_runs
@@ -392,9 +392,7 @@ def main() -> None:
             properties.write_text(f"fetch.queue.backoff.ms={args.fetch_queue_backoff_ms}\n")
             endpoints = dataclasses.replace(stack, kafka_config_file=str(properties))
         admin = Admin(endpoints.kafka_config(), redis_url=endpoints.redis_url)
-        topic = f"bench-floor-{uuid.uuid4().hex[:8]}"
-        admin.create_topic(topic, partitions=6)
-        publish(endpoints, topic, [f"key-{i}" for i in range(10_000)], args.messages)
+        topic = workload_topic(endpoints, admin, "bench-floor", args.messages)
         runs: dict[str, list[float]] = {name: [] for name in readers}
         cpu: dict[str, list[float]] = {name: [] for name in readers}
         for round_ in range(args.rounds):

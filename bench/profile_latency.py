@@ -33,7 +33,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.bench_subscribe import publish
+from bench.bench_subscribe import workload_topic
 from bench.common import bench_stack
 from ordering_layer import Admin, Message, RetryPolicy, Subscriber
 from ordering_layer.subscriber import dispatch, ownership, settlement
@@ -157,9 +157,7 @@ def main() -> None:
     _instrument()
     with bench_stack() as endpoints:
         admin = Admin({"bootstrap.servers": endpoints.bootstrap}, redis_url=endpoints.redis_url)
-        topic = f"latency-{uuid.uuid4().hex[:8]}"
-        admin.create_topic(topic, partitions=6)
-        publish(endpoints, topic, [f"key-{i}" for i in range(10_000)], args.messages)
+        topic = workload_topic(endpoints, admin, "latency", args.messages)
         for _ in range(args.runs):
             one_run(endpoints.bootstrap, endpoints.redis_url, admin, topic, args.messages)
 

@@ -42,7 +42,7 @@ from confluent_kafka import Message as KafkaMessage
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.bench_subscribe import publish
+from bench.bench_subscribe import workload_topic
 from bench.common import bench_stack
 from ordering_layer import Admin, FlowControl, Message, RetryPolicy, Subscriber
 from ordering_layer.record import read_metadata
@@ -274,9 +274,7 @@ def main() -> None:
     count = args.messages
     with bench_stack() as endpoints:
         admin = Admin({"bootstrap.servers": endpoints.bootstrap}, redis_url=endpoints.redis_url)
-        topic = f"profile-{uuid.uuid4().hex[:8]}"
-        admin.create_topic(topic, partitions=6)
-        publish(endpoints, topic, [f"key-{i}" for i in range(10_000)], count)
+        topic = workload_topic(endpoints, admin, "profile", count)
         sample, raw_cpu = fetched_sample(endpoints, topic, count)
         micro = micro_costs(sample)
         probe = Probe()

@@ -31,7 +31,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.bench_subscribe import publish
+from bench.bench_subscribe import workload_topic
 from bench.common import bench_stack
 from bench.profile_subscribe import thread_cpu, thread_role
 from ordering_layer import Admin, FlowControl, Message, RetryPolicy, Subscriber
@@ -232,9 +232,7 @@ def main() -> None:
     _instrument(args.no_redis)
     with bench_stack() as endpoints:
         admin = Admin({"bootstrap.servers": endpoints.bootstrap}, redis_url=endpoints.redis_url)
-        topic = f"wall-{uuid.uuid4().hex[:8]}"
-        admin.create_topic(topic, partitions=6)
-        publish(endpoints, topic, [f"key-{i}" for i in range(10_000)], args.messages)
+        topic = workload_topic(endpoints, admin, "wall", args.messages)
         for _ in range(args.runs):
             one_run(endpoints, admin, topic, args.messages, args.max_messages, kafka)
 
