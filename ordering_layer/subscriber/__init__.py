@@ -52,9 +52,10 @@ rules under the same names, checked against it by ``tests/unit/test_core.py``:
   (the ops' Redis writes, grouped into command runs by ``core/src/runs.rs``)
 - ACK-6 delivery attempt survives crashes (counted before hand-off): the core (release ops),
   ``ownership`` (releases held until their flush answered, then ``dispatch.hand_out``),
-  ``settlement`` (start notes), ``engine`` (``begin`` of suspects), ``partitions`` (claim,
-  ``charged_attempts``); suspects of repeated crashes go out one at a time: the core
-  (``Quarantine``; reference ``key_queue.Quarantine``)
+  ``settlement`` (start notes, of callbacks and of pulls answered from releases ahead, ``handoff``),
+  ``engine`` (``begin`` of suspects), ``partitions`` (claim, ``charged_attempts``; in pull mode
+  nothing released ahead from a partition with charged attempts pending); suspects of repeated
+  crashes go out one at a time: the core (``Quarantine``; reference ``key_queue.Quarantine``)
 - DLQ-1 backoff per key: the core (``hold``, ``wake``; reference ``key_queue.KeyBackoff``)
 - DLQ-2 dead-lettering, ``park_key``; DLQ-3 poison messages: ``dead_letters``, screened by
   ``dispatch`` (``hand_out``), settled by ``settlement`` (``dead_lettered``); a poison crashes alone:
@@ -67,7 +68,9 @@ rules under the same names, checked against it by ``tests/unit/test_core.py``:
   ``partitions`` (claims that apply a seek, ``AWAITING_SEEK``, ``confirm``), ``fetcher`` (consumer
   seeks, ``Sought``), the core (``start_offset``: the target is the commit point until records arrive)
 - GRP-4 commit_on_get, GRP-5 manual ack of a batch: ``subscriber`` (``Subscriber.pull``,
-  ``acknowledge``)
+  ``acknowledge``); a pull answered at once from messages released ahead of it, whole per-key
+  batches (``handoff.PullWaiters``), except from partitions whose claim charged attempts not yet
+  settled (``partitions.release``: DLQ-3)
 - DRP-2 drop-in consumer: ``consumer`` (``OrderedConsumer``)
 """
 

@@ -2,17 +2,19 @@
 
 ``release`` takes from the partitions' ready keys within flow control (``FlowGate``: SUB-7), one
 per key in callback mode (SUB-1) or whole per-key batches up to the waiting pull's size in pull
-mode; each released batch becomes outstanding (the ``LeaseTable``) and its attempts are queued for
-Redis (``StateWriter``). The coordinator flushes those ops *before* ``hand_out`` (ACK-6, DLQ-3):
-a message no attempt of which Redis has taken never reaches user code. ``hand_out`` screens each
-delivery for dead-lettering (``DeadLetters``: DLQ-2, DLQ-3) and hands the rest to the callback pool
-or the oldest waiting pull (``handoff``). Used by the coordinator on its thread, under its lock.
+mode, and when no pull waits, up to the latest pull's size ahead of the next one (``PullWaiters``:
+a pull finds its messages ready); each released batch becomes outstanding (the ``LeaseTable``) and
+its attempts are queued for Redis (``StateWriter``). The coordinator flushes those ops *before*
+``hand_out`` (ACK-6, DLQ-3): a message no attempt of which Redis has taken never reaches user code.
+``hand_out`` screens each delivery for dead-lettering (``DeadLetters``: DLQ-2, DLQ-3) and hands the
+rest to the callback pool, the pull the release was for, or the messages ready for the next pulls
+(``handoff``). Used by the coordinator on its thread, under its lock.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from ordering_layer.config import SubscriptionSettings
 from ordering_layer.subscriber.dead_letters import DeadLetters
@@ -21,6 +23,7 @@ from ordering_layer.subscriber.handoff import PullWaiters
 from ordering_layer.subscriber.leases import LeaseTable, wall_ms
 from ordering_layer.subscriber.message import Message
 from ordering_layer.subscriber.partitions import Partitions, Released
+from ordering_layer.subscriber.requests import Pull
 from ordering_layer.subscriber.state_writer import StateWriter
 
 
@@ -57,26 +60,54 @@ class Dispatcher:
 
     def release(self, now: float) -> Released:
         """Release what may go out now, within flow control: callback mode one per key, pull mode
-        whole per-key batches up to the waiting pull's size."""
+        whole per-key batches up to the waiting pull's size, or ahead of the next pull."""
         leases = self._leases
         budget, byte_budget = self._gate.budget(leases.count, leases.bytes)
-        per_key = 1
+        per_key, pooled, ahead = 1, True, False
         if self._on_messages is None:
-            per_key = self._pulls.wanted()
+            per_key, for_pull = self._pulls.wanted()
             budget = min(budget, per_key)
-        pooled = self._on_messages is not None
+            pooled = ahead = not for_pull
         lease_ms = wall_ms(self._settings.ack_deadline) if leases.track else None
         # Released deliveries become outstanding in the lease table, watched together; the
         # partition's core queued their attempts for Redis, flushed before anyone sees them (DLQ-3):
-        # as delivered for a pull, as released (in the pool, not yet started) in callback mode. Their
-        # lease (``lease_ms``) is written by a later flush if they are still outstanding then.
-        released = self._owned.release(now, budget, per_key, byte_budget, lease_ms, pooled=pooled, leases=leases)
-        if released and not pooled:
-            self._pulls.claim()
+        # as delivered for a waiting pull, as released (not yet started) in callback mode and ahead
+        # of the pulls. Their lease (``lease_ms``) is written by a later flush if they are still
+        # outstanding then.
+        released = self._owned.release(now, budget, per_key, byte_budget, lease_ms, pooled=pooled, leases=leases,
+                                       ahead=ahead)
+        if released and self._on_messages is None:
+            self._pulls.claim(sum(len(batch) for _, batch in released), not ahead)
         writer = self._writer
         for _, batch in released:
             writer.queued(len(batch), now)
         return released
+
+    def pull(self, pull: Pull, now: float) -> None:
+        """A pull arrived: answered at once from the messages released ahead, if any."""
+        self._give_back_messages(self._pulls.add(pull, self._leases.holds), now)
+
+    def withdraw(self, partitions: Collection[int] | None = None) -> None:
+        """Give back the messages released ahead of the pulls, of ``partitions`` (None: all): they are
+        being revoked, or the engine is closing."""
+        self._give_back_messages(self._pulls.withdraw(partitions), time.monotonic())
+
+    def take_served(self) -> list[Message]:
+        """The messages pulls took from those released ahead since the last call (their starts are
+        to be noted)."""
+        served = self._pulls.served
+        if served:
+            self._pulls.served = []
+        return served
+
+    def _give_back_messages(self, messages: list[Message], now: float) -> None:
+        if not messages:
+            return
+        by_partition: dict[int, list[Message]] = {}
+        for message in reversed(messages):  # a key's last first: each is rewound to alone, uncounted
+            by_partition.setdefault(message.record.partition, []).append(message)
+        owned = self._owned.owned
+        self._give_back([(owned[number], batch) for number, batch in by_partition.items() if number in owned], now)
 
     def hand_out(self, released: Released) -> None:
         """Hand released deliveries, their attempts written, to user code (one release's batches:
@@ -108,7 +139,7 @@ class Dispatcher:
         counts["delivered"] += len(messages)
         counts["redelivered"] += redelivered
         if self._on_messages is None:
-            self._pulls.answer(messages)
+            self._give_back_messages(self._pulls.answer(messages, self._leases.holds), time.monotonic())
         elif messages:
             self._on_messages(messages)
 

@@ -18,7 +18,8 @@ seeks, GRP-3) and ``ownership`` (claims, revocations, flushes and their fencing 
 
 Attempt counts (ACK-6, DLQ-3): a callback worker writes the start of a suspect (a record an earlier
 owner handed out and never settled, see ``partitions``) to Redis before user code runs (``begin``);
-other starts are noted and written with the next flush (``settlement``).
+other starts are noted and written with the next flush (``settlement``), as are those of messages a
+pull took from the ones released ahead of it (``dispatch``), noted after the next step's events.
 """
 
 from __future__ import annotations
@@ -116,7 +117,8 @@ class Engine:
                                       self._dead_letters, self._counts, on_messages, self._settlement.give_back)
         self._commits = Commits(self._owned, self.topic, subscription)
         self._ownership = Ownership(subscription, settings, self._changed, self._owned, self._leases, self._writer,
-                                    self._commits, deliver=self._dispatcher.deliver, wake=self._inbox.nudge)
+                                    self._commits, deliver=self._dispatcher.deliver, wake=self._inbox.nudge,
+                                    withdraw=self._dispatcher.withdraw)
         self._fetcher = Fetcher(conf, subscription, self.topic, self._gate, self._ownership, self._inbox.put,
                                 rebalance or RebalanceHooks())
         self._worker = Worker(f"ordering-layer-engine-{subscription}", self._step)
@@ -132,6 +134,7 @@ class Engine:
         """Stop releasing, wait up to ``timeout`` for outstanding deliveries, commit, leave the group."""
         with self._lock:
             self._closing = True
+            self._dispatcher.withdraw()  # released ahead of the pulls: no user code has them
             deadline = time.monotonic() + timeout
             while self._leases.count and time.monotonic() < deadline:
                 self._changed.wait(0.05)
@@ -140,6 +143,7 @@ class Engine:
         with self._lock:
             now = time.monotonic()
             self._handle(self._inbox.take(), now)
+            self._started.extend(self._dispatcher.take_served())
             self._settlement.write_starts(now)
             self._ownership.flush()
             self._pulls.close()
@@ -258,8 +262,11 @@ class Engine:
             settlement.expire(now)
             ownership = self._ownership
             ownership.poll()
+            dispatcher = self._dispatcher
             if not self._closing:
-                ownership.hold(self._dispatcher.release(now))
+                ownership.hold(dispatcher.release(now))
+            else:
+                dispatcher.withdraw()
             self._dead_letters.poll()
             ownership.start(now)
             self._pulls.expire(now)
@@ -278,6 +285,9 @@ class Engine:
             gate.update(leases.count, leases.bytes, buffered, now)
             if gate.state is not Gate.OPEN and buffered >= gate.max_buffered * gate.resume_fraction:
                 self._owned.end_walks()
+            # Pulls answered from messages released ahead: their starts are noted after the next
+            # step's events, so that those settled by then write none.
+            self._started.extend(dispatcher.take_served())
             self._changed.notify_all()
         return 0.0
 
@@ -306,7 +316,7 @@ class Engine:
                 if self._closing:
                     event.future.set_result([])
                 else:
-                    self._pulls.add(event)
+                    self._dispatcher.pull(event, now)
             elif kind is Committed:
                 self._commits.committed(event, now)
             elif kind is Sought:

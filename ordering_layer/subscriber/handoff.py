@@ -5,13 +5,14 @@ when none is awake, and more when messages wait longer than the coordinator's wa
 mode: ``PullWaiters`` holds the pulls waiting for messages (oldest first); a release for the oldest
 claims it, and it is answered with that batch once Redis took the batch's attempts (or waits again
 when nothing of it went out); those whose timeout passed unclaimed are answered with an empty list.
+Between pulls the next pull's messages are released ahead, so that it is answered at once.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from ordering_layer.subscriber.message import Message
 from ordering_layer.subscriber.requests import Pull
@@ -94,35 +95,109 @@ class CallbackPool:
 
 
 class PullWaiters:
-    """Pulls waiting for messages, oldest first, and those claimed by a release (coordinator only)."""
+    """Pulls waiting for messages (oldest first), the releases claimed for them or made ahead of
+    them, and the messages released ahead that no pull took yet (coordinator only).
+
+    A release is claimed for the oldest waiting pull, or, when none waits, made *ahead*: up to the
+    latest pull's size, so that the next pull is answered at once instead of after a Redis round
+    trip. Messages released ahead are ``ready`` once Redis took their attempts (as released, not
+    started: ``Dispatcher``); a pull takes whole per-key batches of them, never more than its size,
+    so a key's batch never spans two pulls (a nack rewinds only messages its own pull returned).
+    The messages a pull took from ``ready`` are kept in ``served`` until the coordinator notes their
+    start (``Settlement.starts``).
+    """
 
     def __init__(self) -> None:
         self._waiting: deque[Pull] = deque()
-        self._claimed: deque[Pull] = deque()  # served by released batches, in release order
+        self._claimed: deque[tuple[Pull | None, int]] = deque()  # (its pull, None: ahead; count), in release order
+        self._ready: deque[Message] = deque()  # released ahead, their attempts written
+        self._ahead = 0  # the latest pull's size: how many messages to keep released ahead
+        self._ahead_claimed = 0  # released ahead, their flush not answered yet
+        self.served: list[Message] = []  # taken from ready by pulls, their start not noted yet
 
-    def add(self, pull: Pull) -> None:
-        """A pull arrived."""
+    def add(self, pull: Pull, holds: Callable[[int], bool]) -> list[Message]:
+        """A pull arrived: answered from ``ready`` at once if it has messages (``serve``)."""
+        self._ahead = pull.max_messages
         self._waiting.append(pull)
+        return self.serve(holds)
 
-    def wanted(self) -> int:
-        """How many messages the oldest waiting pull takes (0: none waits)."""
-        return self._waiting[0].max_messages if self._waiting else 0
+    def wanted(self) -> tuple[int, bool]:
+        """How many messages the next release is for, and whether for the oldest waiting pull (True)
+        or ahead of the pulls (False); 0 when no release is wanted."""
+        if self._waiting:
+            return self._waiting[0].max_messages, True
+        return max(0, self._ahead - len(self._ready) - self._ahead_claimed), False
 
-    def claim(self) -> None:
-        """A batch was released for the oldest waiting pull: it no longer waits for another."""
-        self._claimed.append(self._waiting.popleft())
+    def claim(self, count: int, for_pull: bool) -> None:
+        """``count`` messages were released for the oldest waiting pull (it no longer waits for
+        another) or ahead of the pulls."""
+        if for_pull:
+            self._claimed.append((self._waiting.popleft(), count))
+        else:
+            self._claimed.append((None, count))
+            self._ahead_claimed += count
 
-    def answer(self, messages: list[Message]) -> None:
-        """Give the oldest claimed pull its messages; with none it waits again, first in line."""
-        pull = self._claimed.popleft()
+    def answer(self, messages: list[Message], holds: Callable[[int], bool]) -> list[Message]:
+        """The oldest claimed release went out: its pull gets the messages (with none it waits again,
+        first in line); a release ahead joins ``ready`` and answers the pulls waiting (``serve``)."""
+        pull, count = self._claimed.popleft()
+        if pull is None:
+            self._ahead_claimed -= count
+            self._ready.extend(messages)
+            return self.serve(holds)
         if messages:
             pull.future.set_result(messages)
         else:
             self._waiting.appendleft(pull)
+        return []
 
     def unclaim(self) -> None:
-        """The oldest claimed pull's batch was given back: it waits again, first in line."""
-        self._waiting.appendleft(self._claimed.popleft())
+        """The oldest claimed release was given back: its pull waits again, first in line."""
+        pull, count = self._claimed.popleft()
+        if pull is None:
+            self._ahead_claimed -= count
+        else:
+            self._waiting.appendleft(pull)
+
+    def serve(self, holds: Callable[[int], bool]) -> list[Message]:
+        """Answer the waiting pulls from ``ready``: whole per-key batches, in release order, up to each
+        pull's size; a message whose lease ``holds`` no longer (its partition let go, its lease lapsed)
+        is dropped. Returns what is to be given back: everything ready, when its first batch is larger
+        than the oldest waiting pull (which then waits for a release of its own)."""
+        ready, waiting = self._ready, self._waiting
+        while waiting and ready:
+            pull = waiting[0]
+            room, taken = pull.max_messages, list[Message]()
+            while ready:
+                first = ready[0]
+                if not holds(first.lease):
+                    ready.popleft()
+                    continue
+                size, qkey, partition = 1, first.queue_key, first.record.partition
+                while size < len(ready) and ready[size].queue_key == qkey and ready[size].record.partition == partition:
+                    size += 1
+                if size > room:
+                    break
+                taken.extend(ready.popleft() for _ in range(size))
+                room -= size
+            if not taken:
+                return self.withdraw(None) if ready else []
+            waiting.popleft()
+            pull.future.set_result(taken)
+            self.served.extend(taken)
+        return []
+
+    def withdraw(self, partitions: Collection[int] | None) -> list[Message]:
+        """Take the ready messages of ``partitions`` (None: all) out, to be given back."""
+        ready = self._ready
+        if partitions is None:
+            taken = list(ready)
+            ready.clear()
+            return taken
+        taken = [message for message in ready if message.record.partition in partitions]
+        if taken:
+            self._ready = deque(message for message in ready if message.record.partition not in partitions)
+        return taken
 
     def expire(self, now: float) -> None:
         """Answer the waiting pulls whose timeout passed with nothing."""
@@ -136,6 +211,9 @@ class PullWaiters:
 
     def close(self) -> None:
         """Answer every pull, waiting or claimed, with nothing (the engine is closing)."""
-        for pulls in (self._waiting, self._claimed):
-            while pulls:
-                pulls.popleft().future.set_result([])
+        while self._waiting:
+            self._waiting.popleft().future.set_result([])
+        while self._claimed:
+            pull, _ = self._claimed.popleft()
+            if pull is not None:
+                pull.future.set_result([])

@@ -36,8 +36,8 @@ class OwnedPartition:
         submit: where a released ``Message`` posts its acks (the engine's inbox).
     """
 
-    __slots__ = ("core", "epoch", "generation", "ordered", "partition", "revoking", "seek_generation",
-                 "start_offset", "submit", "topic")
+    __slots__ = ("_charged_up_to", "core", "epoch", "generation", "ordered", "partition", "revoking",
+                 "seek_generation", "start_offset", "submit", "topic")
 
     def __init__(self, partition: int, epoch: int, *, ordered: bool,
                  settled_before: frozenset[int] = frozenset(), attempts_before: dict[int, int] | None = None,
@@ -56,6 +56,19 @@ class OwnedPartition:
         self.core: PartitionCore[Record] = PartitionCore(
             ordered=ordered, settled_before=set(settled_before), attempts_before=attempts_before or {},
             suspects=suspects, start_offset=start_offset, cascades=set(cascades), floor=floor)
+        self._charged_up_to = max(attempts_before) if attempts_before else None
+
+    def charged_pending(self) -> bool:
+        """Some record the claim charged attempts to is not settled yet (its commit point is not past
+        the last of them)."""
+        last = self._charged_up_to
+        if last is None:
+            return False
+        watermark = self.core.watermark
+        if watermark is None or watermark <= last:
+            return True
+        self._charged_up_to = None
+        return False
 
     def add(self, records: list[Record], start: int = 0, stop: int | None = None) -> None:
         """Take fetched records ``records[start:stop]`` (duplicates and records settled before a

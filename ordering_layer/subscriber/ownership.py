@@ -64,12 +64,14 @@ class Ownership:
         deliver: takes one release's messages once a flush answered for them: True when Redis took
             their attempts (hand them out), False when it failed (give them back).
         wake: called on the sending (or reading) thread when a flush in flight has its answer.
+        withdraw: gives back what was released ahead of the pulls in partitions being revoked.
     """
 
     def __init__(self, subscription: str, settings: SubscriptionSettings, changed: threading.Condition,
                  owned: Partitions, leases: LeaseTable, writer: StateWriter, commits: Commits,
                  deliver: Callable[[Released, bool], None] | None = None,
-                 wake: Callable[[], None] | None = None) -> None:
+                 wake: Callable[[], None] | None = None,
+                 withdraw: Callable[[list[int]], None] | None = None) -> None:
         self._subscription = subscription
         self._settings = settings
         self._changed = changed
@@ -79,6 +81,7 @@ class Ownership:
         self._commits = commits
         self._deliver = deliver
         self._wake = wake
+        self._withdraw = withdraw
         self._held: list[Released] = []  # releases, their ops queued, waiting for the next flush
         self._flights: deque[tuple[Flush, list[Released], Future[None]]] = deque()  # in the order sent
         self._failed: Exception | None = None  # a flush in flight before those still in flight failed
@@ -108,6 +111,8 @@ class Ownership:
                 state = self._owned.owned.get(number)
                 if state is not None:
                     state.revoking = True
+            if self._withdraw is not None:
+                self._withdraw(partitions)  # released ahead of the pulls: no user code has them
             # Affinity (SUB-5): let the deliveries in progress finish before the keys can move.
             deadline = time.monotonic() + min(self._settings.ack_deadline, _REVOKE_GRACE)
             while self._leases.count_in(partitions) and time.monotonic() < deadline:

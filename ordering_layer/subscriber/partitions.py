@@ -43,17 +43,18 @@ def charged_attempts(claimed: ClaimedPartition, max_attempts: int | None) -> dic
     """The delivery attempts each unsettled offset of a claimed partition is charged with (ACK-6,
     DLQ-3); its next delivery is the attempt after that.
 
-    An attempt that user code started (a pull handed it out, or a callback worker recorded its
-    start) counts in full: its owner may have crashed on it. An attempt still waiting in a callback
-    pool when its owner went may never have reached user code, or its start mark was lost with the
-    owner: it counts, but never up to ``max_attempts``, so that a message is dead-lettered only
-    after an attempt whose start is recorded. The records charged are suspects: the new owner
-    records the start of each of their deliveries before user code runs (``Engine.begin``), and lets
-    those charged two attempts or more out one at a time per partition (``key_queue.Quarantine``),
-    so a message that crashes every process it runs in is dead-lettered after exactly
-    ``max_attempts`` deliveries, and one that waited or ran beside it is charged for two crashes at
-    most and never dead-lettered for them. A message whose dead letter was being written when its
-    owner went is charged ``max_attempts``.
+    An attempt that user code started (a pull it was released for handed it out, or its start was
+    recorded) counts in full: its owner may have crashed on it. An attempt still waiting in a callback
+    pool or released ahead of the pulls when its owner went may never have reached user code, or its
+    start mark was lost with the owner: it counts, but never up to ``max_attempts``, so that a message
+    is dead-lettered only after an attempt whose start is recorded. In callback mode the records charged
+    are suspects: the new owner records the start of each of their deliveries before user code runs
+    (``Engine.begin``), and lets those charged two attempts or more out one at a time per partition
+    (``key_queue.Quarantine``); in pull mode they go out only to a waiting pull, written as delivered
+    (``release``, not ``ahead``). So a message that crashes every process it runs in is dead-lettered
+    after exactly ``max_attempts`` deliveries; in callback mode one that waited or ran beside it is
+    charged for two crashes at most and never dead-lettered for them. A message whose dead letter was being written when
+    its owner went is charged ``max_attempts``.
 
     Args:
         claimed: what the claim read.
@@ -236,13 +237,18 @@ class Partitions:
             state.core.end_walk()
 
     def release(self, now: float, budget: int, per_key: int, byte_budget: int, lease_ms: int | None, *,
-                pooled: bool, leases: LeaseTable | None = None) -> Released:
+                pooled: bool, leases: LeaseTable | None = None, ahead: bool = False) -> Released:
         """Release up to ``budget`` records and ``byte_budget`` bytes, ``per_key`` per ready key, their
         attempts queued for Redis as ``lease_ms`` and ``pooled`` say, outstanding in ``leases``
         (``OwnedPartition.release_ready``).
         Partitions take turns: each gets a fair share of the budget first, starting one further each
-        call, then the rest goes round (so under flow control no partition gets freed budget first)."""
-        states = [state for state in self.owned.values() if not state.revoking]
+        call, then the rest goes round (so under flow control no partition gets freed budget first).
+        ``ahead`` (pull mode, no pull waiting) skips the partitions whose claim charged attempts not
+        yet settled: those records go out only to a waiting pull, their attempt written as started
+        before the pull returns, so that a message that crashes its pullers is dead-lettered after
+        exactly ``max_delivery_attempts`` (DLQ-3)."""
+        states = [state for state in self.owned.values()
+                  if not state.revoking and not (ahead and state.charged_pending())]
         if not states or budget <= 0 or byte_budget <= 0:
             return []
         self._rotation = start = (self._rotation + 1) % len(states)

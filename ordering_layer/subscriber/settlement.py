@@ -9,7 +9,8 @@ nothing; its ``ack_with_response`` future learns why (ACK-5). Used by the coordi
 thread, under its lock; it decides nothing about ownership.
 
 Attempt counts (ACK-6, DLQ-3): in callback mode the workers note when user code starts on a
-delivery (``starts``, appended without a lock); the notes are written with the next flush, after the
+delivery (``starts``, appended without a lock), in pull mode the coordinator notes the messages a
+pull took from those released ahead of it; the notes are written with the next flush, after the
 step's settles, so that a start is never written after its delivery's settle.
 """
 

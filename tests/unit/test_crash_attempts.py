@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
 from typing import cast
 
 from confluent_kafka import TopicPartition
@@ -22,7 +23,7 @@ from ordering_layer.subscriber.engine import Engine
 from ordering_layer.subscriber.message import Message
 from ordering_layer.subscriber.partition import Delivery, Record
 from ordering_layer.subscriber.partitions import charged_attempts
-from ordering_layer.subscriber.requests import DeadLettered
+from ordering_layer.subscriber.requests import DeadLettered, Pull
 
 TOPIC = "orders"
 P0 = [TopicPartition(TOPIC, 0)]
@@ -262,3 +263,59 @@ def test_a_pull_counts_the_release_as_the_start() -> None:
     batch, _ = state.release_ready(0.0, KEYS, 1, 10**9, None, pooled=False)
     assert [d.attempt for d in batch] == [2] * KEYS  # charged 1 each
     again.crash()
+
+
+def pull_one(process: Process, *, then_step: bool = True) -> Message:
+    """A pull of one message, answered by the coordinator's steps (released ahead: at once), and
+    (``then_step``) the step its flush's answer wakes, which releases ahead of the next pull and
+    writes the start notes of the deliveries still outstanding."""
+    pull = Pull(1, time.monotonic() + 5.0, Future())
+    process.engine._inbox.put(pull)
+    for _ in range(5):
+        process.step()
+        if pull.future.done():
+            if then_step:
+                process.step()
+            [message] = pull.future.result()
+            return message
+    raise AssertionError("the pull was not answered")
+
+
+def test_a_poison_pulled_from_those_released_ahead_is_dead_lettered_after_exactly_max_attempts() -> None:
+    """DLQ-3, ACK-6 (pull mode): one at a time, each message is pulled from those released ahead
+    (queued as released, not started) and acked; the poison (offset 5) crashes its puller before its
+    start note reaches Redis, so that first attempt counts but is capped below the limit. A new owner
+    releases a partition with charged attempts only to a waiting pull, as delivered (nothing goes
+    ahead, even a step later), so each later crash counts in full: attempts 1..5, then the
+    dead-letter topic. The message released ahead when the poison crashed was never pulled: it is
+    charged that one attempt, never more, and goes out as attempt 2."""
+    store = RedisLike()
+    process = Process(store, pull=True)
+    for offset in range(5):
+        message = pull_one(process)
+        assert message.offset() == offset
+        assert store.attempts[offset + 1] == -1  # released ahead of the next pull
+        message.ack()
+    poison = pull_one(process, then_step=False)
+    assert (poison.offset(), poison.delivery_attempt) == (5, 1)
+    assert store.attempts[5] == -1  # pulled from those released ahead: its start is not written yet
+    assert store.attempts[6] == -1  # released ahead of the next pull, never pulled
+    process.crash()
+    attempts = [1]
+    for _ in range(MAX_ATTEMPTS - 1):
+        process = Process(store, pull=True)
+        poison = pull_one(process)
+        assert poison.offset() == 5 and store.attempts[6] == -1  # charged: nothing released ahead
+        attempts.append(poison.delivery_attempt)
+        assert store.attempts[5] == poison.delivery_attempt  # written as started before the pull returned
+        process.crash()
+    assert attempts == [1, 2, 3, 4, 5]
+    last = Process(store, pull=True)
+    for offset in range(6, KEYS):
+        message = pull_one(last)
+        assert (message.offset(), message.delivery_attempt) == (offset, 2 if offset == 6 else 1)
+        message.ack()
+    assert last.dead == [(5, MAX_ATTEMPTS + 1)]
+    last.step()
+    assert store.acked() == set(range(KEYS))
+    last.crash()

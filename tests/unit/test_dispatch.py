@@ -88,12 +88,69 @@ def test_pull_mode_releases_per_key_batches_only_for_a_waiting_pull() -> None:
     rig = Rig(pull=True)
     assert rig.dispatcher.release(0.0) == []
     future: Future[list[Message]] = Future()
-    rig.pulls.add(Pull(3, time.monotonic() + 10, future))
+    rig.dispatcher.pull(Pull(3, time.monotonic() + 10, future), 0.0)
     released = rig.dispatcher.release(0.0)
     assert [d.record.offset for _, batch in released for d in batch] == [0, 2, 1]
     assert {op[0] for op in unpack_ops(rig.owned.owned[0].take_ops())} == {OpKind.DELIVERED}
     rig.dispatcher.hand_out(released)
     assert [m.offset() for m in future.result(0)] == [0, 2, 1]
+
+
+def test_pull_mode_releases_ahead_of_the_next_pull_which_is_answered_at_once() -> None:
+    """GRP-5, ACK-6, SUB-7: once a pull was answered and none waits, up to its size is released ahead
+    within flow control, queued as released (no user code has them yet); once out they answer the
+    next pull at once, and the dispatcher hands the coordinator their starts to note."""
+    rig = Rig(pull=True, max_messages=4)
+    first: Future[list[Message]] = Future()
+    rig.dispatcher.pull(Pull(3, time.monotonic() + 10, first), 0.0)
+    rig.dispatcher.hand_out(rig.dispatcher.release(0.0))
+    assert [m.offset() for m in first.result(0)] == [0, 2, 1]
+    state = rig.owned.owned[0]
+    state.take_ops()
+    ahead = rig.dispatcher.release(0.0)
+    assert [d.record.offset for _, batch in ahead for d in batch] == [4]  # the flow-control budget: 4
+    assert {op[0] for op in unpack_ops(state.take_ops())} == {OpKind.RELEASED}
+    assert rig.dispatcher.release(0.0) == []
+    rig.dispatcher.hand_out(ahead)
+    assert rig.dispatcher.take_served() == []
+    second: Future[list[Message]] = Future()
+    rig.dispatcher.pull(Pull(3, time.monotonic() + 10, second), 0.0)
+    assert [m.offset() for m in second.result(0)] == [4]
+    assert [m.offset() for m in rig.dispatcher.take_served()] == [4] and rig.dispatcher.take_served() == []
+
+
+def test_messages_released_ahead_are_given_back_uncounted_when_withdrawn() -> None:
+    """ACK-6, SUB-5: messages released ahead and not pulled go back to their keys (a key's last first,
+    each rewound alone) with their attempt taken back, when their partition is revoked or the
+    engine closes."""
+    rig = Rig(pull=True)
+    rig.dispatcher.pull(Pull(1, time.monotonic() + 10, Future()), 0.0)
+    rig.dispatcher.hand_out(rig.dispatcher.release(0.0))
+    rig.dispatcher.hand_out(rig.dispatcher.release(0.0))
+    rig.dispatcher.withdraw([1])
+    assert rig.given_back == []
+    rig.dispatcher.withdraw()
+    assert rig.given_back == [1]
+
+
+def test_a_partition_with_charged_attempts_is_not_released_ahead_until_they_settle() -> None:
+    """DLQ-3, ACK-6: a claimed partition whose earlier owner left deliveries unsettled releases only to
+    a waiting pull (their attempts written as started before the pull returns) until its commit
+    point passes the last charged record; then it is released ahead too."""
+    rig = Rig(pull=True)
+    store = cast(StateStore, FakeStore())
+    charged = Partitions(store, "sub", rig.settings, submit=rig.posted.append)
+    assert charged.claim(0, 1)
+    state = charged.owned[0]
+    replaced = OwnedPartition(0, 2, ordered=True, attempts_before={0: 1}, suspects=False)
+    replaced.add([record(offset, key) for offset, key in enumerate([b"a", b"b"])])
+    charged.owned[0] = replaced
+    assert replaced.charged_pending() and not state.charged_pending()
+    assert charged.release(0.0, 10, 10, 10**9, None, pooled=True, ahead=True) == []
+    [(_, batch)] = charged.release(0.0, 10, 10, 10**9, None, pooled=False)
+    assert [d.record.offset for d in batch] == [0, 1] and [d.attempt for d in batch] == [2, 1]
+    replaced.core.ack_one(0, batch[0].token)
+    assert not replaced.charged_pending()
 
 
 def test_a_pull_whose_release_was_given_back_waits_again_for_the_next_release() -> None:
@@ -102,12 +159,12 @@ def test_a_pull_whose_release_was_given_back_waits_again_for_the_next_release() 
     release whose flush succeeded."""
     rig = Rig(pull=True)
     future: Future[list[Message]] = Future()
-    rig.pulls.add(Pull(3, time.monotonic() + 10, future))
+    rig.dispatcher.pull(Pull(3, time.monotonic() + 10, future), 0.0)
     released = rig.dispatcher.release(0.0)
-    assert rig.pulls.wanted() == 0  # claimed
+    assert rig.pulls.wanted() == (3, False)  # claimed: the next release is ahead of the next pull
     rig.dispatcher.deliver(released, False)
-    assert rig.given_back == [0, 2, 1] and not future.done() and rig.pulls.wanted() == 3
-    rig.pulls.claim()
+    assert rig.given_back == [0, 2, 1] and not future.done() and rig.pulls.wanted() == (3, True)
+    rig.pulls.claim(3, True)
     rig.dispatcher.deliver(released, True)
     assert [m.offset() for m in future.result(0)] == [0, 2, 1]
 

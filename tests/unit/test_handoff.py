@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from concurrent.futures import Future
 from functools import partial
+from types import SimpleNamespace
 from typing import cast
 
 from ordering_layer.subscriber.handoff import WATCH_INTERVAL, CallbackPool, PullWaiters
@@ -68,23 +69,28 @@ def test_quick_callbacks_run_on_one_worker_and_waiting_messages_wake_more() -> N
     assert pool.watch(2.0) is None
 
 
+def held(lease: int) -> bool:
+    return True
+
+
 def test_pulls_are_answered_oldest_first_and_expire_empty() -> None:
     """SUB-1 (pull mode): a release claims the oldest waiting pull, which gets that batch once it is
     handed out; a claimed pull does not time out meanwhile; an unclaimed one past its timeout gets []."""
     waiters = PullWaiters()
     first, second = Pull(5, 1.0, Future()), Pull(7, 2.0, Future())
-    waiters.add(first)
-    waiters.add(second)
-    assert waiters.wanted() == 5 and waiters.next_deadline() == 1.0
-    waiters.claim()
-    assert waiters.wanted() == 7 and waiters.next_deadline() == 2.0  # the next release is the next pull's
+    waiters.add(first, held)
+    waiters.add(second, held)
+    assert waiters.wanted() == (5, True) and waiters.next_deadline() == 1.0
+    waiters.claim(1, True)
+    assert waiters.wanted() == (7, True) and waiters.next_deadline() == 2.0  # the next release is the next pull's
     waiters.expire(1.5)
     assert not first.future.done()  # claimed: its batch is on its way
-    batch = cast(list[Message], ["m"])
-    waiters.answer(batch)
+    batch = [message(0, b"a")]
+    assert waiters.answer(batch, held) == []
     assert first.future.result() is batch
     waiters.expire(2.0)
-    assert second.future.result() == [] and waiters.wanted() == 0 and waiters.next_deadline() is None
+    assert second.future.result() == [] and waiters.next_deadline() is None
+    assert waiters.wanted() == (7, False)  # none waits: the next release is ahead, the latest pull's size
 
 
 def test_a_claimed_pull_whose_batch_did_not_go_out_waits_again_first_in_line() -> None:
@@ -92,14 +98,87 @@ def test_a_claimed_pull_whose_batch_did_not_go_out_waits_again_first_in_line() -
     waiting, ahead of the pulls that came after it; closing answers claimed pulls too."""
     waiters = PullWaiters()
     first, second = Pull(5, 10.0, Future()), Pull(7, 20.0, Future())
-    waiters.add(first)
-    waiters.add(second)
-    waiters.claim()
+    waiters.add(first, held)
+    waiters.add(second, held)
+    waiters.claim(5, True)
     waiters.unclaim()
-    assert waiters.wanted() == 5
-    waiters.claim()
-    waiters.answer([])
-    assert waiters.wanted() == 5 and not first.future.done()
-    waiters.claim()
+    assert waiters.wanted() == (5, True)
+    waiters.claim(5, True)
+    waiters.answer([], held)
+    assert waiters.wanted() == (5, True) and not first.future.done()
+    waiters.claim(5, True)
     waiters.close()
     assert first.future.result() == [] and second.future.result() == []
+
+
+def message(offset: int, key: bytes, partition: int = 0) -> Message:
+    """A released message as ``PullWaiters`` reads it: its queue key, partition and lease handle."""
+    return cast(Message, SimpleNamespace(queue_key=key, lease=offset, record=SimpleNamespace(partition=partition),
+                                         offset=offset))
+
+
+def offsets(messages: list[Message]) -> list[int]:
+    return [cast(SimpleNamespace, m).offset for m in messages]
+
+
+def test_messages_released_ahead_answer_the_next_pull_at_once_in_whole_key_batches() -> None:
+    """SUB-1, GRP-5 (pull mode): with no pull waiting, releases go ahead up to the latest pull's size;
+    once out they wait ready, and a pull takes them at once: whole per-key batches in release order,
+    no more than its size, so a key's batch is never split between two pulls; what it takes is kept
+    for the coordinator to note their starts."""
+    waiters = PullWaiters()
+    waiters.add(Pull(4, 10.0, Future()), held)
+    waiters.claim(4, True)
+    waiters.answer([message(0, b"z")], held)
+    assert waiters.wanted() == (4, False)
+    waiters.claim(3, False)
+    assert waiters.wanted() == (1, False)  # 3 of the 4 are on their way
+    ahead = [message(1, b"a"), message(2, b"a"), message(3, b"b")]
+    assert waiters.answer(ahead, held) == [] and waiters.wanted() == (1, False)
+    pull = Pull(2, 20.0, Future())
+    assert waiters.add(pull, held) == []
+    assert offsets(pull.future.result(0)) == [1, 2]  # key b's batch does not fit as well
+    assert waiters.served == ahead[:2] and waiters.wanted() == (1, False)
+    second = Pull(5, 30.0, Future())
+    waiters.add(second, held)
+    assert offsets(second.future.result(0)) == [3] and waiters.served == ahead
+    third = Pull(5, 40.0, Future())
+    waiters.add(third, held)
+    assert not third.future.done() and waiters.wanted() == (5, True)
+
+
+def test_a_pull_waiting_when_a_release_ahead_comes_out_takes_it() -> None:
+    """GRP-5: a pull that found nothing ready waits; the release ahead in flight answers it when its
+    flush does; messages whose lease is gone (partition let go, lease lapsed) are not handed out."""
+    waiters = PullWaiters()
+    waiters.add(Pull(3, 10.0, Future()), held)
+    waiters.claim(3, True)
+    waiters.answer([message(0, b"z")], held)
+    waiters.claim(3, False)
+    pull = Pull(3, 20.0, Future())
+    waiters.add(pull, held)
+    assert waiters.wanted() == (3, True) and not pull.future.done()
+    waiters.answer([message(1, b"a"), message(2, b"b"), message(3, b"c")], lambda lease: lease != 2)
+    assert offsets(pull.future.result(0)) == [1, 3] and waiters.wanted() == (3, False)
+
+
+def test_ready_messages_are_withdrawn_when_a_smaller_pull_comes_or_their_partition_goes() -> None:
+    """SUB-1, SUB-5: a pull smaller than the first ready key batch would split it: everything ready is
+    given back and the pull waits for a release of its own; a revoked partition's ready messages
+    are given back and the others stay ready."""
+    waiters = PullWaiters()
+    waiters.add(Pull(3, 10.0, Future()), held)
+    waiters.claim(3, True)
+    waiters.answer([message(0, b"z")], held)
+    waiters.claim(3, False)
+    batch = [message(1, b"a"), message(2, b"a"), message(3, b"b", partition=1)]
+    waiters.answer(batch, held)
+    small = Pull(1, 20.0, Future())
+    assert waiters.add(small, held) == batch
+    assert waiters.wanted() == (1, True) and not small.future.done()
+    waiters.claim(1, True)
+    waiters.answer([message(4, b"c")], held)
+    waiters.claim(1, False)
+    waiters.answer(batch, held)
+    assert waiters.withdraw([1]) == batch[2:]
+    assert waiters.withdraw(None) == batch[:2] and waiters.withdraw(None) == []
