@@ -113,6 +113,9 @@ class Engine:
         self._settlement = Settlement(subscription, settings, self._partitions, self._leases, self._writer,
                                       self._counts)
         self._started = self._settlement.starts  # appended per message by the workers: no layer between
+        # A start note only keeps an attempt that went out unseen from being charged up to the
+        # dead-letter limit (``partitions.charged_attempts``): without a dead-letter policy none is made.
+        self._notes_starts = settings.dead_letter_policy is not None
         self._dispatcher = Dispatcher(settings, self._owned, self._gate, self._leases, self._writer, self._pulls,
                                       self._dead_letters, self._counts, on_messages, self._settlement.give_back)
         self._commits = Commits(self._owned, self.topic, subscription)
@@ -143,7 +146,7 @@ class Engine:
         with self._lock:
             now = time.monotonic()
             self._handle(self._inbox.take(), now)
-            self._started.extend(self._dispatcher.take_served())
+            self._note_served()
             self._settlement.write_starts(now)
             self._ownership.flush()
             self._pulls.close()
@@ -163,13 +166,15 @@ class Engine:
         """Callback mode: a worker is about to run user code on ``message`` (ACK-6, DLQ-3).
 
         The start of a message handed out by an earlier owner and not settled (a suspect: maybe it
-        crashed that owner) is written to Redis before this returns; any other start is noted and
-        written with the coordinator's next flush. Returns False when user code must not run: the
-        delivery was given back or its partition moved meanwhile (its redelivery is on its way), or
-        Redis did not take the start (the message is given back without counting a failure).
+        crashed that owner) is written to Redis before this returns; under a dead-letter policy any
+        other start is noted and written with the coordinator's next flush. Returns False when user
+        code must not run: the delivery was given back or its partition moved meanwhile (its
+        redelivery is on its way), or Redis did not take the start (the message is given back
+        without counting a failure).
         """
         if not message.record.suspect:
-            self._started.append(message)
+            if self._notes_starts:
+                self._started.append(message)
             return True
         return self._begin_suspect(message, message._epoch)
 
@@ -285,11 +290,16 @@ class Engine:
             gate.update(leases.count, leases.bytes, buffered, now)
             if gate.state is not Gate.OPEN and buffered >= gate.max_buffered * gate.resume_fraction:
                 self._owned.end_walks()
-            # Pulls answered from messages released ahead: their starts are noted after the next
-            # step's events, so that those settled by then write none.
-            self._started.extend(dispatcher.take_served())
+            self._note_served()
             self._changed.notify_all()
         return 0.0
+
+    def _note_served(self) -> None:
+        """Note the starts of the messages pulls took from those released ahead (at the end of a step:
+        written after the next step's events, so that those settled by then write none)."""
+        served = self._dispatcher.take_served()
+        if served and self._notes_starts:
+            self._started.extend(served)
 
     def _wait_time(self, now: float) -> float:
         times = [self._ownership.next_due(), self._leases.next_check(), self._pulls.next_deadline(), self._watch_due,

@@ -96,10 +96,11 @@ def records() -> list[Record]:
 class Process:
     """One subscriber process in callback mode: an engine that owns partition 0."""
 
-    def __init__(self, store: RedisLike, *, pull: bool = False) -> None:
+    def __init__(self, store: RedisLike, *, pull: bool = False, dead_letters: bool = True) -> None:
         self.handed: list[Message] = []
         settings = SubscriptionSettings(topic=TOPIC, retry_policy=RetryPolicy(minimum_backoff=0, maximum_backoff=0),
-                                        dead_letter_policy=DeadLetterPolicy("dlq", MAX_ATTEMPTS))
+                                        dead_letter_policy=DeadLetterPolicy("dlq", MAX_ATTEMPTS) if dead_letters
+                                        else None)
         self.engine = Engine({"bootstrap.servers": "127.0.0.1:1"}, cast(StateStore, store), "sub", settings,
                              flow_control=FlowControl(), on_messages=None if pull else self.handed.extend)
         self.dead: list[tuple[int, int]] = []  # (offset, attempt) sent to the dead-letter topic
@@ -244,6 +245,23 @@ def test_a_nack_marks_its_attempt_started() -> None:
     ops = [op for op in store.ops if op[1] == 1 and op[0] != OpKind.LEASE]
     assert ops == [(OpKind.RELEASED, 1, 1), (OpKind.NACKED, 1, 1), (OpKind.RELEASED, 1, 2)]
     process.crash()
+
+
+def test_without_a_dead_letter_policy_no_start_is_written_and_every_attempt_counts() -> None:
+    """ACK-6: a start note only keeps an unseen attempt from being charged up to the dead-letter limit;
+    without a policy none is written, and a crash charges each released attempt in full, started
+    or not, as a note would."""
+    store = RedisLike()
+    first = Process(store, dead_letters=False)
+    first.step()
+    assert first.engine.begin(first.handed[1])
+    first.step()
+    assert not [op for op in store.ops if op[0] == OpKind.STARTED]
+    first.crash()
+    second = Process(store, dead_letters=False)
+    second.step()
+    assert attempts_of(second.handed) == dict.fromkeys(range(KEYS), 2)
+    second.crash()
 
 
 def test_a_pull_counts_the_release_as_the_start() -> None:
