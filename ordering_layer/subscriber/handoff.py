@@ -13,9 +13,12 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Callable, Collection
+from operator import attrgetter
 
 from ordering_layer.subscriber.message import Message
 from ordering_layer.subscriber.requests import Pull
+
+_LEASE = attrgetter("lease")
 
 WATCH_INTERVAL = 0.001  # seconds between looks for messages waiting for a worker, while some wait
 
@@ -168,6 +171,9 @@ class PullWaiters:
         while waiting and ready:
             pull = waiting[0]
             room, taken = pull.max_messages, list[Message]()
+            if len(ready) <= room and all(map(holds, map(_LEASE, ready))):  # all of it: no batch to look for
+                taken.extend(ready)
+                ready.clear()
             while ready:
                 first = ready[0]
                 if not holds(first.lease):
