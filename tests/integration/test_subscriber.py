@@ -357,6 +357,69 @@ def test_commit_on_get_and_batch_ack(admin: Admin, kafka_config: dict[str, Any],
         wait_until(lambda: admin.describe_subscription(name).backlog == 0, 30, "batch ack committed")
 
 
+def test_pullers_sharing_a_subscription_through_rebalances_keep_key_order(
+        kafka_config: dict[str, Any], endpoints: Any, subscription: Callable[..., tuple[str, str]]) -> None:
+    """SUB-1, SUB-3, SUB-4, SUB-5, GRP-2, GRP-5 (pull mode): two pullers share a subscription while a
+    third joins (it has pulled something: partitions moved) and leaves, twice. Each pulled batch is
+    handled for 10 ms and acked, except one first delivery in 40, nacked (with the rest of its key's
+    batch, which its nack cascades over). Between pulls each puller has the next pull's messages
+    released ahead; when its partitions move they are given back unseen. Every message is acked,
+    each key's in order, never held by two pullers at once."""
+    topic, name = subscription(partitions=6)
+    checker = publish_keys(kafka_config, topic, keys=200, per_key=50)
+    errors: list[BaseException] = []
+    pulled: dict[str, int] = {}
+
+    def puller(tag: str, stop: threading.Event) -> None:
+        rng = random.Random(tag)
+        try:
+            with Subscriber(kafka_config, redis_url=endpoints.redis_url) as subscriber:
+                while not stop.is_set():
+                    batch = subscriber.pull(name, max_messages=25, timeout=0.2)
+                    pulled[tag] = pulled.get(tag, 0) + len(batch)
+                    for message in batch:
+                        checker.record(message.message_id, tag, message.delivery_attempt, "deliver")
+                    if batch:
+                        stop.wait(0.01)  # the batch's handling
+                    nacked: set[str] = set()
+                    for message in batch:
+                        key = message.ordering_key
+                        if key in nacked or (message.delivery_attempt == 1 and rng.random() < 1 / 40):
+                            nacked.add(key)
+                            checker.record(message.message_id, tag, message.delivery_attempt, "nack")
+                            message.nack()
+                        else:
+                            checker.record(message.message_id, tag, message.delivery_attempt, "ack")
+                            message.ack()
+        except BaseException as exc:  # noqa: BLE001 - reported by the test's thread
+            errors.append(exc)
+
+    def start(tag: str) -> tuple[threading.Thread, threading.Event]:
+        stop = threading.Event()
+        thread = threading.Thread(target=puller, args=(tag, stop), name=tag)
+        thread.start()
+        return thread, stop
+
+    def has_pulled(tag: str) -> Callable[[], bool]:
+        return lambda: pulled.get(tag, 0) > 0
+
+    steady = [start("p1"), start("p2")]
+    total = checker.total()
+    for joiner_tag in ("p3", "p4"):
+        wait_until(lambda: checker.acked_count() > 0, 120, "acks before a join")
+        joiner, leave = start(joiner_tag)
+        wait_until(has_pulled(joiner_tag), 120, f"{joiner_tag} pulled messages")
+        leave.set()
+        joiner.join(60)
+    wait_until(lambda: checker.acked_count() == total, 120, "all messages acked")
+    for thread, stop in steady:
+        stop.set()
+        thread.join(60)
+    assert errors == [] and not joiner.is_alive()
+    assert checker.verify(one_outstanding=False) == []
+    assert checker.acked_count() == total and pulled["p1"] + pulled["p2"] < len(checker.deliveries())
+
+
 def test_batched_redis_writes_equal_one_by_one(endpoints: Any, unique_name: Callable[[str], str]) -> None:
     """ACK-4, ACK-5, ACK-6: apply.lua sends runs of one command as one call; the state equals applying
     the ops one by one (random op streams, long runs that need several calls, and the epoch fence),
