@@ -40,6 +40,7 @@ from ordering_layer.state import StateStore
 _LOGGER = logging.getLogger(__name__)
 
 _TIMEOUT = 30.0
+_METADATA_SETTLE = 3.0  # seconds a topic unknown to the broker asked is asked about again
 
 
 @dataclass(frozen=True)
@@ -348,11 +349,17 @@ class Admin:
         Raises:
             TopicError: the topic does not exist or cannot be read.
         """
-        metadata = self._admin.list_topics(name, timeout=_TIMEOUT)
-        topic = metadata.topics.get(name)
-        if topic is None or topic.error is not None:
-            reason = topic.error.str() if topic is not None and topic.error else "unknown topic"
-            raise TopicError(f"topic {name!r}: {reason}", topic=name)
+        # In a cluster a topic created moments ago may be unknown for a moment to the broker asked.
+        settle = time.monotonic() + _METADATA_SETTLE
+        while True:
+            metadata = self._admin.list_topics(name, timeout=_TIMEOUT)
+            topic = metadata.topics.get(name)
+            if topic is not None and topic.error is None:
+                break
+            if time.monotonic() > settle:
+                reason = topic.error.str() if topic is not None and topic.error else "unknown topic"
+                raise TopicError(f"topic {name!r}: {reason}", topic=name)
+            time.sleep(0.1)
         resource = ConfigResource(ConfigResource.Type.TOPIC, name)
         try:
             entries = self._admin.describe_configs([resource])[resource].result(timeout=_TIMEOUT)

@@ -1,0 +1,58 @@
+"""``Admin.describe_topic`` while a new topic's metadata reaches the brokers (no Kafka needed)."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from confluent_kafka import KafkaError
+
+from ordering_layer import admin as admin_module
+from ordering_layer.admin import Admin
+from ordering_layer.errors import TopicError
+
+
+class MetadataAnswers:
+    """An admin client whose metadata does not know the topic for the first ``unknown`` answers."""
+
+    def __init__(self, unknown: int) -> None:
+        self.unknown = unknown
+        self.asked = 0
+
+    def list_topics(self, name: str, timeout: float) -> Any:
+        self.asked += 1
+        if self.asked <= self.unknown:
+            error = KafkaError(KafkaError.UNKNOWN_TOPIC_OR_PART)
+            return SimpleNamespace(topics={name: SimpleNamespace(error=error, partitions={})})
+        partition = SimpleNamespace(replicas=[1, 2, 3], leader=1, error=None)
+        return SimpleNamespace(topics={name: SimpleNamespace(error=None, partitions={0: partition, 1: partition})})
+
+    def describe_configs(self, resources: list[Any]) -> dict[Any, Future[dict[str, Any]]]:
+        future: Future[dict[str, Any]] = Future()
+        future.set_result({"cleanup.policy": SimpleNamespace(value="delete")})
+        return {resources[0]: future}
+
+
+def test_a_topic_unknown_for_a_moment_to_the_broker_asked_is_described_once_known() -> None:
+    """A topic just created may be unknown for a moment to the broker answering (another broker of
+    the cluster): it is asked about again, so ``create_subscription`` right after ``create_topic``
+    does not fail; a topic still unknown after the settle time raises ``TopicError``."""
+    admin = Admin({"bootstrap.servers": "127.0.0.1:1"})
+    answers = MetadataAnswers(unknown=3)
+    admin._admin = answers  # type: ignore[assignment]
+    described = admin.describe_topic("fresh")
+    assert (described.partitions, described.replication_factor, described.partitions_with_leader) == (2, 3, 2)
+    assert answers.asked == 4
+
+
+def test_a_topic_that_stays_unknown_raises_after_the_settle_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A topic that does not exist is still a ``TopicError``, once the settle time passed."""
+    admin = Admin({"bootstrap.servers": "127.0.0.1:1"})
+    monkeypatch.setattr(admin_module, "_METADATA_SETTLE", 0.3)
+    answers = MetadataAnswers(unknown=10**6)
+    admin._admin = answers  # type: ignore[assignment]
+    with pytest.raises(TopicError, match="missing"):
+        admin.describe_topic("missing")
+    assert answers.asked >= 2
