@@ -24,6 +24,7 @@ from ordering_layer.subscriber.leases import LeaseTable, wall_ms
 from ordering_layer.subscriber.message import Message
 from ordering_layer.subscriber.partitions import Partitions, Released
 from ordering_layer.subscriber.requests import Pull
+from ordering_layer.subscriber.settlement import REQUEUE_DELAY
 from ordering_layer.subscriber.state_writer import StateWriter
 
 
@@ -40,13 +41,14 @@ class Dispatcher:
         dead_letters: the dead-letter screen and writer.
         counts: the engine's counters (``delivered``, ``redelivered`` are bumped here).
         on_messages: callback mode: receives each handed-out batch; None for pull mode.
-        give_back: takes released deliveries back unseen (``Settlement.give_back``).
+        give_back: takes released deliveries back unseen, their keys held the given seconds
+            (``Settlement.give_back``).
     """
 
     def __init__(self, settings: SubscriptionSettings, owned: Partitions, gate: FlowGate,
                  leases: LeaseTable, writer: StateWriter, pulls: PullWaiters, dead_letters: DeadLetters,
                  counts: dict[str, int], on_messages: Callable[[list[Message]], None] | None,
-                 give_back: Callable[[Released, float], None]) -> None:
+                 give_back: Callable[[Released, float, float], None]) -> None:
         self._settings = settings
         self._owned = owned
         self._gate = gate
@@ -107,7 +109,8 @@ class Dispatcher:
         for message in reversed(messages):  # a key's last first: each is rewound to alone, uncounted
             by_partition.setdefault(message.record.partition, []).append(message)
         owned = self._owned.owned
-        self._give_back([(owned[number], batch) for number, batch in by_partition.items() if number in owned], now)
+        self._give_back([(owned[number], batch) for number, batch in by_partition.items() if number in owned], now,
+                        0.0)
 
     def hand_out(self, released: Released) -> None:
         """Hand released deliveries, their attempts written, to user code (one release's batches:
@@ -149,6 +152,6 @@ class Dispatcher:
         if written:
             self.hand_out(released)
             return
-        self._give_back(released, time.monotonic())
+        self._give_back(released, time.monotonic(), REQUEUE_DELAY)
         if self._on_messages is None:
             self._pulls.unclaim()

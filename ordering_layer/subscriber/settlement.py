@@ -155,10 +155,13 @@ class Settlement:
         state = self._owned.get(delivery.record.partition)
         return state is not None and state.epoch == epoch and self._leases.holds(delivery.lease)
 
-    def give_back(self, released: Iterable[tuple[OwnedPartition, Sequence[Delivery]]], now: float) -> None:
-        """Redis did not take the attempt counts of released deliveries: give them back before anyone
-        sees them (not a failure of theirs: their keys' backoff does not grow, the attempt is taken back)."""
+    def give_back(self, released: Iterable[tuple[OwnedPartition, Sequence[Delivery]]], now: float,
+                  delay: float = REQUEUE_DELAY) -> None:
+        """Give released deliveries back before anyone sees them: Redis did not take their attempt
+        counts (their keys are held ``delay`` s before the write is tried again), or they were
+        released ahead of pulls that did not take them (``delay`` 0). Not a failure of theirs: their
+        keys' backoff does not grow, the attempt is taken back."""
         for state, batch in released:
             for delivery in batch:
                 self._leases.pop(delivery.lease)
-                state.requeue(delivery, now, REQUEUE_DELAY, uncount=True)
+                state.requeue(delivery, now, delay, uncount=True)

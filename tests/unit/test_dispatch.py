@@ -18,8 +18,9 @@ from ordering_layer.subscriber.leases import lease_table
 from ordering_layer.subscriber.message import Message
 from ordering_layer.subscriber.owned_partition import OwnedPartition
 from ordering_layer.subscriber.partition import Delivery
-from ordering_layer.subscriber.partitions import Partitions
+from ordering_layer.subscriber.partitions import Partitions, Released
 from ordering_layer.subscriber.requests import Pull
+from ordering_layer.subscriber.settlement import REQUEUE_DELAY
 from ordering_layer.subscriber.state_writer import StateWriter
 from tests.unit.test_engine import FakeStore
 from tests.unit.test_partition import record
@@ -56,11 +57,15 @@ class Rig:
         self.counts = {"delivered": 0, "redelivered": 0}
         self.handed: list[Message] = []
         self.given_back: list[int] = []
+        self.held_for: set[float] = set()  # the delays given back deliveries' keys were held
         on_messages: Callable[[list[Message]], None] | None = None if pull else self.handed.extend
         self.dispatcher = Dispatcher(self.settings, self.owned, FlowGate(FlowControl(max_messages=max_messages)),
                                      self.leases, self.writer, self.pulls, self.dead_letters, self.counts,
-                                     on_messages, lambda released, now: self.given_back.extend(
-                                         m.record.offset for _, batch in released for m in batch))
+                                     on_messages, self.give_back)
+
+    def give_back(self, released: Released, now: float, delay: float) -> None:
+        self.given_back.extend(m.record.offset for _, batch in released for m in batch)
+        self.held_for.add(delay)
 
 
 def test_callback_mode_releases_one_per_key_within_the_budget_and_queues_released_attempts() -> None:
@@ -130,7 +135,7 @@ def test_messages_released_ahead_are_given_back_uncounted_when_withdrawn() -> No
     rig.dispatcher.withdraw([1])
     assert rig.given_back == []
     rig.dispatcher.withdraw()
-    assert rig.given_back == [1]
+    assert rig.given_back == [1] and rig.held_for == {0.0}  # nothing failed: their keys are not held
 
 
 def test_a_partition_with_charged_attempts_is_not_released_ahead_until_they_settle() -> None:
@@ -164,6 +169,7 @@ def test_a_pull_whose_release_was_given_back_waits_again_for_the_next_release() 
     assert rig.pulls.wanted() == (3, False)  # claimed: the next release is ahead of the next pull
     rig.dispatcher.deliver(released, False)
     assert rig.given_back == [0, 2, 1] and not future.done() and rig.pulls.wanted() == (3, True)
+    assert rig.held_for == {REQUEUE_DELAY}  # the write is tried again a little later
     rig.pulls.claim(3, True)
     rig.dispatcher.deliver(released, True)
     assert [m.offset() for m in future.result(0)] == [0, 2, 1]

@@ -167,6 +167,16 @@ def test_give_back_takes_the_attempt_back_and_holds_the_key_briefly() -> None:
     assert [(d.record.offset, d.attempt) for d in rig.release(5.0 + REQUEUE_DELAY)] == [(0, 1), (2, 1)]
 
 
+def test_give_back_without_a_delay_lets_the_keys_out_again_at_once() -> None:
+    """ACK-6, SUB-1: messages released ahead of pulls that did not take them go back with their
+    attempt taken back and their keys not held: the next release has them, the same attempt."""
+    rig = Rig()
+    batch = rig.release()
+    rig.settlement.give_back([(rig.state, list(reversed(batch)))], 5.0, 0.0)
+    assert rig.leases.count == 0
+    assert sorted((d.record.offset, d.attempt) for d in rig.release(5.0)) == [(0, 1), (2, 1)]
+
+
 def test_a_run_of_plain_acks_applies_in_one_pass_as_settle_would_one_by_one() -> None:
     """ACK-4, ACK-5: ``acks`` applies a run of plain acks (``Message.ack``) in order: each settles its
     record, drops its lease, feeds the ack latency and queues SETTLED; an ack made under another epoch,
