@@ -3,9 +3,10 @@
 This machine's pace drifts by up to half over an hour, so two versions of the subscriber are compared
 only by alternated runs: one topic of bench (a)'s workload (100 B, 10,000 keys, 6 partitions) is
 published once, then each tree in turn runs one callback subscription (16 workers unless told,
-no-op callback and ack) in a process of its own, with ``PYTHONPATH`` set to the tree, so each imports its own
-package and compiled core (``ordering_layer/_core.abi3.so`` in the tree: build it there first). The
-rate is from the first delivery to the last ack. Prints each pair and the median change.
+no-op callback and ack; ``--workers 0``: pull mode, pulls of 500 acked as a batch) in a process of
+its own, with ``PYTHONPATH`` set to the tree, so each imports its own package and compiled core
+(``ordering_layer/_core.abi3.so`` in the tree: build it there first). The rate is from the first
+delivery to the last ack. Prints each pair and the median change.
 
     .venv/bin/python bench/ab_trees.py TREE_A TREE_B [--pairs 4] [--messages 300000]
 
@@ -49,6 +50,16 @@ def one_run(bootstrap: str, redis_url: str, topic: str, count: int, workers: int
                 done.set()
 
     subscriber = Subscriber({"bootstrap.servers": bootstrap}, redis_url=redis_url)
+    if workers == 0:  # pull mode: pulls of 500, each acked as a batch
+        start, seen = 0.0, 0
+        while seen < count:
+            messages = subscriber.pull(name, max_messages=500, timeout=1.0)
+            start = start or (time.perf_counter() if messages else 0.0)
+            Subscriber.acknowledge(messages)
+            seen += len(messages)
+        elapsed = time.perf_counter() - start
+        subscriber.close()
+        return count / elapsed
     handle = subscriber.subscribe(name, callback, max_workers=workers)
     if not done.wait(600):
         raise RuntimeError(f"{acked} of {count} acked in 600 s")
@@ -61,7 +72,8 @@ def main() -> None:
     parser.add_argument("trees", nargs="*", type=Path)
     parser.add_argument("--pairs", type=int, default=4)
     parser.add_argument("--messages", type=int, default=300_000)
-    parser.add_argument("--workers", type=int, default=16, help="callback workers (default 16)")
+    parser.add_argument("--workers", type=int, default=16,
+                        help="callback workers (default 16); 0: pull mode (pulls of 500, acked as a batch)")
     parser.add_argument("--one", metavar="TOPIC", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:

@@ -314,6 +314,9 @@ class Engine:
             if kind is Message:
                 run.append(event)
                 continue
+            if kind is list:  # plain acks of a batch (``message.ack_all``)
+                run.extend(event)
+                continue
             if run:
                 acks(run, now)
                 run = []

@@ -8,7 +8,7 @@ code is one object, not a wrapper around another; ``lease`` names it in the engi
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from datetime import UTC, datetime
 
@@ -30,7 +30,7 @@ class AckResponse(enum.Enum):
     OTHER = "OTHER"
 
 
-def unattached(_: Settle | Message) -> None:
+def unattached(_: Settle | Message | list[Message]) -> None:
     """Where the answers of a message no subscriber released would go: nowhere (an error)."""
     raise RuntimeError("this message was not released by a subscriber")
 
@@ -50,7 +50,7 @@ class Message(Delivery):
     __slots__ = ("_epoch", "_submit", "_topic", "settled")
 
     def __init__(self, record: Record, queue_key: QueueKey, token: int, attempt: int, topic: str, epoch: int,
-                 submit: Callable[[Settle | Message], None] = unattached, lease: int = 0) -> None:
+                 submit: Callable[[Settle | Message | list[Message]], None] = unattached, lease: int = 0) -> None:
         # Delivery's fields, set here rather than through its __init__: one Message is made per
         # message released, and that call would add ~0.1 us to each (bench/RESULTS.md).
         self.record = record
@@ -178,3 +178,13 @@ class Message(Delivery):
         return (f"Message(ordering_key={self.ordering_key!r}, message_id={self.message_id!r}, "
                 f"sequence_number={self.sequence_number}, delivery_attempt={self.delivery_attempt})")
 
+
+def ack_all(messages: Iterable[Message]) -> None:
+    """Ack many messages as ``Message.ack`` would each, with one event per engine: the messages of
+    one engine go to its inbox as one list (the coordinator settles it as a run of plain acks)."""
+    batches: dict[Callable[[Settle | Message | list[Message]], None], list[Message]] = {}
+    for message in messages:
+        message.settled = True
+        batches.setdefault(message._submit, []).append(message)
+    for submit, batch in batches.items():
+        submit(batch)

@@ -15,7 +15,7 @@ from ordering_layer.state import StateStore
 from ordering_layer.subscriber.client_config import redis_url_from, verify_credentials
 from ordering_layer.subscriber.engine import Engine
 from ordering_layer.subscriber.handoff import CallbackPool
-from ordering_layer.subscriber.message import Message
+from ordering_layer.subscriber.message import Message, ack_all
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -160,9 +160,9 @@ class Subscriber:
 
     @staticmethod
     def acknowledge(messages: Iterable[Message]) -> None:
-        """Ack a batch of pulled messages without fetching more (GRP-5)."""
-        for message in messages:
-            message.ack()
+        """Ack a batch of pulled messages without fetching more (GRP-5): one request per subscription,
+        not one per message."""
+        ack_all(messages)
 
     def close(self, timeout: float = 30.0) -> None:
         """Leave the groups joined by ``pull`` (outstanding pulled messages get ``timeout`` to be acked)."""

@@ -15,7 +15,7 @@ from ordering_layer.record import RecordMetadata
 from ordering_layer.state import ApplyResult, StateStore
 from ordering_layer.state.store import ClaimedPartition, Op, OpKind, unpack_ops
 from ordering_layer.subscriber.engine import Engine
-from ordering_layer.subscriber.message import Message
+from ordering_layer.subscriber.message import Message, ack_all
 from ordering_layer.subscriber.owned_partition import OwnedPartition
 from ordering_layer.subscriber.partition import Delivery, Record
 from ordering_layer.subscriber.requests import DeadLettered
@@ -312,3 +312,27 @@ def test_the_fetch_takes_no_records_while_its_posted_batches_wait(engine: Engine
         assert engine.stats()["buffered"] == gate.max_in_flight
     finally:
         engine._fetcher.consumer = real
+
+
+def test_ack_all_posts_one_list_per_engine_which_settles_it_as_a_run_of_acks(store: FakeStore) -> None:
+    """GRP-5, ACK-4: ``Subscriber.acknowledge`` (``ack_all``) marks each message settled and posts the
+    messages of one engine to its inbox as one list; the coordinator settles the list as it settles
+    plain acks one by one (SETTLED ops, the commit point past them)."""
+    handed: list[Message] = []
+    engine = make_engine(store, handed.extend)
+    try:
+        engine._fetcher._on_assign(engine.consumer, P0)
+        engine._handle([engine._fetcher.fetched([record(o) for o in range(3)])], time.monotonic())
+        step(engine)
+        assert [m.offset() for m in handed] == [0, 1, 2]
+        elsewhere: list[object] = []
+        foreign = Message(record(7), b"key-1", 1, 1, TOPIC, 1, elsewhere.append)
+        ack_all([*handed, foreign])
+        assert all(m.settled for m in handed) and foreign.settled
+        assert len(engine._inbox) == 1 and elsewhere == [[foreign]]
+        step(engine)
+        assert engine._partitions[0].watermark == 3 and engine._counts["acked"] == 3
+        engine._ownership.flush()
+        assert sorted(op[1] for _, op in store.op_log if op[0] == OpKind.SETTLED) == [0, 1, 2]
+    finally:
+        engine.consumer.close()
