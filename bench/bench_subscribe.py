@@ -27,6 +27,7 @@ from the earliest offset) and print every round and the median of the per-round 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import sys
@@ -97,22 +98,19 @@ def layer_consume(endpoints: Endpoints, admin: Admin, topic: str, count: int, wo
     """The layer: a subscription (ordered unless told), callback mode, acking after ``handler``."""
     name = f"bench-{uuid.uuid4().hex[:8]}"
     admin.create_subscription(name, topic=topic, retry_policy=RetryPolicy(0, 0), enable_message_ordering=ordered)
-    acked = 0
-    lock = threading.Lock()
+    acks = itertools.count(1)  # next() is atomic under the GIL: the callbacks count without a lock
     first = [0.0]
     finished = threading.Event()
 
     def callback(message: Message) -> None:
-        nonlocal acked
         if not first[0]:
             first[0] = time.perf_counter()
         if handler is not None:
             handler(message)
         message.ack()
-        with lock:
-            acked += 1
-            if (done_when(message) if done_when else acked >= count):
-                finished.set()
+        acked = next(acks)
+        if (done_when(message) if done_when else acked >= count):
+            finished.set()
 
     subscriber = Subscriber(endpoints.kafka_config(), redis_url=endpoints.redis_url)
     handle = subscriber.subscribe(name, callback, max_workers=workers,
