@@ -170,6 +170,9 @@ class OrderedConsumer:
             messages = []
             while not messages:
                 messages = engine.pull(count, _WAIT_STEP)
+        # Messages settled through Message.ack() or nack() go: a consumer that acks each message
+        # and never commits would otherwise keep every message it was ever returned.
+        self._prune()
         self._returned.extend(messages)
         return messages
 

@@ -260,7 +260,8 @@ def test_partitions_assigned_while_the_fetch_is_paused_join_the_pause(kafka_conf
 def test_ordered_consumer_drop_in(kafka_config: dict[str, Any], endpoints: Any, topic_factory: Callable[..., str],
                                   unique_name: Callable[[str], str]) -> None:
     """SUB-1, DRP-2: the confluent-kafka shaped OrderedConsumer polls per-key ordered messages with acks;
-    a new group starts where ``auto.offset.reset`` says (earliest here; confluent's default is latest)."""
+    a new group starts where ``auto.offset.reset`` says (earliest here; confluent's default is latest).
+    Acked one by one and never committed, the messages are not kept by the consumer."""
     topic = topic_factory(partitions=2)
     checker = publish_keys(kafka_config, topic, keys=5, per_key=8)
     consumer = OrderedConsumer({**kafka_config, "group.id": unique_name("group"), "auto.offset.reset": "earliest",
@@ -276,6 +277,7 @@ def test_ordered_consumer_drop_in(kafka_config: dict[str, Any], endpoints: Any, 
             checker.record(msg.message_id, "c1", msg.delivery_attempt, "deliver")
             checker.record(msg.message_id, "c1", msg.delivery_attempt, "ack")
             msg.ack()
+            assert len(consumer._returned) <= 1  # the message just polled: the acked ones are let go
     finally:
         consumer.close()
     assert checker.verify() == []
