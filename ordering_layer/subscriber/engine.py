@@ -115,7 +115,7 @@ class Engine:
         self._started = self._settlement.starts  # appended per message by the workers: no layer between
         # A start note only keeps an attempt that went out unseen from being charged up to the
         # dead-letter limit (``partitions.charged_attempts``): without a dead-letter policy none is made.
-        self._notes_starts = settings.dead_letter_policy is not None
+        self.notes_starts = settings.dead_letter_policy is not None
         self._dispatcher = Dispatcher(settings, self._owned, self._gate, self._leases, self._writer, self._pulls,
                                       self._dead_letters, self._counts, on_messages, self._settlement.give_back)
         self._commits = Commits(self._owned, self.topic, subscription)
@@ -173,7 +173,7 @@ class Engine:
         without counting a failure).
         """
         if not message.record.suspect:
-            if self._notes_starts:
+            if self.notes_starts:
                 self._started.append(message)
             return True
         return self._begin_suspect(message, message._epoch)
@@ -298,7 +298,7 @@ class Engine:
         """Note the starts of the messages pulls took from those released ahead (at the end of a step:
         written after the next step's events, so that those settled by then write none)."""
         served = self._dispatcher.take_served()
-        if served and self._notes_starts:
+        if served and self.notes_starts:
             self._started.extend(served)
 
     def _wait_time(self, now: float) -> float:

@@ -111,7 +111,9 @@ class Subscriber:
         settings = self._store.settings(subscription)
 
         def run(message: Message) -> None:
-            if not engine.begin(message):  # ACK-6: the start counts the attempt
+            # ACK-6: the start counts the attempt (written first for a suspect, noted under a
+            # dead-letter policy, nothing to do otherwise).
+            if (message.record.suspect or engine.notes_starts) and not engine.begin(message):
                 return
             try:
                 callback(message)
