@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Collection
+from operator import attrgetter
 
 from ordering_layer.config import SubscriptionSettings
 from ordering_layer.subscriber.dead_letters import DeadLetters
@@ -26,6 +27,9 @@ from ordering_layer.subscriber.partitions import Partitions, Released
 from ordering_layer.subscriber.requests import Pull
 from ordering_layer.subscriber.settlement import REQUEUE_DELAY
 from ordering_layer.subscriber.state_writer import StateWriter
+
+_ATTEMPT = attrgetter("attempt")
+_AFTER_FIRST = (1).__lt__  # attempt -> whether it is a redelivery
 
 
 class Dispatcher:
@@ -127,7 +131,7 @@ class Dispatcher:
                 continue  # fenced by the flush that recorded these deliveries: the new owner has them
             if not screen:
                 messages.extend(batch)
-                redelivered += sum(1 for message in batch if message.attempt > 1)
+                redelivered += sum(map(_AFTER_FIRST, map(_ATTEMPT, batch)))  # attempts above 1, counted in C
                 continue
             epoch = state.epoch
             for message in batch:
