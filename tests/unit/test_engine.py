@@ -84,6 +84,13 @@ def step(engine: Engine) -> None:
     engine._ownership.settle_in_flight()
 
 
+def hand_out(engine: Engine, count: int) -> None:
+    """Partition 0 assigned, records 0..count-1 fetched, and a step: they go out."""
+    engine._fetcher._on_assign(engine.consumer, P0)
+    engine._handle([engine._fetcher.fetched([record(o) for o in range(count)])], time.monotonic())
+    step(engine)
+
+
 @pytest.fixture
 def engine(store: FakeStore) -> Iterator[Engine]:
     engine = make_engine(store)
@@ -256,9 +263,7 @@ def test_metrics_snapshot_counts_deliveries_settlements_and_drains_observations(
     handed: list[Message] = []
     engine = make_engine(store, handed.extend)
     try:
-        engine._fetcher._on_assign(engine.consumer, P0)
-        engine._handle([engine._fetcher.fetched([record(o) for o in range(3)])], time.monotonic())
-        step(engine)
+        hand_out(engine, 3)
         assert len(handed) == 3
         handed[0].ack()
         handed[1].nack()
@@ -321,9 +326,7 @@ def test_ack_all_posts_one_list_per_engine_which_settles_it_as_a_run_of_acks(sto
     handed: list[Message] = []
     engine = make_engine(store, handed.extend)
     try:
-        engine._fetcher._on_assign(engine.consumer, P0)
-        engine._handle([engine._fetcher.fetched([record(o) for o in range(3)])], time.monotonic())
-        step(engine)
+        hand_out(engine, 3)
         assert [m.offset() for m in handed] == [0, 1, 2]
         elsewhere: list[object] = []
         foreign = Message(record(7), b"key-1", 1, 1, TOPIC, 1, elsewhere.append)
