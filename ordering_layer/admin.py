@@ -40,7 +40,7 @@ from ordering_layer.state import StateStore
 _LOGGER = logging.getLogger(__name__)
 
 _TIMEOUT = 30.0
-_METADATA_SETTLE = 3.0  # seconds a topic unknown to the broker asked is asked about again
+_METADATA_SETTLE = 3.0  # seconds create_subscription asks again about a topic a broker does not know
 
 
 @dataclass(frozen=True)
@@ -120,7 +120,8 @@ class Admin:
             max_lease_duration=max_lease_duration,
             min_duration_per_lease_extension=min_duration_per_lease_extension,
             max_duration_per_lease_extension=max_duration_per_lease_extension)
-        described = self.describe_topic(topic)
+        # The topic may have been created just before, through another broker of the cluster.
+        described = self.describe_topic(topic, settle=_METADATA_SETTLE)
         if dead_letter_policy is not None:
             self.create_topic(dead_letter_policy.topic, partitions=described.partitions, exist_ok=True,
                               config={"max.message.bytes": str(DEAD_LETTER_MAX_BYTES)})
@@ -343,20 +344,24 @@ class Admin:
                 return described
             time.sleep(0.05)
 
-    def describe_topic(self, name: str) -> TopicDescription:
+    def describe_topic(self, name: str, *, settle: float = 0.0) -> TopicDescription:
         """Partitions, replication and the non-default config of a topic.
 
+        Args:
+            name: the topic.
+            settle: seconds to ask again while the broker asked does not know the topic (in a
+                cluster, a topic created moments ago may be unknown for a moment to some brokers).
+
         Raises:
-            TopicError: the topic does not exist or cannot be read.
+            TopicError: the topic does not exist (after ``settle``) or cannot be read.
         """
-        # In a cluster a topic created moments ago may be unknown for a moment to the broker asked.
-        settle = time.monotonic() + _METADATA_SETTLE
+        settle_until = time.monotonic() + settle
         while True:
             metadata = self._admin.list_topics(name, timeout=_TIMEOUT)
             topic = metadata.topics.get(name)
             if topic is not None and topic.error is None:
                 break
-            if time.monotonic() > settle:
+            if time.monotonic() >= settle_until:
                 reason = topic.error.str() if topic is not None and topic.error else "unknown topic"
                 raise TopicError(f"topic {name!r}: {reason}", topic=name)
             time.sleep(0.1)
