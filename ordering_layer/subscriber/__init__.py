@@ -11,9 +11,10 @@ a record read once) -> ``inbox`` ->
 on a thread of its own, one or two flushes in flight, ``state/pipe.py``) -> ``dead_letters`` or
 ``handoff`` once the flush answered; its ack comes back through ``message`` -> ``inbox`` ->
 ``settlement``. The coordinator's rules live in ``dispatch`` (release, hand-out),
-``settlement`` (acks, nacks, deadlines, lapses, dead-letter reports, start notes), ``commits``
-(commit points, commit reports, seek look-ups) and ``ownership`` (claims on assignment, revocation,
-loss, fencing verdicts of each flush); the engine hands them the components they act on.
+``settlement`` (acks, nacks, deadlines, lapses, dead-letter reports, start notes), ``starts`` (a
+worker's start of a delivery: written first for a suspect, noted under a dead-letter policy),
+``commits`` (commit points, commit reports, seek look-ups) and ``ownership`` (claims on assignment,
+revocation, loss, fencing verdicts of each flush); the engine hands them the components they act on.
 
 Which module keeps which property of ``SEMANTICS.md``. "The core" is ``owned_partition`` and the
 compiled ``core/src/partition.rs`` it holds (``key_queue.rs``, ``tracker.rs``); the pure-Python
@@ -52,10 +53,11 @@ rules under the same names, checked against it by ``tests/unit/test_core.py``:
   (the ops' Redis writes, grouped into command runs by ``core/src/runs.rs``)
 - ACK-6 delivery attempt survives crashes (counted before hand-off): the core (release ops),
   ``ownership`` (releases held until their flush answered, then ``dispatch.hand_out``),
-  ``settlement`` (start notes, of callbacks and of pulls answered from releases ahead, ``handoff``),
-  ``engine`` (``begin`` of suspects), ``partitions`` (claim, ``charged_attempts``; in pull mode
-  nothing released ahead from a partition with charged attempts pending); suspects of repeated
-  crashes go out one at a time: the core (``Quarantine``; reference ``key_queue.Quarantine``)
+  ``starts`` (``begin``: a suspect's start written first; the start notes of callbacks and of pulls
+  answered from releases ahead, ``handoff``), ``settlement`` (the notes written), ``partitions``
+  (claim, ``charged_attempts``; in pull mode nothing released ahead from a partition with charged
+  attempts pending); suspects of repeated crashes go out one at a time: the core (``Quarantine``;
+  reference ``key_queue.Quarantine``)
 - DLQ-1 backoff per key: the core (``hold``, ``wake``; reference ``key_queue.KeyBackoff``)
 - DLQ-2 dead-lettering, ``park_key``; DLQ-3 poison messages: ``dead_letters``, screened by
   ``dispatch`` (``hand_out``), settled by ``settlement`` (``dead_lettered``); a poison crashes alone:

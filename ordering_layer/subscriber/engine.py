@@ -16,10 +16,9 @@ in modules handed the components they act on: ``dispatch`` (release, hand-out), 
 (acks, nacks, deadlines, lapses, dead-letter reports, start notes), ``commits`` (commit points and
 seeks, GRP-3) and ``ownership`` (claims, revocations, flushes and their fencing verdicts).
 
-Attempt counts (ACK-6, DLQ-3): a callback worker writes the start of a suspect (a record an earlier
-owner handed out and never settled, see ``partitions``) to Redis before user code runs (``begin``);
-other starts are noted and written with the next flush (``settlement``), as are those of messages a
-pull took from the ones released ahead of it (``dispatch``), noted after the next step's events.
+Attempt counts (ACK-6, DLQ-3): ``starts`` writes the start of a suspect before user code runs, and
+notes the others under a dead-letter policy (callbacks, and pulls answered from messages released
+ahead); the notes are written with the next flush (``settlement``).
 """
 
 from __future__ import annotations
@@ -31,12 +30,10 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from typing import Any
 
-import redis
 from confluent_kafka import Consumer
 
 from ordering_layer.config import FlowControl, SubscriptionSettings
-from ordering_layer.state import ApplyResult, StateStore
-from ordering_layer.state.store import OpKind
+from ordering_layer.state import StateStore
 from ordering_layer.subscriber.client_config import consumer_settings
 from ordering_layer.subscriber.commits import Commits
 from ordering_layer.subscriber.dead_letters import DeadLetters
@@ -49,10 +46,10 @@ from ordering_layer.subscriber.leases import lease_table
 from ordering_layer.subscriber.message import Message
 from ordering_layer.subscriber.metrics import snapshot
 from ordering_layer.subscriber.ownership import Ownership
-from ordering_layer.subscriber.partition import Delivery
 from ordering_layer.subscriber.partitions import Partitions
 from ordering_layer.subscriber.requests import Committed, DeadLettered, Fetched, Pull, Settle, Sought
 from ordering_layer.subscriber.settlement import Settlement
+from ordering_layer.subscriber.starts import Starts
 from ordering_layer.subscriber.state_writer import StateWriter
 from ordering_layer.worker import Worker
 
@@ -109,19 +106,17 @@ class Engine:
         self._partitions = self._owned.owned
         self._closing = False
         self._counts = {"delivered": 0, "acked": 0, "nacked": 0, "redelivered": 0}
-        self._store = store
         self._settlement = Settlement(subscription, settings, self._partitions, self._leases, self._writer,
                                       self._counts)
-        self._started = self._settlement.starts  # appended per message by the workers: no layer between
-        # A start note only keeps an attempt that went out unseen from being charged up to the
-        # dead-letter limit (``partitions.charged_attempts``): without a dead-letter policy none is made.
-        self.notes_starts = settings.dead_letter_policy is not None
         self._dispatcher = Dispatcher(settings, self._owned, self._gate, self._leases, self._writer, self._pulls,
                                       self._dead_letters, self._counts, on_messages, self._settlement.give_back)
         self._commits = Commits(self._owned, self.topic, subscription)
         self._ownership = Ownership(subscription, settings, self._changed, self._owned, self._leases, self._writer,
                                     self._commits, deliver=self._dispatcher.deliver, wake=self._inbox.nudge,
                                     withdraw=self._dispatcher.withdraw)
+        self._starts = Starts(subscription, settings, self._lock, store, self._owned, self._settlement,
+                              self._ownership)
+        self.notes_starts = self._starts.notes  # whether ``begin`` has anything to do for a non-suspect
         self._fetcher = Fetcher(conf, subscription, self.topic, self._gate, self._ownership, self._inbox.put,
                                 rebalance or RebalanceHooks())
         self._worker = Worker(f"ordering-layer-engine-{subscription}", self._step)
@@ -146,7 +141,7 @@ class Engine:
         with self._lock:
             now = time.monotonic()
             self._handle(self._inbox.take(), now)
-            self._note_served()
+            self._starts.note(self._dispatcher.take_served())
             self._settlement.write_starts(now)
             self._ownership.flush()
             self._pulls.close()
@@ -163,50 +158,8 @@ class Engine:
         self._inbox.put(request)
 
     def begin(self, message: Message) -> bool:
-        """Callback mode: a worker is about to run user code on ``message`` (ACK-6, DLQ-3).
-
-        The start of a message handed out by an earlier owner and not settled (a suspect: maybe it
-        crashed that owner) is written to Redis before this returns; under a dead-letter policy any
-        other start is noted and written with the coordinator's next flush. Returns False when user
-        code must not run: the delivery was given back or its partition moved meanwhile (its
-        redelivery is on its way), or Redis did not take the start (the message is given back
-        without counting a failure).
-        """
-        if not message.record.suspect:
-            if self.notes_starts:
-                self._started.append(message)
-            return True
-        return self._begin_suspect(message, message._epoch)
-
-    def _begin_suspect(self, delivery: Delivery, epoch: int) -> bool:
-        record = delivery.record
-        partition, offset = record.partition, record.offset
-        settlement = self._settlement
-        with self._lock:
-            if not settlement.holds(delivery, epoch):
-                return False
-        # The write is made outside the lock (a Redis outage must not stall the coordinator). It
-        # cannot pass a settle of this delivery (user code has not run), and the fence stops it
-        # once the partition moved; only a lapse meanwhile could come first, checked below.
-        try:
-            [result] = self._store.apply_many(
-                [(self.subscription, partition, epoch, [(OpKind.STARTED, offset, delivery.attempt)])])
-        except redis.RedisError as exc:
-            _LOGGER.warning("%s: recording the start of %d:%d failed (%s); redelivering it",
-                            self.subscription, partition, offset, exc)
-            with self._lock:
-                if settlement.holds(delivery, epoch):
-                    settlement.give_back([(self._partitions[partition], [delivery])], time.monotonic())
-            return False
-        with self._lock:
-            if result == ApplyResult.FENCED:
-                state = self._partitions.get(partition)
-                if state is not None and state.epoch == epoch:
-                    self._ownership.fenced(partition)
-                return False
-            if result == ApplyResult.ADOPTED:
-                self._owned.adopted(partition)
-            return settlement.holds(delivery, epoch)
+        """Callback mode: a worker is about to run user code on ``message`` (``Starts.begin``)."""
+        return self._starts.begin(message)
 
     def pull(self, max_messages: int, timeout: float) -> list[Message]:
         """Release up to ``max_messages`` (at most one batch per key), waiting up to ``timeout`` s."""
@@ -290,16 +243,9 @@ class Engine:
             gate.update(leases.count, leases.bytes, buffered, now)
             if gate.state is not Gate.OPEN and buffered >= gate.max_buffered * gate.resume_fraction:
                 self._owned.end_walks()
-            self._note_served()
+            self._starts.note(dispatcher.take_served())
             self._changed.notify_all()
         return 0.0
-
-    def _note_served(self) -> None:
-        """Note the starts of the messages pulls took from those released ahead (at the end of a step:
-        written after the next step's events, so that those settled by then write none)."""
-        served = self._dispatcher.take_served()
-        if served and self.notes_starts:
-            self._started.extend(served)
 
     def _wait_time(self, now: float) -> float:
         times = [self._ownership.next_due(), self._leases.next_check(), self._pulls.next_deadline(), self._watch_due,

@@ -49,7 +49,7 @@ def charged_attempts(claimed: ClaimedPartition, max_attempts: int | None) -> dic
     start mark was lost with the owner: it counts, but never up to ``max_attempts``, so that a message
     is dead-lettered only after an attempt whose start is recorded. In callback mode the records charged
     are suspects: the new owner records the start of each of their deliveries before user code runs
-    (``Engine.begin``), and lets those charged two attempts or more out one at a time per partition
+    (``Starts.begin``), and lets those charged two attempts or more out one at a time per partition
     (``key_queue.Quarantine``); in pull mode they go out only to a waiting pull, written as delivered
     (``release``, not ``ahead``). So a message that crashes every process it runs in is dead-lettered
     after exactly ``max_attempts`` deliveries; in callback mode one that waited or ran beside it is
