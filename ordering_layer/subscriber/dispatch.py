@@ -98,14 +98,6 @@ class Dispatcher:
         being revoked, or the engine is closing."""
         self._give_back_messages(self._pulls.withdraw(partitions), time.monotonic())
 
-    def take_served(self) -> list[Message]:
-        """The messages pulls took from those released ahead since the last call (their starts are
-        to be noted)."""
-        served = self._pulls.served
-        if served:
-            self._pulls.served = []
-        return served
-
     def _give_back_messages(self, messages: list[Message], now: float) -> None:
         if not messages:
             return

@@ -141,7 +141,7 @@ class Engine:
         with self._lock:
             now = time.monotonic()
             self._handle(self._inbox.take(), now)
-            self._starts.note(self._dispatcher.take_served())
+            self._starts.note(self._pulls.take_served())
             self._settlement.write_starts(now)
             self._ownership.flush()
             self._pulls.close()
@@ -243,7 +243,7 @@ class Engine:
             gate.update(leases.count, leases.bytes, buffered, now)
             if gate.state is not Gate.OPEN and buffered >= gate.max_buffered * gate.resume_fraction:
                 self._owned.end_walks()
-            self._starts.note(dispatcher.take_served())
+            self._starts.note(self._pulls.take_served())
             self._changed.notify_all()
         return 0.0
 

@@ -193,6 +193,13 @@ class PullWaiters:
             self.served.extend(taken)
         return []
 
+    def take_served(self) -> list[Message]:
+        """The messages pulls took from ``ready`` since the last call (their starts are to be noted)."""
+        served = self.served
+        if served:
+            self.served = []
+        return served
+
     def withdraw(self, partitions: Collection[int] | None) -> list[Message]:
         """Take the ready messages of ``partitions`` (None: all) out, to be given back."""
         ready = self._ready

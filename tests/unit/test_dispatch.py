@@ -104,7 +104,7 @@ def test_pull_mode_releases_per_key_batches_only_for_a_waiting_pull() -> None:
 def test_pull_mode_releases_ahead_of_the_next_pull_which_is_answered_at_once() -> None:
     """GRP-5, ACK-6, SUB-7: once a pull was answered and none waits, up to its size is released ahead
     within flow control, queued as released (no user code has them yet); once out they answer the
-    next pull at once, and the dispatcher hands the coordinator their starts to note."""
+    next pull at once, and the waiting pulls keep them for the coordinator to note their starts."""
     rig = Rig(pull=True, max_messages=4)
     first: Future[list[Message]] = Future()
     rig.dispatcher.pull(Pull(3, time.monotonic() + 10, first), 0.0)
@@ -117,11 +117,11 @@ def test_pull_mode_releases_ahead_of_the_next_pull_which_is_answered_at_once() -
     assert {op[0] for op in unpack_ops(state.take_ops())} == {OpKind.RELEASED}
     assert rig.dispatcher.release(0.0) == []
     rig.dispatcher.hand_out(ahead)
-    assert rig.dispatcher.take_served() == []
+    assert rig.pulls.take_served() == []
     second: Future[list[Message]] = Future()
     rig.dispatcher.pull(Pull(3, time.monotonic() + 10, second), 0.0)
     assert [m.offset() for m in second.result(0)] == [4]
-    assert [m.offset() for m in rig.dispatcher.take_served()] == [4] and rig.dispatcher.take_served() == []
+    assert [m.offset() for m in rig.pulls.take_served()] == [4] and rig.pulls.take_served() == []
 
 
 def test_messages_released_ahead_are_given_back_uncounted_when_withdrawn() -> None:
