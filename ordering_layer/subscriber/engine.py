@@ -23,7 +23,6 @@ ahead); the notes are written with the next flush (``settlement``).
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -55,7 +54,6 @@ from ordering_layer.worker import Worker
 
 __all__ = ["Engine", "RebalanceHooks"]
 
-_LOGGER = logging.getLogger(__name__)
 
 _GATHER = 0.002
 _GATHER_EVENTS = 500
