@@ -396,27 +396,37 @@ def test_pullers_sharing_a_subscription_through_rebalances_keep_key_order(
         except BaseException as exc:  # noqa: BLE001 - reported by the test's thread
             errors.append(exc)
 
+    running: list[tuple[threading.Thread, threading.Event]] = []
+
     def start(tag: str) -> tuple[threading.Thread, threading.Event]:
         stop = threading.Event()
-        thread = threading.Thread(target=puller, args=(tag, stop), name=tag)
+        thread = threading.Thread(target=puller, args=(tag, stop), name=tag, daemon=True)
         thread.start()
+        running.append((thread, stop))
         return thread, stop
 
     def has_pulled(tag: str) -> Callable[[], bool]:
         return lambda: pulled.get(tag, 0) > 0
 
-    steady = [start("p1"), start("p2")]
     total = checker.total()
-    for joiner_tag in ("p3", "p4"):
-        wait_until(lambda: checker.acked_count() > 0, 120, "acks before a join")
-        joiner, leave = start(joiner_tag)
-        wait_until(has_pulled(joiner_tag), 120, f"{joiner_tag} pulled messages")
-        leave.set()
-        joiner.join(60)
-    wait_until(lambda: checker.acked_count() == total, 120, "all messages acked")
-    for thread, stop in steady:
-        stop.set()
-        thread.join(60)
+    try:
+        start("p1")
+        start("p2")
+        for joiner_tag in ("p3", "p4"):
+            wait_until(lambda: checker.acked_count() > 0, 120, "acks before a join")
+            joiner, leave = start(joiner_tag)
+            wait_until(has_pulled(joiner_tag), 120, f"{joiner_tag} pulled messages")
+            leave.set()
+            joiner.join(60)
+        wait_until(lambda: checker.acked_count() == total, 120, "all messages acked")
+    except AssertionError as timed_out:
+        raise AssertionError(f"{timed_out}: pulled {pulled}, {checker.acked_count()} of {total} acked, "
+                             f"errors {errors}") from None
+    finally:  # a failed wait stops the pullers too: none outlives the test
+        for _, stop in running:
+            stop.set()
+        for thread, _ in running:
+            thread.join(60)
     assert errors == [] and not joiner.is_alive()
     assert checker.verify(one_outstanding=False) == []
     assert checker.acked_count() == total and pulled["p1"] + pulled["p2"] < len(checker.deliveries())

@@ -34,7 +34,7 @@ def _race(make: Callable[[], Callable[[], Any]]) -> tuple[list[Any], list[BaseEx
         except Exception as exc:  # noqa: BLE001 - every error is a finding of the test
             errors.append(exc)
 
-    threads = [threading.Thread(target=run, args=(call,)) for call in calls]
+    threads = [threading.Thread(target=run, args=(call,), daemon=True) for call in calls]
     for thread in threads:
         thread.start()
     for thread in threads:
