@@ -9,6 +9,11 @@ restart services are then skipped. Tests are isolated by unique topic names.
 
 from __future__ import annotations
 
+import faulthandler
+import os
+import sys
+import threading
+import time
 from collections.abc import Callable
 
 import pytest
@@ -64,3 +69,29 @@ def topic_factory(admin: Admin, unique_name: Callable[[str], str]) -> Callable[.
         return name
 
     return create
+
+
+_EXIT_STATUS = pytest.StashKey[int]()
+
+# How long the test process may take to exit once the session is over. A thread a test left running
+# (a non-daemon thread, or a Kafka client blocked on services the session has stopped) would keep it
+# alive until CI's own limit; instead every thread's stack is printed and the process ends, failed.
+EXIT_GRACE = 180.0
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    session.config.stash[_EXIT_STATUS] = int(exitstatus)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    status = config.stash.get(_EXIT_STATUS, 1)
+
+    def guard() -> None:
+        time.sleep(EXIT_GRACE)  # a daemon thread: a process that exits in time ends it here
+        print(f"\nthe test process did not exit {EXIT_GRACE:.0f} s after the session ended; its threads:",
+              file=sys.__stderr__, flush=True)
+        faulthandler.dump_traceback(file=sys.__stderr__, all_threads=True)
+        os._exit(status or 1)
+
+    threading.Thread(target=guard, name="exit-guard", daemon=True).start()
+
