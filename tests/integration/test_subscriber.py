@@ -366,17 +366,23 @@ def test_pullers_sharing_a_subscription_through_rebalances_keep_key_order(
     handled for 10 ms and acked, except one first delivery in 40, nacked (with the rest of its key's
     batch, which its nack cascades over). Between pulls each puller has the next pull's messages
     released ahead; when its partitions move they are given back unseen. Every message is acked,
-    each key's in order, never held by two pullers at once."""
+    each key's in order, never held by two pullers at once. The steady pullers wait at a third (then
+    two thirds) of the messages acked until the joiner has pulled, so every join finds work left."""
     topic, name = subscription(partitions=6)
     checker = publish_keys(kafka_config, topic, keys=200, per_key=50)
     errors: list[BaseException] = []
     pulled: dict[str, int] = {}
+    steady = ("p1", "p2")
+    share = [checker.total() // 3]  # how many acks the two steady pullers may reach before the next join
 
     def puller(tag: str, stop: threading.Event) -> None:
         rng = random.Random(tag)
         try:
             with Subscriber(kafka_config, redis_url=endpoints.redis_url) as subscriber:
                 while not stop.is_set():
+                    if tag in steady and checker.acked_count() >= share[0]:
+                        stop.wait(0.01)  # work is left for the joiner: it gets partitions with messages
+                        continue
                     batch = subscriber.pull(name, max_messages=25, timeout=0.2)
                     pulled[tag] = pulled.get(tag, 0) + len(batch)
                     for message in batch:
@@ -410,12 +416,13 @@ def test_pullers_sharing_a_subscription_through_rebalances_keep_key_order(
 
     total = checker.total()
     try:
-        start("p1")
-        start("p2")
-        for joiner_tag in ("p3", "p4"):
+        for tag in steady:
+            start(tag)
+        for turn, joiner_tag in enumerate(("p3", "p4"), start=1):
             wait_until(lambda: checker.acked_count() > 0, 120, "acks before a join")
             joiner, leave = start(joiner_tag)
             wait_until(has_pulled(joiner_tag), 120, f"{joiner_tag} pulled messages")
+            share[0] = total * (turn + 1) // 3
             leave.set()
             joiner.join(60)
         wait_until(lambda: checker.acked_count() == total, 120, "all messages acked")
