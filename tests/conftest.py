@@ -94,4 +94,3 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         os._exit(status or 1)
 
     threading.Thread(target=guard, name="exit-guard", daemon=True).start()
-
