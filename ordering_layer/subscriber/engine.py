@@ -23,13 +23,14 @@ ahead); the notes are written with the next flush (``settlement``).
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from typing import Any
 
-from confluent_kafka import Consumer
+from confluent_kafka import Consumer, TopicPartition
 
 from ordering_layer.config import FlowControl, SubscriptionSettings
 from ordering_layer.state import StateStore
@@ -55,7 +56,10 @@ from ordering_layer.worker import Worker
 __all__ = ["Engine", "RebalanceHooks"]
 
 
+_LOGGER = logging.getLogger(__name__)
+
 _GATHER = 0.002
+LEAVE_TIMEOUT = 10.0  # seconds close waits for the last commit and the group leave
 _GATHER_EVENTS = 500
 
 
@@ -127,7 +131,8 @@ class Engine:
         self._fetcher.start()
 
     def close(self, timeout: float = 30.0) -> None:
-        """Stop releasing, wait up to ``timeout`` for outstanding deliveries, commit, leave the group."""
+        """Stop releasing, wait up to ``timeout`` for outstanding deliveries, commit, leave the group
+        (the commit and the leave are waited for up to ``LEAVE_TIMEOUT``, then go on in the background)."""
         with self._lock:
             self._closing = True
             self._dispatcher.withdraw()  # released ahead of the pulls: no user code has them
@@ -145,11 +150,25 @@ class Engine:
             self._pulls.close()
             offsets = self._commits.offsets(sync=True)
         self._ownership.close()
+        # librdkafka's last commit and the group leave wait for the group coordinator without a
+        # timeout (45 s, the session timeout, with the broker down); the acked offsets are in Redis
+        # already (the partitions' floors), so close returns after LEAVE_TIMEOUT and leaves them to
+        # a daemon thread.
+        leave = threading.Thread(target=self._leave, args=(offsets,), name=f"ordering-layer-leave-{self.subscription}",
+                                 daemon=True)
+        leave.start()
+        leave.join(LEAVE_TIMEOUT)
+        if leave.is_alive():
+            _LOGGER.warning("%s: the group coordinator did not answer within %.0f s; the last commit and the group "
+                            "leave go on in the background (the acked offsets are in Redis)", self.subscription,
+                            LEAVE_TIMEOUT)
+        self._dead_letters.close()
+
+    def _leave(self, offsets: list[TopicPartition]) -> None:
         self._fetcher.commit_sync(offsets)
         with self._lock:
             self._handle(self._inbox.take(), time.monotonic())  # the commit's report: seeks it completes
         self._fetcher.close()
-        self._dead_letters.close()
 
     def submit(self, request: Settle) -> None:
         """Post an ack, nack or deadline change (any thread)."""
