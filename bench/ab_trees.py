@@ -8,7 +8,8 @@ its own, with ``PYTHONPATH`` set to the tree, so each imports its own package an
 (``ordering_layer/_core.abi3.so`` in the tree: build it there first). The rate is from the first
 delivery to the last ack. Prints each pair and the median change.
 
-    .venv/bin/python bench/ab_trees.py TREE_A TREE_B [--pairs 4] [--messages 300000]
+    .venv/bin/python bench/ab_trees.py TREE_A TREE_B [--pairs 4] [--messages 300000] [--workers 16]
+        [--max-messages 1000]
 
 A stack named by ``ORDERING_LAYER_BOOTSTRAP``/``ORDERING_LAYER_REDIS_URL`` is used (``ordering-layer
 stack env``), else a fresh local one.
@@ -27,9 +28,12 @@ import uuid
 from pathlib import Path
 
 
-def one_run(bootstrap: str, redis_url: str, topic: str, count: int, workers: int = 16) -> float:
-    """One subscription of ``topic`` on the tree imported; returns msg/s."""
-    from ordering_layer import Admin, Message, RetryPolicy, Subscriber
+def one_run(bootstrap: str, redis_url: str, topic: str, count: int, workers: int = 16,
+            max_messages: int = 1000) -> float:
+    """One subscription of ``topic`` on the tree imported (``max_messages`` outstanding); returns msg/s."""
+    from ordering_layer import Admin, FlowControl, Message, RetryPolicy, Subscriber
+
+    flow = FlowControl(max_messages=max_messages)
 
     admin = Admin({"bootstrap.servers": bootstrap}, redis_url=redis_url)
     name = f"ab-{uuid.uuid4().hex[:8]}"
@@ -53,14 +57,14 @@ def one_run(bootstrap: str, redis_url: str, topic: str, count: int, workers: int
     if workers == 0:  # pull mode: pulls of 500, each acked as a batch
         start, seen = 0.0, 0
         while seen < count:
-            messages = subscriber.pull(name, max_messages=500, timeout=1.0)
+            messages = subscriber.pull(name, max_messages=500, timeout=1.0, flow_control=flow)
             start = start or (time.perf_counter() if messages else 0.0)
             Subscriber.acknowledge(messages)
             seen += len(messages)
         elapsed = time.perf_counter() - start
         subscriber.close()
         return count / elapsed
-    handle = subscriber.subscribe(name, callback, max_workers=workers)
+    handle = subscriber.subscribe(name, callback, max_workers=workers, flow_control=flow)
     if not done.wait(600):
         raise RuntimeError(f"{acked} of {count} acked in 600 s")
     handle.cancel()
@@ -74,11 +78,12 @@ def main() -> None:
     parser.add_argument("--messages", type=int, default=300_000)
     parser.add_argument("--workers", type=int, default=16,
                         help="callback workers (default 16); 0: pull mode (pulls of 500, acked as a batch)")
+    parser.add_argument("--max-messages", type=int, default=1000, help="flow control's max_messages (default 1000)")
     parser.add_argument("--one", metavar="TOPIC", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
         rate = one_run(os.environ["ORDERING_LAYER_BOOTSTRAP"], os.environ["ORDERING_LAYER_REDIS_URL"], args.one,
-                       args.messages, args.workers)
+                       args.messages, args.workers, args.max_messages)
         print(f"{rate:.0f}")
         return
     if len(args.trees) != 2:
@@ -100,7 +105,7 @@ def main() -> None:
             for tree in order:
                 out = subprocess.run(
                     [sys.executable, str(Path(__file__).resolve()), "--one", topic, "--messages", str(args.messages),
-                     "--workers", str(args.workers)],
+                     "--workers", str(args.workers), "--max-messages", str(args.max_messages)],
                     env={**env, "PYTHONPATH": str(tree.resolve())}, cwd=tree, check=True, capture_output=True,
                     text=True)
                 rates.append(float(out.stdout.split()[-1]))

@@ -283,6 +283,13 @@ impl PartitionCore {
         self.core.buffered
     }
 
+    /// Ready keys, at most (`ready_len`: keys left the ready set since are counted until a release
+    /// passes them); 0 while the recovery walk holds releases.
+    #[getter]
+    fn ready(&self) -> usize {
+        self.core.ready_len()
+    }
+
     /// The offset to commit (the lowest fetched offset not settled); None before any fetch.
     #[getter]
     fn watermark(&self) -> Option<i64> {

@@ -306,6 +306,12 @@ impl<T> PartitionCore<T> {
         }
     }
 
+    /// Ready keys, at most (keys taken out of the ready set since, by a backoff or a settle, are
+    /// counted until a release passes them); 0 while the recovery walk holds releases. O(1).
+    pub fn ready_len(&self) -> usize {
+        if self.walking() { 0 } else { self.ready.len() }
+    }
+
     /// The recovery walk holds releases (see the module's text).
     pub fn walking(&self) -> bool {
         self.horizon >= 0 && self.walk_holds

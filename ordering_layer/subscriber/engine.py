@@ -257,7 +257,7 @@ class Engine:
             if self._watch is not None:
                 self._watch_due = self._watch(now)
             leases, gate, buffered = self._leases, self._gate, self._owned.buffered()
-            gate.update(leases.count, leases.bytes, buffered, now)
+            gate.update(leases.count, leases.bytes, buffered, now, self._owned.ready())
             if gate.state is not Gate.OPEN and buffered >= gate.max_buffered * gate.resume_fraction:
                 self._owned.end_walks()
             self._starts.note(self._pulls.take_served())

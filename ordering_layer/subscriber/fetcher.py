@@ -33,6 +33,7 @@ _LOGGER = logging.getLogger(__name__)
 
 _FETCH_BATCH = 500
 _PAUSED_POLL = 0.005
+_AMPLE_POLL = 0.05  # how long the fetch waits at most, while records are ample, between serving events
 _MALFORMED_LOGGED = 10  # malformed-metadata warnings logged one by one; then every 1000th
 
 RebalanceCallback = Callable[[list[TopicPartition]], None]
@@ -183,8 +184,13 @@ class Fetcher:
                 self._malformed_metadata(record)
             records.append(record)
         # A full batch from consume() may have more of its partitions' records behind it: the native
-        # queue, whose records of those partitions are newer, waits for the next turn.
-        if native is not None and len(messages) < _FETCH_BATCH:
+        # queue, whose records of those partitions are newer, waits for the next turn. While enough
+        # records are ready (``ample``) the native queue is left to librdkafka's prefetch, and this
+        # thread waits for the ready keys to run low, serving the consumer's events meanwhile.
+        if native is not None and len(messages) < _FETCH_BATCH and self._gate.ample:
+            if not records:
+                self._gate.wait_for_room(_AMPLE_POLL)
+        elif native is not None and len(messages) < _FETCH_BATCH:
             fetched, errors = native.fetch(_FETCH_BATCH, timeout if not records else 0)
             records.extend(fetched)
             for partition, offset, error in errors:

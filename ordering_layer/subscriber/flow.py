@@ -10,10 +10,18 @@ between OPEN and HELD after each step; the fetch thread moves it from HELD to PA
 Why HELD before PAUSED: ``pause()`` throws librdkafka's prefetch away and the resume costs a refetch
 of ~0.2-0.5 s, which a short hold at every release step would pay again and again.
 
-Apart from the gate, the fetch takes no records while ``max_in_flight`` records it posted wait for
-the coordinator: the gate moves only once per coordinator step, and a fetch thread left to run
-through a long step would post tens of thousands of records more, each a live object for the garbage
-collector to walk until it is released.
+Apart from the gate, the fetch takes no records while enough are *ready* (``ample``: at least
+``max_ready`` keys a release could take now, by default ``max_messages``; it ends under
+``resume_fraction`` of it). The partitions are not paused for it: librdkafka keeps prefetching into
+its own compact queue, which the fetch takes from again at once when the ready keys run low. Records
+taken into the key queues long before they can go out cost memory and cache misses for nothing
+(``bench/RESULTS.md``). Keys that cannot go out (outstanding, backing off, in a recovery walk) do
+not count as ready, so the fetch still reads past them up to the buffer limit.
+
+Also the fetch takes no records while ``max_in_flight`` records it posted wait for the coordinator:
+the gate moves only once per coordinator step, and a fetch thread left to run through a long step
+would post tens of thousands of records more, each a live object for the garbage collector to walk
+until it is released.
 """
 
 from __future__ import annotations
@@ -22,6 +30,8 @@ import enum
 import threading
 
 from ordering_layer.config import FlowControl
+
+MIN_READY = 500  # the smallest max_ready: one fetch batch
 
 
 class Gate(enum.Enum):
@@ -42,12 +52,16 @@ class FlowGate:
         hold_before_pause: seconds HELD before the fetch pauses the assignment.
         max_in_flight: records fetched and posted that the coordinator has not taken yet, beyond
             which the fetch waits.
+        max_ready: ready keys beyond which the fetch takes no records (``ample``); default
+            ``limits.max_messages``, at least ``MIN_READY``.
     """
 
     def __init__(self, limits: FlowControl, *, max_buffered: int = 20_000, resume_fraction: float = 0.8,
-                 hold_before_pause: float = 1.0, max_in_flight: int = 2_000) -> None:
+                 hold_before_pause: float = 1.0, max_in_flight: int = 2_000, max_ready: int | None = None) -> None:
         self.limits = limits
         self.max_buffered = max_buffered
+        self.max_ready = max(limits.max_messages, MIN_READY) if max_ready is None else max_ready
+        self.ample = False  # max_ready keys are ready: the fetch takes no records until under resume_fraction
         self.max_in_flight = max_in_flight
         self.in_flight = 0  # posted by the fetch, not yet taken by the coordinator
         self.resume_fraction = resume_fraction
@@ -62,9 +76,16 @@ class FlowGate:
         limits = self.limits
         return limits.max_messages - outstanding, limits.max_bytes - outstanding_bytes
 
-    def update(self, outstanding: int, outstanding_bytes: int, buffered: int, now: float) -> None:
-        """Coordinator: close the gate over a limit, open it under ``resume_fraction`` of all."""
+    def update(self, outstanding: int, outstanding_bytes: int, buffered: int, now: float, ready: int = 0) -> None:
+        """Coordinator: close the gate over a limit, open it under ``resume_fraction`` of all; the
+        same for ``ample`` with ``ready`` keys."""
         limits, fraction = self.limits, self.resume_fraction
+        if ready >= self.max_ready:
+            self.ample = True
+        elif self.ample and ready < self.max_ready * fraction:
+            with self._lock:
+                self.ample = False
+                self._room.notify_all()
         over = (outstanding >= limits.max_messages or outstanding_bytes >= limits.max_bytes
                 or buffered >= self.max_buffered)
         under = (outstanding < limits.max_messages * fraction and outstanding_bytes < limits.max_bytes * fraction
@@ -93,10 +114,10 @@ class FlowGate:
         return self.in_flight < self.max_in_flight
 
     def wait_for_room(self, timeout: float) -> None:
-        """Fetch thread: wait up to ``timeout`` s while the gate is HELD or ``max_in_flight`` posted
-        records wait for the coordinator; returns as soon as either ends."""
+        """Fetch thread: wait up to ``timeout`` s while the gate is HELD, ``max_in_flight`` posted
+        records wait for the coordinator or the ready keys are ``ample``; returns as soon as they end."""
         with self._room:
-            if self.state is Gate.HELD or self.in_flight >= self.max_in_flight:
+            if self.state is Gate.HELD or self.in_flight >= self.max_in_flight or self.ample:
                 self._room.wait(timeout)
 
     def fetch_state(self, now: float) -> Gate:

@@ -133,6 +133,11 @@ class OwnedPartition:
         return self.core.buffered
 
     @property
+    def ready(self) -> int:
+        """Ready keys, at most (0 during the recovery walk): what a release could take now."""
+        return self.core.ready
+
+    @property
     def watermark(self) -> int | None:
         """The offset to commit: the lowest fetched offset not settled (ACK-4)."""
         return self.core.watermark

@@ -228,6 +228,10 @@ class Partitions:
         """Fetched records not yet released, all partitions."""
         return sum(state.buffered for state in self.owned.values())
 
+    def ready(self) -> int:
+        """Ready keys, at most, all partitions (``OwnedPartition.ready``)."""
+        return sum(state.ready for state in self.owned.values())
+
     def end_walks(self) -> None:
         """Let partitions still in their recovery walk release: the fetch is held over the buffer
         limit, so the walks might not end otherwise. Each marks its cascading keys in Redis first and

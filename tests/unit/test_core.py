@@ -520,3 +520,21 @@ def test_suspects_of_one_crash_go_out_together() -> None:
     assert [r.quarantined for r in records] == [False, False, False, True, True, False]
     assert (twin.core.quarantined, twin.core.waiting_keys()) == (3, [b"d"])
     assert twin.py.quarantine.offset == 3 and list(twin.py.quarantine.waiting) == [b"d"]
+
+
+def test_ready_counts_the_keys_a_release_could_take_and_none_during_the_walk() -> None:
+    """SUB-7: ``ready`` (what the fetch's ``ample`` rule reads) counts the ready keys; a key with a
+    record outstanding is not ready, a key acked is ready again, and a partition in its recovery walk
+    has none ready (its releases are held), so that the fetch reads on to the walk's end."""
+    core: PartitionCore[Record] = PartitionCore(ordered=True)
+    assert core.add([record(0, b"a", 1), record(1, b"a", 1), record(2, b"b", 1), record(3, None, 1)]) == []
+    assert core.ready == len(core.ready_keys()) == 3  # a, b and the unordered record 3
+    _, tokens, _, _, _, _ = core.release_ready(0.0, 1, 1, 100)
+    assert core.ready == 2  # a is out
+    assert core.ack([0], tokens) == ([], 1)
+    assert core.ready == 3  # a is ready again, with record 1
+    walking: PartitionCore[Record] = PartitionCore(ordered=True, settled_before={5})
+    assert walking.add([record(offset, b"k%d" % offset, 1) for offset in range(5)]) == []
+    assert walking.walking and walking.ready == 0
+    assert walking.add([record(5, b"k5", 1), record(6, b"k6", 1)]) == [5]
+    assert not walking.walking and walking.ready == len(walking.ready_keys()) == 6

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future
 from typing import cast
 
 import pytest
 import redis
 from confluent_kafka import Consumer, TopicPartition
 
+from ordering_layer._core import NativeFetch
 from ordering_layer.config import FlowControl, RetryPolicy, SubscriptionSettings
 from ordering_layer.record import RecordMetadata
 from ordering_layer.state import ApplyResult, StateStore
@@ -18,7 +20,7 @@ from ordering_layer.subscriber.engine import Engine
 from ordering_layer.subscriber.message import Message, ack_all
 from ordering_layer.subscriber.owned_partition import OwnedPartition
 from ordering_layer.subscriber.partition import Delivery, Record
-from ordering_layer.subscriber.requests import DeadLettered
+from ordering_layer.subscriber.requests import DeadLettered, Pull
 from ordering_layer.subscriber.settlement import REQUEUE_DELAY
 
 TOPIC = "orders"
@@ -296,6 +298,9 @@ class CountingConsumer:
         self.consumed += 1
         return []
 
+    def commit(self, offsets: list[TopicPartition], asynchronous: bool) -> None:
+        """Commits queued by the coordinator's steps: nothing to do here."""
+
 
 def test_the_fetch_takes_no_records_while_its_posted_batches_wait(engine: Engine) -> None:
     """SUB-7: a fetched batch counts as in flight from its post until the coordinator takes it; while
@@ -317,6 +322,48 @@ def test_the_fetch_takes_no_records_while_its_posted_batches_wait(engine: Engine
         assert engine.stats()["buffered"] == gate.max_in_flight
     finally:
         engine._fetcher.consumer = real
+
+
+class CountingNativeFetch:
+    """Stands in for the native fetch: counts ``fetch`` calls, returns nothing."""
+
+    def __init__(self) -> None:
+        self.fetches = 0
+
+    def fetch(self, max_messages: int, timeout: float) -> tuple[list[Record], list[tuple[int, int, str]]]:
+        self.fetches += 1
+        return [], []
+
+
+def test_the_fetch_takes_no_records_while_enough_keys_are_ready(engine: Engine) -> None:
+    """SUB-7: once ``max_ready`` keys are ready (nothing released: no pull waits) the fetch thread
+    serves the consumer's events but takes no records; when a pull's release leaves fewer than
+    ``resume_fraction`` of them, it takes records again."""
+    engine._fetcher._on_assign(engine.consumer, P0)
+    gate = engine._gate
+    keys = gate.max_ready
+    batch = engine._fetcher.fetched(
+        [Record(0, offset, b"key-%d" % offset, b"x", [], RecordMetadata(None, 1, None), 1, 0)
+         for offset in range(keys)])
+    gate.posted(len(batch.records))
+    engine._handle([batch], time.monotonic())
+    step(engine)
+    assert engine._owned.ready() == keys and gate.ample
+    real_consumer, real_native = engine._fetcher.consumer, engine._fetcher.native
+    counting, native = CountingConsumer(), CountingNativeFetch()
+    engine._fetcher.consumer, engine._fetcher.native = cast(Consumer, counting), cast(NativeFetch, native)
+    try:
+        engine._fetcher.step()
+        assert (counting.consumed, native.fetches) == (1, 0)
+        pull = Pull(keys // 2, time.monotonic() + 60, Future())
+        engine._handle([pull], time.monotonic())
+        step(engine)
+        assert len(pull.future.result(0)) == keys // 2
+        assert not gate.ample
+        engine._fetcher.step()
+        assert (counting.consumed, native.fetches) == (2, 1)
+    finally:
+        engine._fetcher.consumer, engine._fetcher.native = real_consumer, real_native
 
 
 def test_ack_all_posts_one_list_per_engine_which_settles_it_as_a_run_of_acks(store: FakeStore) -> None:

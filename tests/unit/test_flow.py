@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 
 from ordering_layer.config import FlowControl
-from ordering_layer.subscriber.flow import FlowGate, Gate
+from ordering_layer.subscriber.flow import MIN_READY, FlowGate, Gate
 
 
 def test_gate_holds_over_a_limit_pauses_after_the_hold_and_opens_under_the_resume_fraction() -> None:
@@ -75,3 +75,20 @@ def test_an_open_gate_does_not_make_the_fetch_wait() -> None:
     waiter = _waits_in_thread(gate, 60.0)
     waiter.join(10.0)
     assert not waiter.is_alive()
+
+
+def test_ample_ready_keys_hold_the_fetch_until_they_run_low() -> None:
+    """SUB-7: with ``max_ready`` keys ready the fetch takes no records (``ample``), whatever the gate
+    says; under ``resume_fraction`` of it the fetch is woken. The default is ``max_messages``, at least
+    one fetch batch."""
+    assert FlowGate(FlowControl(max_messages=4000)).max_ready == 4000
+    assert FlowGate(FlowControl(max_messages=10)).max_ready == MIN_READY
+    gate = FlowGate(FlowControl(max_messages=10, max_bytes=1000), max_ready=100)
+    gate.update(0, 0, 200, now=0.0, ready=100)
+    assert gate.ample and gate.fetch_state(0.0) is Gate.OPEN
+    waiter = _waits_in_thread(gate, 60.0)
+    gate.update(0, 0, 200, now=0.1, ready=80)
+    assert gate.ample  # between the marks: no change
+    gate.update(0, 0, 200, now=0.2, ready=79)
+    waiter.join(10.0)
+    assert not waiter.is_alive() and not gate.ample
