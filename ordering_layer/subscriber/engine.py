@@ -59,8 +59,8 @@ __all__ = ["Engine", "RebalanceHooks"]
 _LOGGER = logging.getLogger(__name__)
 
 _GATHER = 0.002
-LEAVE_TIMEOUT = 10.0  # seconds close waits for the last commit and the group leave
 _GATHER_EVENTS = 500
+LEAVE_TIMEOUT = 10.0  # seconds close waits for the last commit and the group leave
 
 
 class Engine:
