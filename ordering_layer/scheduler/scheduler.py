@@ -17,6 +17,8 @@ from collections.abc import Mapping
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
+import redis
+
 from ordering_layer.compacted import producer_config
 from ordering_layer.config import from_mapping
 from ordering_layer.errors import OrderingLayerError
@@ -33,6 +35,7 @@ _LOGGER = logging.getLogger(__name__)
 
 _PUBLISH_TIMEOUT = 30.0
 _SWEEP_EVERY = 60.0
+REDIS_RETRY = 1.0  # seconds between steps while Redis does not answer
 
 
 class Scheduler:
@@ -63,6 +66,7 @@ class Scheduler:
         self._lock = threading.Lock()
         self._next_sweep = 0.0
         self.activated = 0  # messages this scheduler published and marked activated
+        self._redis_down = False  # the last step could not reach Redis (logged once per outage)
 
     def start(self) -> None:
         """Start activating. Raises ``RuntimeError`` when started before."""
@@ -87,6 +91,22 @@ class Scheduler:
 
     # -- one step --------------------------------------------------------------------------------
     def _step(self) -> float:
+        """One step (``_activate_due``); while Redis does not answer, one warning per outage and a
+        step every ``REDIS_RETRY`` seconds (what was claimed comes back when its lease ends)."""
+        try:
+            wait = self._activate_due()
+        except redis.RedisError as exc:
+            if not self._redis_down:
+                self._redis_down = True
+                _LOGGER.warning("scheduled messages wait: Redis does not answer (%s); trying again every %.0f s",
+                                exc, REDIS_RETRY)
+            return REDIS_RETRY
+        if self._redis_down:
+            self._redis_down = False
+            _LOGGER.info("Redis answers again: activating scheduled messages")
+        return wait
+
+    def _activate_due(self) -> float:
         """Claim and activate what is due; return the seconds to wait before the next step."""
         settings = self.settings
         now = now_ms()
