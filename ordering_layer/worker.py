@@ -49,3 +49,12 @@ class Worker:
                 pause = 0.5
             if pause > 0:
                 self._stop.wait(pause)
+
+
+def run_bounded(name: str, target: Callable[[], None], timeout: float) -> bool:
+    """Run ``target`` on a named daemon thread and wait up to ``timeout`` seconds; False when it is
+    still running then (it goes on in the background)."""
+    thread = threading.Thread(target=target, name=name, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return not thread.is_alive()

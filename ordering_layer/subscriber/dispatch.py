@@ -8,7 +8,8 @@ its attempts are queued for Redis (``StateWriter``). The coordinator flushes tho
 ``hand_out`` (ACK-6, DLQ-3): a message no attempt of which Redis has taken never reaches user code.
 ``hand_out`` screens each delivery for dead-lettering (``DeadLetters``: DLQ-2, DLQ-3) and hands the
 rest to the callback pool, the pull the release was for, or the messages ready for the next pulls
-(``handoff``). Used by the coordinator on its thread, under its lock.
+(``handoff``). Used under the engine's lock: by the coordinator, and by a pulling thread for its
+own pull (``Engine.pull``).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ _AFTER_FIRST = (1).__lt__  # attempt -> whether it is a redelivery
 
 
 class Dispatcher:
-    """The release and hand-out of one engine (coordinator thread only).
+    """The release and hand-out of one engine (under the engine's lock).
 
     Args:
         settings: the subscription's settings (the ack deadline of a new lease).

@@ -51,7 +51,7 @@ from ordering_layer.subscriber.requests import Committed, DeadLettered, Fetched,
 from ordering_layer.subscriber.settlement import Settlement
 from ordering_layer.subscriber.starts import Starts
 from ordering_layer.subscriber.state_writer import StateWriter
-from ordering_layer.worker import Worker
+from ordering_layer.worker import Worker, run_bounded
 
 __all__ = ["Engine", "RebalanceHooks"]
 
@@ -150,15 +150,9 @@ class Engine:
             self._pulls.close()
             offsets = self._commits.offsets(sync=True)
         self._ownership.close()
-        # librdkafka's last commit and the group leave wait for the group coordinator without a
-        # timeout (45 s, the session timeout, with the broker down); the acked offsets are in Redis
-        # already (the partitions' floors), so close returns after LEAVE_TIMEOUT and leaves them to
-        # a daemon thread.
-        leave = threading.Thread(target=self._leave, args=(offsets,), name=f"ordering-layer-leave-{self.subscription}",
-                                 daemon=True)
-        leave.start()
-        leave.join(LEAVE_TIMEOUT)
-        if leave.is_alive():
+        # The last commit and the group leave wait for the group coordinator with no timeout (45 s
+        # with the broker down); the acks are in Redis (the floors), so they may end in the background.
+        if not run_bounded(f"ordering-layer-leave-{self.subscription}", lambda: self._leave(offsets), LEAVE_TIMEOUT):
             _LOGGER.warning("%s: the group coordinator did not answer within %.0f s; the last commit and the group "
                             "leave go on in the background (the acked offsets are in Redis)", self.subscription,
                             LEAVE_TIMEOUT)
@@ -179,9 +173,21 @@ class Engine:
         return self._starts.begin(message)
 
     def pull(self, max_messages: int, timeout: float) -> list[Message]:
-        """Release up to ``max_messages`` (at most one batch per key), waiting up to ``timeout`` s."""
+        """Release up to ``max_messages`` (at most one batch per key), waiting up to ``timeout`` s.
+        Between the coordinator's steps the pull is added on this thread, answered at once from the
+        messages released ahead if any (the coordinator is woken to release more); else via the inbox."""
         pull = Pull(max_messages, time.monotonic() + timeout, Future())
-        self._inbox.put(pull)
+        if not self._lock.acquire(blocking=False):
+            self._inbox.put(pull)
+            return pull.future.result(timeout + 30.0)
+        try:
+            if self._closing:
+                pull.future.set_result([])
+            else:
+                self._dispatcher.pull(pull, time.monotonic())
+        finally:
+            self._lock.release()
+        self._inbox.nudge()
         return pull.future.result(timeout + 30.0)
 
     @property

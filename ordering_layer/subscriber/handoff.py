@@ -99,7 +99,8 @@ class CallbackPool:
 
 class PullWaiters:
     """Pulls waiting for messages (oldest first), the releases claimed for them or made ahead of
-    them, and the messages released ahead that no pull took yet (coordinator only).
+    them, and the messages released ahead that no pull took yet (under the engine's lock: the
+    coordinator, or a pulling thread adding its pull).
 
     A release is claimed for the oldest waiting pull, or, when none waits, made *ahead*: up to the
     latest pull's size, so that the next pull is answered at once instead of after a Redis round

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
@@ -22,6 +23,7 @@ from ordering_layer.subscriber.owned_partition import OwnedPartition
 from ordering_layer.subscriber.partition import Delivery, Record
 from ordering_layer.subscriber.requests import DeadLettered, Pull
 from ordering_layer.subscriber.settlement import REQUEUE_DELAY
+from tests.checker import wait_until
 
 TOPIC = "orders"
 P0 = [TopicPartition(TOPIC, 0)]
@@ -364,6 +366,39 @@ def test_the_fetch_takes_no_records_while_enough_keys_are_ready(engine: Engine) 
         assert (counting.consumed, native.fetches) == (2, 1)
     finally:
         engine._fetcher.consumer, engine._fetcher.native = real_consumer, real_native
+
+
+def test_a_pull_is_answered_on_its_own_thread_from_the_messages_released_ahead(store: FakeStore) -> None:
+    """GRP-5, SUB-1: between the coordinator's steps a pull is taken on the pulling thread; the messages
+    released ahead answer it at once, with no step of the coordinator (whose thread is not running
+    here), and the next step releases ahead of the next pull."""
+    engine = make_engine(store)
+    try:
+        engine._fetcher._on_assign(engine.consumer, P0)
+        records = [Record(0, offset, b"key-%d" % offset, b"x", [], RecordMetadata(None, 1, None), 1, 0)
+                   for offset in range(20)]
+        engine._handle([engine._fetcher.fetched(records)], time.monotonic())
+        answers: list[list[Message]] = []
+
+        def pull() -> None:
+            answers.append(engine.pull(5, 30.0))
+
+        first = threading.Thread(target=pull, daemon=True)
+        first.start()
+        wait_until(lambda: engine._pulls.wanted() == (5, True), 10, "the first pull waiting")
+        step(engine)  # released for the waiting pull
+        first.join(10)
+        step(engine)  # released ahead of the next pull
+        assert [m.offset() for m in answers[0]] == [0, 1, 2, 3, 4]
+        second = threading.Thread(target=pull, daemon=True)
+        second.start()
+        second.join(10)
+        assert not second.is_alive(), "the pull waited for a coordinator step"
+        assert [m.offset() for m in answers[1]] == [5, 6, 7, 8, 9]
+        step(engine)
+        assert engine._pulls.wanted() == (0, False)  # five more released ahead again
+    finally:
+        engine.consumer.close()
 
 
 def test_ack_all_posts_one_list_per_engine_which_settles_it_as_a_run_of_acks(store: FakeStore) -> None:
