@@ -174,11 +174,12 @@ class Engine:
 
     def pull(self, max_messages: int, timeout: float) -> list[Message]:
         """Release up to ``max_messages`` (at most one batch per key), waiting up to ``timeout`` s.
-        Between the coordinator's steps the pull is added on this thread, answered at once from the
-        messages released ahead if any (the coordinator is woken to release more); else via the inbox."""
+        The pull is added on this thread as soon as the coordinator is between steps, answered at once
+        from the messages released ahead if any (the coordinator is woken to release more), not left
+        in the inbox for the coordinator's next step, which may first gather events for 2 ms."""
         pull = Pull(max_messages, time.monotonic() + timeout, Future())
-        if not self._lock.acquire(blocking=False):
-            self._inbox.put(pull)
+        if not self._lock.acquire(timeout=max(timeout, 0.0)):
+            self._inbox.put(pull)  # the lock was held all along: the coordinator expires it
             return pull.future.result(timeout + 30.0)
         try:
             if self._closing:

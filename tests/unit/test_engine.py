@@ -401,6 +401,23 @@ def test_a_pull_is_answered_on_its_own_thread_from_the_messages_released_ahead(s
         engine.consumer.close()
 
 
+def test_a_pull_that_cannot_get_the_lock_in_its_timeout_goes_through_the_inbox(store: FakeStore) -> None:
+    """GRP-5: a pull whose timeout passes while another thread holds the engine's lock is posted to the
+    inbox; the coordinator's next step answers it (empty: its deadline passed)."""
+    engine = make_engine(store)
+    try:
+        answers: list[list[Message]] = []
+        with engine._lock:
+            puller = threading.Thread(target=lambda: answers.append(engine.pull(5, 0.05)), daemon=True)
+            puller.start()
+            wait_until(lambda: len(engine._inbox) == 1, 10, "the pull in the inbox")
+        step(engine)
+        puller.join(10)
+        assert answers == [[]]
+    finally:
+        engine.consumer.close()
+
+
 def test_ack_all_posts_one_list_per_engine_which_settles_it_as_a_run_of_acks(store: FakeStore) -> None:
     """GRP-5, ACK-4: ``Subscriber.acknowledge`` (``ack_all``) marks each message settled and posts the
     messages of one engine to its inbox as one list; the coordinator settles the list as it settles
