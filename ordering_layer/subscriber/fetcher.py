@@ -187,15 +187,16 @@ class Fetcher:
         # queue, whose records of those partitions are newer, waits for the next turn. While enough
         # records are ready (``ample``) the native queue is left to librdkafka's prefetch, and this
         # thread waits for the ready keys to run low, serving the consumer's events meanwhile.
-        if native is not None and len(messages) < _FETCH_BATCH and self._gate.ample:
-            if not records:
-                self._gate.wait_for_room(_AMPLE_POLL)
-        elif native is not None and len(messages) < _FETCH_BATCH:
-            fetched, errors = native.fetch(_FETCH_BATCH, timeout if not records else 0)
-            records.extend(fetched)
-            for partition, offset, error in errors:
-                _LOGGER.warning("fetch error on %s: partition %d offset %d: %s", self.subscription, partition,
-                                offset, error)
+        if native is not None and len(messages) < _FETCH_BATCH:
+            if self._gate.ample:
+                if not records:
+                    self._gate.wait_for_room(_AMPLE_POLL)
+            else:
+                fetched, errors = native.fetch(_FETCH_BATCH, timeout if not records else 0)
+                records.extend(fetched)
+                for partition, offset, error in errors:
+                    _LOGGER.warning("fetch error on %s: partition %d offset %d: %s", self.subscription, partition,
+                                    offset, error)
         if records:
             self._gate.posted(len(records))
             self._post(self.fetched(records))

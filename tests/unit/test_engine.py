@@ -64,8 +64,9 @@ class FakeStore:
         return {}
 
 
-def record(offset: int, partition: int = 0) -> Record:
-    return Record(partition, offset, b"key-%d" % (offset % 3), b"x", [], RecordMetadata(None, 1, None), 1, 0)
+def record(offset: int, partition: int = 0, keys: int = 3) -> Record:
+    """A fetched record of key ``key-<offset % keys>``."""
+    return Record(partition, offset, b"key-%d" % (offset % keys), b"x", [], RecordMetadata(None, 1, None), 1, 0)
 
 
 @pytest.fixture
@@ -344,9 +345,7 @@ def test_the_fetch_takes_no_records_while_enough_keys_are_ready(engine: Engine) 
     engine._fetcher._on_assign(engine.consumer, P0)
     gate = engine._gate
     keys = gate.max_ready
-    batch = engine._fetcher.fetched(
-        [Record(0, offset, b"key-%d" % offset, b"x", [], RecordMetadata(None, 1, None), 1, 0)
-         for offset in range(keys)])
+    batch = engine._fetcher.fetched([record(offset, keys=keys) for offset in range(keys)])
     gate.posted(len(batch.records))
     engine._handle([batch], time.monotonic())
     step(engine)
@@ -375,8 +374,7 @@ def test_a_pull_is_answered_on_its_own_thread_from_the_messages_released_ahead(s
     engine = make_engine(store)
     try:
         engine._fetcher._on_assign(engine.consumer, P0)
-        records = [Record(0, offset, b"key-%d" % offset, b"x", [], RecordMetadata(None, 1, None), 1, 0)
-                   for offset in range(20)]
+        records = [record(offset, keys=20) for offset in range(20)]
         engine._handle([engine._fetcher.fetched(records)], time.monotonic())
         answers: list[list[Message]] = []
 
