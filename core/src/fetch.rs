@@ -21,7 +21,9 @@ use std::sync::Mutex;
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::{PyTraverseError, PyVisit};
-use pyo3::types::{PyBytes, PyList, PyString, PyTuple};
+use pyo3::types::{PyBool, PyBytes, PyList, PyString, PyTuple};
+
+use crate::slots::SlotLayout;
 
 const RTLD_NOW: c_int = 2;
 const RTLD_NOLOAD: c_int = 4;
@@ -161,7 +163,7 @@ pub struct NativeFetch {
 /// fetcher that holds the fetch).
 struct Refs {
     consumer: Py<PyAny>,
-    record: Py<PyAny>,
+    record: Py<SlotLayout>,
     metadata_of: Py<PyAny>,
     empty: Py<PyAny>,
 }
@@ -316,12 +318,16 @@ impl NativeFetch {
     ///
     /// `consumer` is the `Consumer` (kept until the fetch is dropped), `handle` its `rd_kafka_t` pointer, `library` the path of the librdkafka confluent-kafka
     /// loaded, `name_prefix` how the name librdkafka reports for the handle begins (checked before use),
-    /// `record` the class of the records made, `metadata_of(headers, partition, offset)` gives
+    /// `record` the `SlotLayout` of the records made (`Record`'s 12 slots, in `Record.__slots__`'s
+    /// order), `metadata_of(headers, partition, offset)` gives
     /// `(metadata, headers to keep, shareable)` of a record's header list, `empty` the metadata of a record without headers.
     #[new]
     #[allow(clippy::too_many_arguments)]
-    fn new(consumer: Py<PyAny>, handle: usize, library: &str, name_prefix: &str, topic: &str, record: Py<PyAny>, metadata_of: Py<PyAny>,
+    fn new(consumer: Py<PyAny>, handle: usize, library: &str, name_prefix: &str, topic: &str, record: Bound<'_, SlotLayout>, metadata_of: Py<PyAny>,
            empty: Py<PyAny>) -> PyResult<Self> {
+        if record.get().len() != 12 {
+            return Err(PyRuntimeError::new_err("the record layout names 12 slots"));
+        }
         let api = Api::load(library)?;
         let rk = handle as *mut c_void;
         if rk.is_null() {
@@ -339,7 +345,7 @@ impl NativeFetch {
             rk,
             topic: CString::new(topic).map_err(|_| PyRuntimeError::new_err("bad topic name"))?,
             queues: Mutex::new(Queues { own, partitions: HashMap::new() }),
-            refs: Some(Refs { consumer, record, metadata_of, empty }),
+            refs: Some(Refs { consumer, record: record.unbind(), metadata_of, empty }),
             plain: HashMap::new(),
         })
     }
@@ -404,20 +410,40 @@ impl NativeFetch {
         let this = &*self;
         let (fetched, errors) = py.detach(|| this.take(max, timeout_ms));
         let records = PyList::empty(py);
+        let layout = refs.record.bind(py).get();
+        let (zero, none, no) = (0i64.into_pyobject(py)?.into_any(), py.None().into_bound(py), PyBool::new(py, false).to_owned().into_any());
+        let mut stamp: Option<(i64, Bound<'py, PyAny>)> = None; // records of one produce batch share their time
         for item in fetched {
             let size = item.value.as_ref().map_or(0, Vec::len);
             let (metadata, headers) = self.metadata(py, &refs, item.headers, item.partition, item.offset)?;
             let key = match item.key {
-                Some(key) if !key.is_empty() => PyBytes::new(py, &key).into_any().unbind(),
-                _ => py.None(),
+                Some(key) if !key.is_empty() => PyBytes::new(py, &key).into_any(),
+                _ => none.clone(),
             };
             let value = match item.value {
-                Some(value) => PyBytes::new(py, &value).into_any().unbind(),
-                None => py.None(),
+                Some(value) => PyBytes::new(py, &value).into_any(),
+                None => none.clone(),
             };
-            let record = refs.record.call1(py, (item.partition, item.offset, key, value, headers, metadata, size,
-                                                item.timestamp_ms))?;
-            untrack(&record);
+            let timestamp = match &stamp {
+                Some((ms, object)) if *ms == item.timestamp_ms => object.clone(),
+                _ => {
+                    let object = item.timestamp_ms.into_pyobject(py)?.into_any();
+                    stamp = Some((item.timestamp_ms, object.clone()));
+                    object
+                }
+            };
+            // The Record's slots, in RECORD_SLOTS order (see `open_native_fetch`).
+            let record = layout.make(py, &[item.partition.into_pyobject(py)?.into_any(), item.offset.into_pyobject(py)?.into_any(),
+                                           key, value, headers.into_bound(py), metadata.into_bound(py),
+                                           size.into_pyobject(py)?.into_any(), timestamp, zero.clone(), none.clone(),
+                                           no.clone(), no.clone()])?;
+            // Out of the cyclic garbage collector's sight: a record refers only to bytes, ints, strings,
+            // its header pairs and its `RecordMetadata`, none of which refers back, so it can never be
+            // part of a reference cycle and reference counting alone frees it. Thousands of records
+            // wait in the key queues at a time; tracked, each collection of the young generation
+            // walked them and their survival triggered full collections (`bench/RESULTS.md`).
+            // SAFETY: the record is alive (we hold it) and was allocated tracked, with the GIL held.
+            unsafe { pyo3::ffi::PyObject_GC_UnTrack(record.as_ptr().cast()) };
             records.append(record)?;
         }
         Ok((records, errors))
@@ -433,9 +459,10 @@ impl NativeFetch {
 
     fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
         if let Some(refs) = &self.refs {
-            for object in [&refs.consumer, &refs.record, &refs.metadata_of, &refs.empty] {
+            for object in [&refs.consumer, &refs.metadata_of, &refs.empty] {
                 visit.call(object)?;
             }
+            visit.call(&refs.record)?;
         }
         for (metadata, headers) in self.plain.values() {
             visit.call(metadata)?;
@@ -447,15 +474,4 @@ impl NativeFetch {
     fn __clear__(&mut self) {
         self.close();
     }
-}
-
-/// Takes a fetched `Record` out of the cyclic garbage collector's sight. A record refers only to
-/// bytes, ints, strings, its header pairs and its `RecordMetadata`, none of which refers back, so
-/// it can never be part of a reference cycle and reference counting alone frees it. Thousands of
-/// records wait in the key queues at a time; while tracked, each collection of the young
-/// generation walked them and their survival triggered full collections (`bench/RESULTS.md`).
-fn untrack(record: &Py<PyAny>) {
-    // SAFETY: the object is alive (we hold a reference) and was made by a class whose instances are
-    // tracked; untracking an object the collector is not walking is allowed with the GIL held.
-    unsafe { pyo3::ffi::PyObject_GC_UnTrack(record.as_ptr().cast()) }
 }

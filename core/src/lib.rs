@@ -15,17 +15,19 @@ mod leases;
 mod ops;
 mod partition;
 mod runs;
+mod slots;
 mod tracker;
 
 use std::collections::{HashMap as StdHashMap, HashSet as StdHashSet};
 
-use pyo3::exceptions::PyValueError;
+use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList};
+use pyo3::types::{PyBool, PyBytes, PyDict, PyList};
 
 use leases::{LeaseSettings, Leases};
 use partition::{Admission, PartitionCore as Core, QueueKey};
+use slots::SlotLayout;
 
 /// What `release_ready` returns: records, tokens, attempts (parallel lists), payload bytes, the
 /// positions of the suspects among them (rare: after a crash), and the deliveries' lease handles
@@ -58,7 +60,138 @@ impl PartitionCore {
         }
         Ok(skipped)
     }
+    /// Release within `limits` (see `release_ready`), as Rust lists.
+    fn release(&mut self, py: Python<'_>, limits: &Limits, leases: Option<&Bound<'_, LeaseTable>>, partition: i32,
+               epoch: i64) -> ReleaseOut {
+        let mut out = ReleaseOut::default();
+        let mut table = leases.map(Bound::borrow_mut);
+        let batch = table.as_mut().map(|table| table.leases.begin_batch(limits.now));
+        // With a lease table the lease is not written with the release: the table writes it if the
+        // delivery is still outstanding when it is due (`LeaseTable.write_leases`).
+        let wall_ms = limits.lease_ms.unwrap_or(0);
+        let written = Admission { lease_ms: if table.is_some() { None } else { limits.lease_ms }, pooled: limits.pooled };
+        let now = limits.now;
+        let totals = self.core.release_ready(now, limits.budget, limits.per_key, limits.byte_budget, written,
+                                             |entry, token| {
+            if entry.suspect {
+                out.suspects.push(out.items.len());
+            }
+            if let (Some(table), Some(batch)) = (table.as_mut(), batch) {
+                out.handles.push(table.leases.admit(batch, partition, epoch, entry.offset, token, entry.size, now,
+                                                    wall_ms));
+            }
+            out.items.push(entry.item.clone_ref(py));
+            out.tokens.push(token);
+            out.attempts.push(entry.attempts);
+        });
+        if let (Some(table), Some(batch)) = (table.as_mut(), batch) {
+            table.leases.end_batch(batch);
+        }
+        out.bytes = totals.bytes;
+        out
+    }
 }
+
+/// The limits of one release (`release_ready`'s arguments).
+struct Limits {
+    now: f64,
+    budget: i64,
+    per_key: i64,
+    byte_budget: i64,
+    lease_ms: Option<i64>,
+    pooled: bool,
+}
+
+/// One release: records, tokens and attempts (parallel), the suspects' positions, the lease handles
+/// (empty without a lease table), the payload bytes.
+#[derive(Default)]
+struct ReleaseOut {
+    items: Vec<Py<PyAny>>,
+    tokens: Vec<u64>,
+    attempts: Vec<u32>,
+    suspects: Vec<usize>,
+    handles: Vec<u64>,
+    bytes: i64,
+}
+
+/// The `Message` slots `Deliveries` fills, in this order (`ordering_layer.subscriber.message`).
+const MESSAGE_SLOTS: usize = 9;
+/// The `Record` slots `fetch` fills, in this order (`ordering_layer.subscriber.key_queue`), and the
+/// positions of those a release sets.
+const RECORD_SLOTS: usize = 12;
+const RECORD_OFFSET: usize = 1;
+const RECORD_KEY: usize = 2;
+const RECORD_ATTEMPTS: usize = 8;
+const RECORD_SUSPECT: usize = 10;
+
+/// How one partition's released records become `Message`s: the layouts of `Message`
+/// (`record, queue_key, token, attempt, lease, _topic, _epoch, _submit, settled`) and `Record`
+/// (`partition, offset, key, value, headers, metadata, size, timestamp_ms, attempts, last_error,
+/// suspect, quarantined`), the topic, where acks are posted, and whether keys order (otherwise each
+/// message queues alone, under its offset).
+#[pyclass(module = "ordering_layer._core", name = "Deliveries", frozen)]
+struct Deliveries {
+    messages: Py<SlotLayout>,
+    records: Py<SlotLayout>,
+    topic: Py<PyAny>,
+    submit: Py<PyAny>,
+    ordered: bool,
+}
+
+#[pymethods]
+impl Deliveries {
+    #[new]
+    fn new(messages: Bound<'_, SlotLayout>, records: Bound<'_, SlotLayout>, topic: Py<PyAny>, submit: Py<PyAny>,
+           ordered: bool) -> PyResult<Self> {
+        if messages.get().len() != MESSAGE_SLOTS || records.get().len() != RECORD_SLOTS {
+            return Err(PyValueError::new_err("Deliveries needs the 9 Message slots and the 12 Record slots"));
+        }
+        Ok(Deliveries { messages: messages.unbind(), records: records.unbind(), topic, submit, ordered })
+    }
+}
+
+impl Deliveries {
+    /// The messages of one release (see `release_messages`), and its payload bytes.
+    fn make<'py>(&self, py: Python<'py>, out: ReleaseOut, epoch: i64) -> PyResult<(Bound<'py, PyList>, i64)> {
+        let (layout, records) = (self.messages.get(), self.records.get());
+        let (topic, submit, epoch) = (self.topic.bind(py), self.submit.bind(py), epoch.into_pyobject(py)?.into_any());
+        let settled = PyBool::new(py, false).to_owned().into_any();
+        let suspect = PyBool::new(py, true).to_owned().into_any();
+        let mut suspects = out.suspects.iter().peekable();
+        let messages = PyList::empty(py);
+        for (position, item) in out.items.into_iter().enumerate() {
+            let record = item.into_bound(py);
+            if !records.is_instance(&record) {
+                return Err(PyTypeError::new_err("a released item is not a Record"));
+            }
+            let attempt = out.attempts[position].into_pyobject(py)?.into_any();
+            // SAFETY: `record` is an instance of exactly the records layout's class (checked above).
+            unsafe {
+                records.set(&record, RECORD_ATTEMPTS, attempt.clone());
+                if suspects.next_if_eq(&&position).is_some() {
+                    records.set(&record, RECORD_SUSPECT, suspect.clone());
+                }
+            }
+            // SAFETY: as above.
+            let key = unsafe { records.get(&record, RECORD_KEY) };
+            let queue_key = if self.ordered && key.is_truthy()? { key } else { unsafe { records.get(&record, RECORD_OFFSET) } };
+            let lease = out.handles.get(position).copied().unwrap_or(0);
+            let message = layout.make(py, &[record, queue_key, out.tokens[position].into_pyobject(py)?.into_any(), attempt,
+                                            lease.into_pyobject(py)?.into_any(), topic.clone(), epoch.clone(),
+                                            submit.clone(), settled.clone()])?;
+            // Out of the cyclic collector's sight: a message refers to its record (untracked too), ints,
+            // bytes, its topic and its engine inbox's bound `put`; the only cycle it can be part of runs
+            // through that inbox while it waits there as an ack, and the engine drains its inbox, so
+            // reference counting alone frees it. Thousands of messages are outstanding at a time:
+            // tracked, each young collection walked them (`bench/RESULTS.md`).
+            // SAFETY: the message is alive (we hold it) and was allocated tracked, with the GIL held.
+            unsafe { pyo3::ffi::PyObject_GC_UnTrack(message.as_ptr().cast()) };
+            messages.append(message)?;
+        }
+        Ok((messages, out.bytes))
+    }
+}
+
 
 fn key_bytes<'a>(key: &'a Bound<'_, PyAny>) -> PyResult<Option<&'a [u8]>> {
     if key.is_none() {
@@ -123,9 +256,11 @@ impl PartitionCore {
     /// Release from the ready keys, oldest first: up to `per_key` records of each, `budget` in all,
     /// no further key once `byte_budget` bytes are used up; a quarantined suspect goes out alone, one
     /// at a time per partition. Returns (records, tokens, attempts, payload bytes, positions of the
-    /// suspects among the records: their starts are to be written before user code runs). The attempts are queued as `DELIVERED` ops (pull mode), or `RELEASED`
-    /// when `pooled` (callback mode); with `lease_ms`, as one batch lease and `BATCH_DELIVERED` or
-    /// `BATCH_RELEASED` ops.
+    /// suspects among the records: their starts are to be written before user code runs, lease
+    /// handles). The attempts are queued as `DELIVERED` ops (pull mode), or `RELEASED` when `pooled`
+    /// (callback mode); with `lease_ms`, as one batch lease and `BATCH_DELIVERED` or `BATCH_RELEASED`
+    /// ops. With a `LeaseTable` (`leases`) the deliveries are outstanding there, under `partition`
+    /// and `epoch`.
     #[pyo3(signature = (now, budget, per_key, byte_budget, lease_ms = None, *, pooled = false, leases = None,
                         partition = 0, epoch = 0))]
     #[allow(clippy::too_many_arguments)] // the arguments of the Python method, plus `py`
@@ -142,35 +277,38 @@ impl PartitionCore {
         partition: i32,
         epoch: i64,
     ) -> PyResult<Released<'py>> {
-        let mut items = Vec::new();
-        let mut tokens = Vec::new();
-        let mut attempts = Vec::new();
-        let mut suspects = Vec::new();
-        let mut handles = Vec::new();
-        let mut table = leases.map(Bound::borrow_mut);
-        let batch = table.as_mut().map(|table| table.leases.begin_batch(now));
-        // With a lease table the lease is not written with the release: the table writes it if the
-        // delivery is still outstanding when it is due (`LeaseTable.write_leases`).
-        let wall_ms = lease_ms.unwrap_or(0);
-        let written = Admission { lease_ms: if table.is_some() { None } else { lease_ms }, pooled };
-        let totals = self.core.release_ready(now, budget, per_key, byte_budget, written, |entry, token| {
-            if entry.suspect {
-                suspects.push(items.len());
-            }
-            if let (Some(table), Some(batch)) = (table.as_mut(), batch) {
-                handles.push(table.leases.admit(batch, partition, epoch, entry.offset, token, entry.size, now, wall_ms));
-            }
-            items.push(entry.item.clone_ref(py));
-            tokens.push(token);
-            attempts.push(entry.attempts);
-        });
-        if let (Some(table), Some(batch)) = (table.as_mut(), batch) {
-            table.leases.end_batch(batch);
-        }
-        let (items, tokens, attempts) = (PyList::new(py, items)?, PyList::new(py, tokens)?, PyList::new(py, attempts)?);
-        Ok((items, tokens, attempts, totals.bytes, suspects, handles))
+        let limits = Limits { now, budget, per_key, byte_budget, lease_ms, pooled };
+        let out = self.release(py, &limits, leases, partition, epoch);
+        let (items, tokens, attempts) =
+            (PyList::new(py, out.items)?, PyList::new(py, out.tokens)?, PyList::new(py, out.attempts)?);
+        Ok((items, tokens, attempts, out.bytes, out.suspects, out.handles))
     }
 
+    /// `release_ready`, handed out as `deliveries` says: the released records as `Message`s (made
+    /// without running `__init__`, see `slots.rs`; out of the cyclic collector's sight), each
+    /// record's `attempts` set to its attempt and `suspect` set when it is one. Returns (messages,
+    /// payload bytes).
+    #[pyo3(signature = (now, budget, per_key, byte_budget, lease_ms, *, pooled, leases, partition, epoch, deliveries))]
+    #[allow(clippy::too_many_arguments)] // the arguments of the Python method, plus `py`
+    fn release_messages<'py>(
+        &mut self,
+        py: Python<'py>,
+        now: f64,
+        budget: i64,
+        per_key: i64,
+        byte_budget: i64,
+        lease_ms: Option<i64>,
+        pooled: bool,
+        leases: Option<&Bound<'py, LeaseTable>>,
+        partition: i32,
+        epoch: i64,
+        deliveries: &Bound<'py, Deliveries>,
+    ) -> PyResult<(Bound<'py, PyList>, i64)> {
+        let limits = Limits { now, budget, per_key, byte_budget, lease_ms, pooled };
+        let out = self.release(py, &limits, leases, partition, epoch);
+        let messages = deliveries.get().make(py, out, epoch)?;
+        Ok(messages)
+    }
     /// Settle deliveries (acks): returns the positions of the refused ones (stale tokens) and the
     /// new commit point.
     fn ack(&mut self, offsets: Vec<i64>, tokens: Vec<u64>) -> PyResult<(Vec<usize>, Option<i64>)> {
@@ -354,26 +492,6 @@ fn command_runs(py: Python<'_>, packed: &str) -> PyResult<(String, Vec<Py<PyByte
     let runs = py.detach(|| runs::group(packed)).map_err(|error| PyValueError::new_err(error.to_string()))?;
     let arguments = runs.arguments.iter().map(|encoded| PyBytes::new(py, encoded).unbind()).collect();
     Ok((runs.header, arguments))
-}
-
-/// Take the objects of `items` out of the cyclic garbage collector's sight (`Message`s as they are
-/// handed out). A message refers to its record (untracked too), ints, bytes, its topic and its
-/// engine inbox's bound `put`; the only cycle it can be part of runs through that inbox while it
-/// waits there as an ack, and the engine drains its inbox, so reference counting alone frees it.
-/// Thousands of messages are outstanding at a time: tracked, each young collection walked them
-/// (`bench/RESULTS.md`).
-#[pyfunction]
-fn untrack_all(items: &Bound<'_, PyList>) {
-    for item in items.iter() {
-        // SAFETY: the object is alive (the list holds it); untracking an untracked object or one
-        // of a type the collector does not track changes nothing.
-        unsafe {
-            let flags = pyo3::ffi::PyType_GetFlags(pyo3::ffi::Py_TYPE(item.as_ptr()));
-            if flags & pyo3::ffi::Py_TPFLAGS_HAVE_GC != 0 {
-                pyo3::ffi::PyObject_GC_UnTrack(item.as_ptr().cast());
-            }
-        }
-    }
 }
 
 /// Outstanding deliveries and their leases (`leases.rs`), for the engine's coordinator: deliveries
@@ -616,9 +734,10 @@ fn ordering_layer_core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<fetch::NativeFetch>()?;
     module.add_class::<PartitionCore>()?;
     module.add_class::<LeaseTable>()?;
+    module.add_class::<SlotLayout>()?;
+    module.add_class::<Deliveries>()?;
     module.add_function(wrap_pyfunction!(partition_runs, module)?)?;
     module.add_function(wrap_pyfunction!(kafka_partition_runs, module)?)?;
     module.add_function(wrap_pyfunction!(command_runs, module)?)?;
-    module.add_function(wrap_pyfunction!(untrack_all, module)?)?;
     Ok(())
 }

@@ -35,6 +35,10 @@ def unattached(_: Settle | Message | list[Message]) -> None:
     raise RuntimeError("this message was not released by a subscriber")
 
 
+# The slots ``Message`` objects are made with by the core (``OwnedPartition``), in its order.
+MESSAGE_SLOTS = ("record", "queue_key", "token", "attempt", "lease", "_topic", "_epoch", "_submit", "settled")
+
+
 class Message(Delivery):
     """A delivered message: a Kafka record, with Pub/Sub fields and confluent-kafka accessors.
 

@@ -31,6 +31,7 @@ from ordering_layer._core import NativeFetch
 from ordering_layer.record import HeaderPairs, RecordMetadata, read_metadata
 from ordering_layer.subscriber.fetched import read_headers
 from ordering_layer.subscriber.key_queue import Record
+from ordering_layer.subscriber.owned_partition import RECORD_LAYOUT
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -79,7 +80,7 @@ def open_native_fetch(consumer: Consumer, config: dict[str, Any], topic: str,
     handle = ctypes.c_void_p.from_address(id(consumer) + _HANDLE_OFFSET).value
     prefix = f"{config.get('client.id', DEFAULT_CLIENT_ID)}#consumer-"
     try:
-        return NativeFetch(consumer, handle or 0, library, prefix, topic, Record, header_metadata(malformed),
+        return NativeFetch(consumer, handle or 0, library, prefix, topic, RECORD_LAYOUT, header_metadata(malformed),
                            read_metadata(None))
     except RuntimeError as exc:
         _LOGGER.info("fetching through consume(): %s", exc)

@@ -19,12 +19,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ordering_layer._core import LeaseTable, PartitionCore, untrack_all
+from ordering_layer._core import Deliveries, LeaseTable, PartitionCore, SlotLayout
 from ordering_layer.state.store import OpLetter
 from ordering_layer.subscriber.key_queue import Delivery, QueueKey, Record
-from ordering_layer.subscriber.message import Message, unattached
+from ordering_layer.subscriber.message import MESSAGE_SLOTS, Message, unattached
 
-__all__ = ["OwnedPartition"]
+__all__ = ["RECORD_LAYOUT", "OwnedPartition"]
+
+# Records and messages are made by the core without running ``__init__`` (``core/src/slots.rs``).
+RECORD_LAYOUT = SlotLayout(Record, list(Record.__slots__))
+MESSAGE_LAYOUT = SlotLayout(Message, list(MESSAGE_SLOTS))
 
 
 class OwnedPartition:
@@ -36,7 +40,7 @@ class OwnedPartition:
         submit: where a released ``Message`` posts its acks (the engine's inbox).
     """
 
-    __slots__ = ("_charged_up_to", "core", "epoch", "generation", "ordered", "partition", "revoking",
+    __slots__ = ("_charged_up_to", "_deliveries", "core", "epoch", "generation", "ordered", "partition", "revoking",
                  "seek_generation", "start_offset", "submit", "topic")
 
     def __init__(self, partition: int, epoch: int, *, ordered: bool,
@@ -57,6 +61,7 @@ class OwnedPartition:
             ordered=ordered, settled_before=set(settled_before), attempts_before=attempts_before or {},
             suspects=suspects, start_offset=start_offset, cascades=set(cascades), floor=floor)
         self._charged_up_to = max(attempts_before) if attempts_before else None
+        self._deliveries = Deliveries(MESSAGE_LAYOUT, RECORD_LAYOUT, topic, submit, ordered)
 
     def charged_pending(self) -> bool:
         """Some record the claim charged attempts to is not settled yet (its commit point is not past
@@ -81,24 +86,10 @@ class OwnedPartition:
         payload bytes. Their attempts are queued for Redis as ``lease_ms`` and ``pooled`` say
         (``PartitionCore.release_ready``), and they are outstanding in ``leases`` (when given),
         watched together; each record carries its attempt count and whether it is a suspect (its
-        start is written before user code runs, ``Engine.begin``)."""
-        epoch = self.epoch
-        records, tokens, attempts, size, suspects, handles = self.core.release_ready(
-            now, budget, per_key, byte_budget, lease_ms, pooled=pooled, leases=leases, partition=self.partition,
-            epoch=epoch)
-        for position in suspects:
-            records[position].suspect = True
-        if leases is None:
-            handles = [0] * len(records)
-        ordered, topic, submit = self.ordered, self.topic, self.submit
-        messages = []
-        for record, token, attempt, handle in zip(records, tokens, attempts, handles, strict=True):
-            record.attempts = attempt
-            key = record.key
-            messages.append(Message(record, key if ordered and key else record.offset, token, attempt, topic, epoch,
-                                    submit, handle))
-        untrack_all(messages)  # out of the cyclic collector's sight, as the records are (see the core)
-        return messages, size
+        start is written before user code runs, ``Engine.begin``). The core makes the messages
+        (``PartitionCore.release_messages``)."""
+        return self.core.release_messages(now, budget, per_key, byte_budget, lease_ms, pooled=pooled, leases=leases,
+                                          partition=self.partition, epoch=self.epoch, deliveries=self._deliveries)
 
     def nack(self, delivery: Delivery, now: float, backoff: Callable[[int], float], *, lapsed: bool = False) -> bool:
         """Give a delivery back (a nack, or its lease lapsed): its key rewinds to it (SUB-4) and

@@ -1,0 +1,141 @@
+"""Records and messages made by the core without running ``__init__`` (``core/src/slots.rs``,
+``PartitionCore.release_messages``): the same objects as the classes make, freed as they are."""
+
+from __future__ import annotations
+
+import gc
+import sys
+import weakref
+from dataclasses import dataclass, fields
+
+import pytest
+
+from ordering_layer._core import LeaseTable, SlotLayout
+from ordering_layer.record import RecordMetadata
+from ordering_layer.subscriber.key_queue import Delivery, Record
+from ordering_layer.subscriber.message import MESSAGE_SLOTS, Message
+from ordering_layer.subscriber.owned_partition import RECORD_LAYOUT, OwnedPartition
+
+_META = RecordMetadata(None, 1, None)
+
+
+class Held:
+    """A value whose release is observable."""
+
+
+class Base:
+    __slots__ = ("a",)
+    a: object
+
+
+class Pair(Base):
+    __slots__ = ("b", "c")
+    b: object
+    c: object
+
+    def __init__(self) -> None:
+        raise AssertionError("__init__ must not run")
+
+
+def test_a_layout_fills_the_named_slots_of_a_class_and_its_bases_without_running_init() -> None:
+    layout = SlotLayout(Pair, ["c", "a", "b"])
+    first, second, third = Held(), Held(), Held()
+    before = sys.getrefcount(first)
+    pair = layout.new_instance(first, second, third)
+    assert type(pair) is Pair
+    assert (pair.c, pair.a, pair.b) == (first, second, third)
+    assert sys.getrefcount(first) == before + 1  # one reference, held by the slot
+    watched = weakref.ref(first)
+    del pair, first
+    assert watched() is None  # the instance let go of its values when freed
+    with pytest.raises(TypeError):
+        layout.new_instance(1, 2)  # a value per named slot
+
+
+def test_an_unnamed_slot_is_left_empty() -> None:
+    pair = SlotLayout(Pair, ["a"]).new_instance(1)
+    assert pair.a == 1
+    with pytest.raises(AttributeError):
+        _ = pair.b
+
+
+def test_a_class_that_is_not_a_plain_slot_holder_is_refused() -> None:
+    class Open:
+        pass
+
+    with pytest.raises(TypeError):
+        SlotLayout(Open, [])  # instances have a __dict__
+    with pytest.raises(TypeError):
+        SlotLayout(Pair, ["a", "d"])  # no such slot
+    with pytest.raises(TypeError):
+        SlotLayout(Pair, ["a", "a"])  # one slot named twice
+
+
+@dataclass(slots=True)
+class Twin:
+    x: int
+    y: bytes
+
+
+def test_a_made_record_is_the_one_the_class_makes() -> None:
+    values = (3, 17, b"k", b"value", [("h", b"1")], _META, 5, 1_700_000_000_000, 0, None, False, False)
+    made, called = RECORD_LAYOUT.new_instance(*values), Record(*values[:8])
+    assert type(made) is Record
+    assert [getattr(made, f.name) for f in fields(Record)] == [getattr(called, f.name) for f in fields(Record)]
+    assert list(Record.__slots__) == [f.name for f in fields(Record)]  # the order the fetch fills them in
+    assert SlotLayout(Twin, ["x", "y"]).new_instance(1, b"2") == Twin(1, b"2")
+
+
+def test_message_slots_are_every_slot_of_a_message() -> None:
+    assert sorted(MESSAGE_SLOTS) == sorted((*Delivery.__slots__, *Message.__slots__))
+
+
+def records(partition: int, keys: list[bytes | None]) -> list[Record]:
+    return [Record(partition, offset, key, b"x" * offset, None, _META, offset, 0) for offset, key in enumerate(keys)]
+
+
+def test_released_messages_are_those_the_message_class_makes() -> None:
+    """What ``OwnedPartition.release_ready`` hands out: per message its record (its ``attempts`` set),
+    the queue key (the key bytes, or the offset when unordered or without a key), the core's token,
+    the attempt, the lease handle (0 without a lease table), the topic, the epoch, where acks go, not
+    settled; out of the cyclic collector's sight."""
+    acks: list[object] = []
+    state = OwnedPartition(4, 7, ordered=True, topic="orders", submit=acks.append)
+    state.add(records(4, [b"k", b"", None, b"j"]))
+    messages, size = state.release_ready(0.0, 10, 1, 10**6, None, pooled=False)
+    assert size == 0 + 1 + 2 + 3
+    assert [type(m) for m in messages] == [Message] * 4
+    assert [m.queue_key for m in messages] == [b"k", 1, 2, b"j"]
+    fresh = [(m.attempt, m.record.attempts, m.delivery_attempt, m.lease, m.settled) for m in messages]
+    assert fresh == [(1, 1, 1, 0, False)] * 4
+    assert len({m.token for m in messages}) == 4 and all(m.token for m in messages)
+    assert [(m.topic(), m.partition(), m.offset()) for m in messages] == [("orders", 4, o) for o in range(4)]
+    assert not any(gc.is_tracked(m) or m.record.suspect for m in messages)
+    messages[0].ack()
+    assert acks == [messages[0]] and messages[0].settled
+    assert state.core.ack_one(1, messages[1].token)  # the token is the core's
+    unordered = OwnedPartition(0, 1, ordered=False)
+    unordered.add(records(0, [b"k", b"k"]))
+    assert [m.queue_key for m in unordered.release_ready(0.0, 10, 1, 10**6, None, pooled=True)[0]] == [0, 1]
+
+
+def test_released_messages_carry_their_lease_handles_and_suspects() -> None:
+    """With a lease table each message names its outstanding delivery there; a suspect (an attempt
+    charged by an earlier owner, callback mode) is marked on its record, with the charged attempt
+    counted."""
+    leases = LeaseTable(ack_deadline=10.0, max_lease_duration=60.0, min_extension=10.0, max_extension=600.0)
+    state = OwnedPartition(0, 2, ordered=True, attempts_before={0: 1}, suspects=True)
+    state.add(records(0, [b"a", b"b"]))
+    messages, _ = state.release_ready(0.0, 10, 1, 10**6, None, pooled=True, leases=leases)
+    assert [(m.offset(), m.attempt, m.record.suspect) for m in messages] == [(0, 2, True), (1, 1, False)]
+    assert leases.count == 2 and all(m.lease and leases.holds(m.lease) for m in messages)
+
+
+def test_released_messages_and_records_are_freed_when_let_go() -> None:
+    state = OwnedPartition(0, 1, ordered=True)
+    state.add(records(0, [b"a"]))
+    messages, _ = state.release_ready(0.0, 10, 1, 10**6, None, pooled=True)
+    assert state.core.ack_one(0, messages[0].token)
+    record = messages[0].record
+    del messages
+    assert sys.getrefcount(record) == 2  # this name and getrefcount's argument: the message and the core let go
