@@ -116,11 +116,14 @@ struct ReleaseOut {
 
 /// The `Message` slots `Deliveries` fills, in this order (`ordering_layer.subscriber.message`).
 const MESSAGE_SLOTS: usize = 9;
+const MESSAGE_LEASE: usize = 4;
 /// The `Record` slots `fetch` fills, in this order (`ordering_layer.subscriber.key_queue`), and the
 /// positions of those a release sets.
 const RECORD_SLOTS: usize = 12;
+const RECORD_PARTITION: usize = 0;
 const RECORD_OFFSET: usize = 1;
 const RECORD_KEY: usize = 2;
+const RECORD_SIZE: usize = 6;
 const RECORD_ATTEMPTS: usize = 8;
 const RECORD_SUSPECT: usize = 10;
 
@@ -228,11 +231,21 @@ impl PartitionCore {
     }
 
     /// Take fetched records `records[start:stop]` (objects with `offset`, `key`, `size`); returns
-    /// the offsets skipped (duplicates, or settled before a crash).
-    #[pyo3(signature = (records, start = 0, stop = None))]
-    fn add(&mut self, records: &Bound<'_, PyList>, start: usize, stop: Option<usize>) -> PyResult<Vec<i64>> {
+    /// the offsets skipped (duplicates, or settled before a crash). With `layout` (the `Record`
+    /// layout) the fields of `Record`s are read from their slots.
+    #[pyo3(signature = (records, start = 0, stop = None, layout = None))]
+    fn add(&mut self, records: &Bound<'_, PyList>, start: usize, stop: Option<usize>,
+           layout: Option<&Bound<'_, SlotLayout>>) -> PyResult<Vec<i64>> {
         let py = records.py();
+        let layout = layout.map(Bound::get);
         self.take(records, start, stop, |record| {
+            if let Some(layout) = layout.filter(|layout| layout.is_instance(record)) {
+                // SAFETY: `record` is an instance of exactly the layout's class.
+                let (offset, size, key) = unsafe {
+                    (layout.get(record, RECORD_OFFSET), layout.get(record, RECORD_SIZE), layout.get(record, RECORD_KEY))
+                };
+                return Ok((offset.extract()?, size.extract()?, key));
+            }
             let offset: i64 = record.getattr(intern!(py, "offset"))?.extract()?;
             let size: i64 = record.getattr(intern!(py, "size"))?.extract()?;
             Ok((offset, size, record.getattr(intern!(py, "key"))?))
@@ -471,11 +484,18 @@ fn runs_of(
 }
 
 /// Runs of one partition in a fetched batch: (partition, start, stop) each, in order (records are
-/// objects with a `partition`; a batch from `consume` comes in runs of one partition).
+/// objects with a `partition`; a batch from `consume` comes in runs of one partition). With `layout`
+/// (the `Record` layout) the partition of a `Record` is read from its slot.
 #[pyfunction]
-fn partition_runs(records: &Bound<'_, PyList>) -> PyResult<Vec<(i64, usize, usize)>> {
+#[pyo3(signature = (records, layout = None))]
+fn partition_runs(records: &Bound<'_, PyList>, layout: Option<&Bound<'_, SlotLayout>>) -> PyResult<Vec<(i64, usize, usize)>> {
     let py = records.py();
-    runs_of(records, |record| record.getattr(intern!(py, "partition"))?.extract())
+    let layout = layout.map(Bound::get);
+    runs_of(records, |record| match layout.filter(|layout| layout.is_instance(record)) {
+        // SAFETY: `record` is an instance of exactly the layout's class.
+        Some(layout) => unsafe { layout.get(record, RECORD_PARTITION) }.extract(),
+        None => record.getattr(intern!(py, "partition"))?.extract(),
+    })
 }
 
 /// `partition_runs` for confluent-kafka `Message`s (`partition()` is a method there).
@@ -625,12 +645,20 @@ impl LeaseTable {
     /// still outstanding, whose partition is owned under the epoch it went out with (`owned`:
     /// partition -> `OwnedPartition`), is forgotten here and settled in the partition's core, which
     /// queues its SETTLED op. Returns how many were settled; an ack of a delivery given back or
-    /// dropped since, or made under an older epoch, changes nothing (ACK-5).
-    fn ack_run(&mut self, messages: &Bound<'_, PyList>, owned: &Bound<'_, PyDict>, now: f64) -> PyResult<usize> {
+    /// dropped since, or made under an older epoch, changes nothing (ACK-5). With `layout` (the
+    /// `Message` layout) the handle of a `Message` is read from its slot.
+    #[pyo3(signature = (messages, owned, now, layout = None))]
+    fn ack_run(&mut self, messages: &Bound<'_, PyList>, owned: &Bound<'_, PyDict>, now: f64,
+               layout: Option<&Bound<'_, SlotLayout>>) -> PyResult<usize> {
         let mut settled = 0;
         let mut cache = OwnedCache { owned: owned.clone(), current: None };
+        let layout = layout.map(Bound::get);
         for message in messages.iter() {
-            let handle = handle_of(&message)?;
+            let handle = match layout.filter(|layout| layout.is_instance(&message)) {
+                // SAFETY: `message` is an instance of exactly the layout's class.
+                Some(layout) => unsafe { layout.get(&message, MESSAGE_LEASE) }.extract()?,
+                None => handle_of(&message)?,
+            };
             let Some(&lease) = self.leases.get(handle) else { continue };
             let Some(core) = cache.core(lease.partition, lease.epoch)? else { continue };
             core.borrow_mut().core.ack_leased(lease.offset, lease.token, lease.written);

@@ -24,9 +24,10 @@ from ordering_layer.state.store import OpLetter
 from ordering_layer.subscriber.key_queue import Delivery, QueueKey, Record
 from ordering_layer.subscriber.message import MESSAGE_SLOTS, Message, unattached
 
-__all__ = ["RECORD_LAYOUT", "OwnedPartition"]
+__all__ = ["MESSAGE_LAYOUT", "RECORD_LAYOUT", "OwnedPartition"]
 
-# Records and messages are made by the core without running ``__init__`` (``core/src/slots.rs``).
+# Records and messages are made by the core without running ``__init__``, and their fields read from
+# their slots (``core/src/slots.rs``).
 RECORD_LAYOUT = SlotLayout(Record, list(Record.__slots__))
 MESSAGE_LAYOUT = SlotLayout(Message, list(MESSAGE_SLOTS))
 
@@ -78,7 +79,7 @@ class OwnedPartition:
     def add(self, records: list[Record], start: int = 0, stop: int | None = None) -> None:
         """Take fetched records ``records[start:stop]`` (duplicates and records settled before a
         crash are skipped)."""
-        self.core.add(records, start, stop)
+        self.core.add(records, start, stop, RECORD_LAYOUT)
 
     def release_ready(self, now: float, budget: int, per_key: int, byte_budget: int, lease_ms: int | None,
                       *, pooled: bool, leases: LeaseTable | None = None) -> tuple[list[Message], int]:

@@ -25,7 +25,7 @@ from ordering_layer.config import SubscriptionSettings
 from ordering_layer.state.store import OpKind
 from ordering_layer.subscriber.leases import LeaseTable
 from ordering_layer.subscriber.message import AckResponse, Message
-from ordering_layer.subscriber.owned_partition import OwnedPartition
+from ordering_layer.subscriber.owned_partition import MESSAGE_LAYOUT, OwnedPartition
 from ordering_layer.subscriber.partition import Delivery
 from ordering_layer.subscriber.requests import DeadLettered, SettleKind
 from ordering_layer.subscriber.state_writer import StateWriter, resolve
@@ -100,7 +100,7 @@ class Settlement:
         run of them, in one call to the lease table (no Python per message). An ack under an epoch
         that is no longer the partition's, or of a message that is not the delivery outstanding
         (given back since), changes nothing."""
-        acked = self._leases.ack_run(messages, self._owned, now)
+        acked = self._leases.ack_run(messages, self._owned, now, MESSAGE_LAYOUT)
         if acked:
             self._writer.queued(acked, now)
             self._counts["acked"] += acked

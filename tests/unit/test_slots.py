@@ -7,14 +7,15 @@ import gc
 import sys
 import weakref
 from dataclasses import dataclass, fields
+from typing import Any
 
 import pytest
 
-from ordering_layer._core import LeaseTable, SlotLayout
+from ordering_layer._core import LeaseTable, PartitionCore, SlotLayout, partition_runs
 from ordering_layer.record import RecordMetadata
 from ordering_layer.subscriber.key_queue import Delivery, Record
 from ordering_layer.subscriber.message import MESSAGE_SLOTS, Message
-from ordering_layer.subscriber.owned_partition import RECORD_LAYOUT, OwnedPartition
+from ordering_layer.subscriber.owned_partition import MESSAGE_LAYOUT, RECORD_LAYOUT, OwnedPartition
 
 _META = RecordMetadata(None, 1, None)
 
@@ -139,3 +140,33 @@ def test_released_messages_and_records_are_freed_when_let_go() -> None:
     record = messages[0].record
     del messages
     assert sys.getrefcount(record) == 2  # this name and getrefcount's argument: the message and the core let go
+
+
+@dataclass
+class Fake:
+    """A record of another class: read through its attributes."""
+
+    partition: int
+    offset: int
+    key: bytes | None
+    size: int
+
+
+def test_fields_read_from_slots_are_those_read_as_attributes() -> None:
+    """``partition_runs``, ``PartitionCore.add`` and ``LeaseTable.ack_run`` read a ``Record``'s or
+    ``Message``'s fields from its slots when given the layout, anything else's as attributes."""
+    batch: list[Any] = [*records(0, [b"a", b"b"]), *records(1, [b"a"]), Fake(1, 5, b"c", 2)]
+    assert partition_runs(batch, RECORD_LAYOUT) == partition_runs(batch) == [(0, 0, 2), (1, 2, 4)]
+    read = OwnedPartition(1, 1, ordered=True)
+    plain: PartitionCore[Any] = PartitionCore(ordered=True)
+    read.core.add(batch, 2, None, RECORD_LAYOUT)
+    plain.add(batch, 2)
+    assert read.core.ready_keys() == plain.ready_keys() == [b"a", b"c"]
+    assert read.core.release_ready(0.0, 9, 1, 100)[3] == plain.release_ready(0.0, 9, 1, 100)[3] == 0 + 2
+    leases = LeaseTable(ack_deadline=10.0, max_lease_duration=60.0, min_extension=10.0, max_extension=600.0)
+    owned = {0: OwnedPartition(0, 1, ordered=True)}
+    owned[0].add(records(0, [b"a", b"b", b"c"]))
+    messages, _ = owned[0].release_ready(0.0, 10, 1, 10**6, None, pooled=True, leases=leases)
+    assert leases.ack_run(messages[:1], owned, 0.0, MESSAGE_LAYOUT) == 1
+    assert leases.ack_run(messages[1:2], owned, 0.0) == 1
+    assert leases.ack_run(messages[:2], owned, 0.0, MESSAGE_LAYOUT) == 0 and leases.count == 1  # stale now
