@@ -14,6 +14,8 @@
 //! `consume()` treats them; the fetcher's assignment generations guard the rest (SUB-3).
 
 use std::collections::HashMap;
+
+use foldhash::HashMap as FastMap;
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::ptr;
 use std::sync::Mutex;
@@ -126,18 +128,45 @@ impl Api {
     }
 }
 
-type Headers = Vec<(String, Option<Vec<u8>>)>;
 /// Fetch errors: (partition, offset, librdkafka's text).
 type Errors = Vec<(i32, i64, String)>;
+/// Where a field's bytes are in a batch's `Arena` (start, end); None for a null field.
+type Span = Option<(usize, usize)>;
 
-/// A record copied out of librdkafka (no GIL needed to make it).
+/// A record copied out of librdkafka (no GIL needed to make it): its key, value and headers are in
+/// the batch's arena, the headers packed as `pack_header` packs them.
 struct Fetched {
     partition: i32,
     offset: i64,
-    key: Option<Vec<u8>>,
-    value: Option<Vec<u8>>,
-    headers: Option<Headers>,
+    key: Span,
+    value: Span,
+    headers: Span,
     timestamp_ms: i64,
+}
+
+/// The bytes of one fetched batch, copied into one buffer: no allocation per record.
+#[derive(Default)]
+struct Arena {
+    bytes: Vec<u8>,
+}
+
+impl Arena {
+    /// A copy of `len` bytes at `data` (None for a null pointer).
+    ///
+    /// # Safety
+    /// `data` is null or points to `len` readable bytes.
+    unsafe fn copy(&mut self, data: *const u8, len: usize) -> Span {
+        if data.is_null() {
+            return None;
+        }
+        let start = self.bytes.len();
+        self.bytes.extend_from_slice(std::slice::from_raw_parts(data, len));
+        Some((start, self.bytes.len()))
+    }
+
+    fn get(&self, span: (usize, usize)) -> &[u8] {
+        &self.bytes[span.0..span.1]
+    }
 }
 
 struct Queues {
@@ -156,7 +185,7 @@ pub struct NativeFetch {
     /// alive until the queues are given back (a consumer destroyed while its partitions are
     /// forwarded here would wait for them forever).
     refs: Option<Refs>,
-    plain: HashMap<Vec<u8>, (Py<PyAny>, Py<PyAny>)>,
+    plain: FastMap<Vec<u8>, (Py<PyAny>, Py<PyAny>)>,
 }
 
 /// The Python objects of a `NativeFetch` (seen by the collector: `metadata_of` refers back to the
@@ -173,21 +202,42 @@ struct Refs {
 unsafe impl Send for NativeFetch {}
 unsafe impl Sync for NativeFetch {}
 
-/// Packs a record's headers into one key (for the metadata cache): names and values with lengths.
-fn header_key(headers: &Headers) -> Vec<u8> {
-    let mut key = Vec::new();
-    for (name, value) in headers {
-        key.extend_from_slice(&(name.len() as u32).to_le_bytes());
-        key.extend_from_slice(name.as_bytes());
-        match value {
-            None => key.extend_from_slice(&u32::MAX.to_le_bytes()),
-            Some(value) => {
-                key.extend_from_slice(&(value.len() as u32).to_le_bytes());
-                key.extend_from_slice(value);
-            }
+/// Appends one header to a record's packed headers: the name and the value, each after its length
+/// as 4 little-endian bytes (`u32::MAX` for a null value). A record's packed headers are the key of
+/// the metadata cache.
+fn pack_header(packed: &mut Vec<u8>, name: &[u8], value: Option<&[u8]>) {
+    packed.extend_from_slice(&(name.len() as u32).to_le_bytes());
+    packed.extend_from_slice(name);
+    match value {
+        None => packed.extend_from_slice(&u32::MAX.to_le_bytes()),
+        Some(value) => {
+            packed.extend_from_slice(&(value.len() as u32).to_le_bytes());
+            packed.extend_from_slice(value);
         }
     }
-    key
+}
+
+/// The (name, value) pairs of packed headers (`pack_header`).
+fn unpack_headers(mut packed: &[u8]) -> Vec<(&[u8], Option<&[u8]>)> {
+    let mut pairs = Vec::new();
+    let field = |packed: &mut &[u8]| -> Option<Option<usize>> {
+        let (length, rest) = packed.split_first_chunk::<4>()?;
+        *packed = rest;
+        let length = u32::from_le_bytes(*length);
+        Some((length != u32::MAX).then_some(length as usize))
+    };
+    while let Some(Some(name_length)) = field(&mut packed) {
+        let (name, rest) = packed.split_at(name_length.min(packed.len()));
+        packed = rest;
+        let Some(value_length) = field(&mut packed) else { break };
+        let value = value_length.map(|length| {
+            let (value, rest) = packed.split_at(length.min(packed.len()));
+            packed = rest;
+            value
+        });
+        pairs.push((name, value));
+    }
+    pairs
 }
 
 impl Drop for NativeFetch {
@@ -215,10 +265,11 @@ impl NativeFetch {
     }
 
     /// Copies up to `max` messages out of librdkafka, waiting up to `timeout_ms` (no GIL held).
-    fn take(&self, max: usize, timeout_ms: c_int) -> (Vec<Fetched>, Errors) {
+    fn take(&self, max: usize, timeout_ms: c_int) -> (Vec<Fetched>, Arena, Errors) {
         let queues = self.queues.lock().expect("fetch queues lock");
+        let mut arena = Arena::default();
         if queues.own.is_null() {
-            return (Vec::new(), Vec::new());
+            return (Vec::new(), arena, Vec::new());
         }
         let mut raw: Vec<*mut RawMessage> = vec![ptr::null_mut(); max.clamp(1, BATCH_MAX)];
         let api = &self.api;
@@ -227,6 +278,11 @@ impl NativeFetch {
         let count = unsafe { (api.consume_batch_queue)(queues.own, timeout_ms, raw.as_mut_ptr(), raw.len()) };
         let mut records = Vec::with_capacity(count.max(0) as usize);
         let mut errors = Vec::new();
+        arena.bytes.reserve(raw.iter().take(count.max(0) as usize).map(|&message| {
+            // SAFETY: librdkafka returned it; it is destroyed below.
+            let m = unsafe { &*message };
+            m.len + m.key_len + 64
+        }).sum());
         for &message in raw.iter().take(count.max(0) as usize) {
             // SAFETY: librdkafka returned it; its fields are valid until message_destroy.
             unsafe {
@@ -238,77 +294,64 @@ impl NativeFetch {
                     records.push(Fetched {
                         partition: m.partition,
                         offset: m.offset,
-                        key: copy(m.key, m.key_len),
-                        value: copy(m.payload, m.len),
-                        headers: self.headers(message),
+                        key: arena.copy(m.key, m.key_len),
+                        value: arena.copy(m.payload, m.len),
+                        headers: self.headers(message, &mut arena),
                         timestamp_ms: (api.message_timestamp)(message, ptr::null_mut()),
                     });
                 }
                 (api.message_destroy)(message);
             }
         }
-        (records, errors)
+        (records, arena, errors)
     }
 
-    /// A message's headers, or None when it has none.
+    /// A message's headers, packed into the arena (`pack_header`), or None when it has none.
     ///
     /// # Safety
     /// `message` is a live message librdkafka returned.
-    unsafe fn headers(&self, message: *const RawMessage) -> Option<Headers> {
+    unsafe fn headers(&self, message: *const RawMessage, arena: &mut Arena) -> Span {
         let api = &self.api;
         let mut hdrs: *mut c_void = ptr::null_mut();
         if (api.message_headers)(message, &mut hdrs) != 0 || hdrs.is_null() {
             return None;
         }
-        let count = (api.header_cnt)(hdrs);
-        let mut headers = Vec::with_capacity(count);
-        for index in 0..count {
+        let start = arena.bytes.len();
+        for index in 0..(api.header_cnt)(hdrs) {
             let (mut name, mut value, mut size): (*const c_char, *const u8, usize) = (ptr::null(), ptr::null(), 0);
             if (api.header_get_all)(hdrs, index, &mut name, &mut value, &mut size) != 0 {
                 break;
             }
-            let name = CStr::from_ptr(name).to_string_lossy().into_owned();
-            headers.push((name, if value.is_null() { None } else { Some(std::slice::from_raw_parts(value, size).to_vec()) }));
+            let value = if value.is_null() { None } else { Some(std::slice::from_raw_parts(value, size)) };
+            pack_header(&mut arena.bytes, CStr::from_ptr(name).to_bytes(), value);
         }
-        Some(headers)
+        Some((start, arena.bytes.len()))
     }
 
     /// The metadata of a record and the headers it keeps: shared per distinct header set.
-    fn metadata<'py>(&mut self, py: Python<'py>, refs: &Refs, headers: Option<Headers>, partition: i32,
+    fn metadata<'py>(&mut self, py: Python<'py>, refs: &Refs, headers: Option<&[u8]>, partition: i32,
                      offset: i64) -> PyResult<(Py<PyAny>, Py<PyAny>)> {
-        let Some(headers) = headers else {
+        let Some(key) = headers else {
             return Ok((refs.empty.clone_ref(py), py.None()));
         };
-        let key = header_key(&headers);
-        if let Some((metadata, shared)) = self.plain.get(&key) {
+        if let Some((metadata, shared)) = self.plain.get(key) {
             return Ok((metadata.clone_ref(py), shared.clone_ref(py)));
         }
         let pairs = PyList::empty(py);
-        for (name, value) in &headers {
+        for (name, value) in unpack_headers(key) {
             let value: Bound<'py, PyAny> = match value {
                 None => py.None().into_bound(py),
                 Some(value) => PyBytes::new(py, value).into_any(),
             };
-            pairs.append(PyTuple::new(py, [PyString::new(py, name).into_any(), value])?)?;
+            let name = PyString::new(py, &String::from_utf8_lossy(name)).into_any();
+            pairs.append(PyTuple::new(py, [name, value])?)?;
         }
         // metadata_of(headers, partition, offset) -> (metadata, headers to keep, shareable)
         let (metadata, kept, shareable): (Py<PyAny>, Py<PyAny>, bool) = refs.metadata_of.call1(py, (pairs, partition, offset))?.extract(py)?;
         if shareable && self.plain.len() < 64 {
-            self.plain.insert(key, (metadata.clone_ref(py), kept.clone_ref(py)));
+            self.plain.insert(key.to_vec(), (metadata.clone_ref(py), kept.clone_ref(py)));
         }
         Ok((metadata, kept))
-    }
-}
-
-/// A copy of `len` bytes at `data`, None for a null pointer.
-///
-/// # Safety
-/// `data` is null or points to `len` readable bytes.
-unsafe fn copy(data: *const u8, len: usize) -> Option<Vec<u8>> {
-    if data.is_null() {
-        None
-    } else {
-        Some(std::slice::from_raw_parts(data, len).to_vec())
     }
 }
 
@@ -346,7 +389,7 @@ impl NativeFetch {
             topic: CString::new(topic).map_err(|_| PyRuntimeError::new_err("bad topic name"))?,
             queues: Mutex::new(Queues { own, partitions: HashMap::new() }),
             refs: Some(Refs { consumer, record: record.unbind(), metadata_of, empty }),
-            plain: HashMap::new(),
+            plain: FastMap::default(),
         })
     }
 
@@ -408,20 +451,21 @@ impl NativeFetch {
             return Ok((PyList::empty(py), Vec::new()));
         };
         let this = &*self;
-        let (fetched, errors) = py.detach(|| this.take(max, timeout_ms));
+        let (fetched, arena, errors) = py.detach(|| this.take(max, timeout_ms));
         let records = PyList::empty(py);
         let layout = refs.record.bind(py).get();
         let (zero, none, no) = (0i64.into_pyobject(py)?.into_any(), py.None().into_bound(py), PyBool::new(py, false).to_owned().into_any());
         let mut stamp: Option<(i64, Bound<'py, PyAny>)> = None; // records of one produce batch share their time
         for item in fetched {
-            let size = item.value.as_ref().map_or(0, Vec::len);
-            let (metadata, headers) = self.metadata(py, &refs, item.headers, item.partition, item.offset)?;
+            let size = item.value.map_or(0, |(start, end)| end - start);
+            let (metadata, headers) =
+                self.metadata(py, &refs, item.headers.map(|span| arena.get(span)), item.partition, item.offset)?;
             let key = match item.key {
-                Some(key) if !key.is_empty() => PyBytes::new(py, &key).into_any(),
+                Some(span) if span.1 > span.0 => PyBytes::new(py, arena.get(span)).into_any(),
                 _ => none.clone(),
             };
             let value = match item.value {
-                Some(value) => PyBytes::new(py, &value).into_any(),
+                Some(span) => PyBytes::new(py, arena.get(span)).into_any(),
                 None => none.clone(),
             };
             let timestamp = match &stamp {
@@ -473,5 +517,33 @@ impl NativeFetch {
 
     fn __clear__(&mut self) {
         self.close();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn packed_headers_unpack_to_the_pairs_packed() {
+        let pairs: Vec<(&[u8], Option<&[u8]>)> =
+            vec![(b"ol-partition-count", Some(b"6")), (b"", None), (b"empty", Some(b"")), ("n\u{e9}".as_bytes(), Some(&[0, 255]))];
+        let mut packed = Vec::new();
+        for (name, value) in &pairs {
+            pack_header(&mut packed, name, *value);
+        }
+        assert_eq!(unpack_headers(&packed), pairs);
+        assert!(unpack_headers(&[]).is_empty());
+    }
+
+    #[test]
+    fn an_arena_hands_back_what_it_copied() {
+        let mut arena = Arena::default();
+        let (key, value) = (b"key".to_vec(), b"value".to_vec());
+        // SAFETY: the pointers are the vectors' own, with their lengths.
+        let (a, b, none) = unsafe {
+            (arena.copy(key.as_ptr(), key.len()), arena.copy(value.as_ptr(), value.len()), arena.copy(ptr::null(), 5))
+        };
+        assert_eq!((arena.get(a.unwrap()), arena.get(b.unwrap()), none), (&b"key"[..], &b"value"[..], None));
     }
 }
