@@ -5,7 +5,26 @@
 //! one buffer, in the order decided, because their writes are applied in sequence (a lease extension
 //! queued after a settle would bring the lease back).
 
-use std::fmt::Write;
+/// Appends `value` in decimal, as `write!` would (without its formatting machinery: two ops are
+/// packed per message).
+fn push_decimal(packed: &mut String, value: i64) {
+    let mut digits = [0u8; 20];
+    let mut rest = value.unsigned_abs();
+    let mut start = digits.len();
+    loop {
+        start -= 1;
+        digits[start] = b'0' + (rest % 10) as u8;
+        rest /= 10;
+        if rest == 0 {
+            break;
+        }
+    }
+    if value < 0 {
+        packed.push('-');
+    }
+    // The digits are ASCII.
+    packed.push_str(std::str::from_utf8(&digits[start..]).unwrap_or_default());
+}
 
 pub const DELIVERED: char = 'd';
 pub const LEASE: char = 'l';
@@ -29,8 +48,13 @@ pub struct OpBuffer {
 
 impl OpBuffer {
     pub fn push(&mut self, kind: char, offset: i64, value: i64) {
-        // Writing into a String cannot fail.
-        let _ = write!(self.packed, "{kind},{offset},{value};");
+        let packed = &mut self.packed;
+        packed.push(kind);
+        packed.push(',');
+        push_decimal(packed, offset);
+        packed.push(',');
+        push_decimal(packed, value);
+        packed.push(';');
         self.count += 1;
     }
 
@@ -48,5 +72,21 @@ impl OpBuffer {
     pub fn take(&mut self) -> String {
         self.count = 0;
         std::mem::take(&mut self.packed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ops_are_packed_as_write_packs_them() {
+        let mut buffer = OpBuffer::default();
+        let values = [0, 7, -7, 10, 1_700_000_000_000, i64::MAX, i64::MIN];
+        for &value in &values {
+            buffer.push(SETTLED, value, -value.saturating_neg());
+        }
+        let expected: String = values.iter().map(|value| format!("a,{value},{};", -value.saturating_neg())).collect();
+        assert_eq!((buffer.take(), buffer.count), (expected, 0));
     }
 }
