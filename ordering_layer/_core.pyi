@@ -113,6 +113,10 @@ def command_runs(packed: str) -> tuple[str, list[bytes]]:
     """``apply.lua``'s runs of Redis writes for packed state ops: the header and each run's
     arguments (MessagePack); ``ValueError`` for a malformed op or a batch op before a batch lease."""
 
+def evalsha_commands(sha: str, calls: list[tuple[list[str], int, str]]) -> bytes:
+    """``EVALSHA sha`` of each (keys, epoch, packed ops) with the ops' command runs, encoded as Redis
+    protocol commands; ``ValueError`` as ``command_runs``."""
+
 class NativeFetch:
     """The fetch of one consumer's partitions straight from librdkafka (``core/src/fetch.rs``)."""
 

@@ -466,6 +466,53 @@ fn qkey_list<'py>(py: Python<'py>, qkeys: Vec<&QueueKey>) -> PyResult<Bound<'py,
     Ok(list)
 }
 
+/// One flush's `apply.lua` calls, encoded as Redis protocol commands ready for the socket: for each
+/// (keys, epoch, packed ops), `EVALSHA sha <number of keys> <keys> <epoch> <header> <runs>` with the
+/// ops' command runs as `command_runs` makes them. ValueError for malformed ops (nothing encoded).
+#[pyfunction]
+fn evalsha_commands(py: Python<'_>, sha: &str, calls: Vec<(Vec<String>, i64, String)>) -> PyResult<Py<PyBytes>> {
+    let encoded = py.detach(|| -> Result<Vec<u8>, runs::OpsError> {
+        let mut out = Vec::new();
+        for (keys, epoch, packed) in &calls {
+            let runs = runs::group(packed)?;
+            let epoch = epoch.to_string();
+            let count = 3 + keys.len() + 2 + runs.arguments.len();
+            resp_array(&mut out, count);
+            let number_of_keys = keys.len().to_string();
+            for argument in ["EVALSHA", sha, &number_of_keys] {
+                resp_bulk(&mut out, argument.as_bytes());
+            }
+            for key in keys {
+                resp_bulk(&mut out, key.as_bytes());
+            }
+            resp_bulk(&mut out, epoch.as_bytes());
+            resp_bulk(&mut out, runs.header.as_bytes());
+            for argument in &runs.arguments {
+                resp_bulk(&mut out, argument);
+            }
+        }
+        Ok(out)
+    });
+    let encoded = encoded.map_err(|error| PyValueError::new_err(error.to_string()))?;
+    Ok(PyBytes::new(py, &encoded).unbind())
+}
+
+/// A Redis protocol array header.
+fn resp_array(out: &mut Vec<u8>, count: usize) {
+    out.push(b'*');
+    out.extend_from_slice(count.to_string().as_bytes());
+    out.extend_from_slice(b"\r\n");
+}
+
+/// A Redis protocol bulk string.
+fn resp_bulk(out: &mut Vec<u8>, bytes: &[u8]) {
+    out.push(b'$');
+    out.extend_from_slice(bytes.len().to_string().as_bytes());
+    out.extend_from_slice(b"\r\n");
+    out.extend_from_slice(bytes);
+    out.extend_from_slice(b"\r\n");
+}
+
 /// Runs of one partition in a batch: (partition, start, stop) each, in order; `partition_of` reads
 /// an item's partition.
 fn runs_of(
@@ -767,5 +814,6 @@ fn ordering_layer_core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_function(wrap_pyfunction!(partition_runs, module)?)?;
     module.add_function(wrap_pyfunction!(kafka_partition_runs, module)?)?;
     module.add_function(wrap_pyfunction!(command_runs, module)?)?;
+    module.add_function(wrap_pyfunction!(evalsha_commands, module)?)?;
     Ok(())
 }

@@ -25,6 +25,7 @@ from typing import Any
 
 import redis
 
+from ordering_layer._core import evalsha_commands
 from ordering_layer.state.store import ApplyResult, StateStore
 
 
@@ -78,14 +79,15 @@ class ApplyPipe:
             except BaseException:
                 self._fail(connection, epoch)
                 raise
-        sha = self._store.script_sha("apply")
-        commands = [("EVALSHA", sha, len(keys), *keys, *args) for keys, args in self._store.apply_calls(batches)]
+        # The calls encoded by the core, as redis-py's pack_commands would encode them
+        # (``evalsha_commands``); a malformed op raises here, before anything is written.
+        packed = evalsha_commands(self._store.script_sha("apply"), self._store.apply_packed_calls(batches))
         try:
-            connection.send_packed_command(connection.pack_commands(commands), check_health=False)
+            connection.send_packed_command([packed], check_health=False)
         except BaseException:
             self._fail(connection, epoch)
             raise
-        return Sent(connection, len(commands), epoch)
+        return Sent(connection, len(batches), epoch)
 
     def receive(self, sent: Sent) -> list[ApplyResult]:
         """Read the answers of a flush ``send`` wrote, after those of every flush written before it

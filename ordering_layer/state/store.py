@@ -420,8 +420,14 @@ class StateStore:
     @staticmethod
     def apply_calls(batches: Sequence[tuple[str, int, int, str]]) -> list[tuple[list[str], list[Any]]]:
         """The (keys, arguments) of ``apply.lua`` for each batch of packed ops."""
-        return [([*partition_keys(subscription, partition), cascades_key(subscription, partition)],
-                 [epoch, *_command_runs(packed)]) for subscription, partition, epoch, packed in batches]
+        calls = StateStore.apply_packed_calls(batches)
+        return [(keys, [epoch, *_command_runs(packed)]) for keys, epoch, packed in calls]
+
+    @staticmethod
+    def apply_packed_calls(batches: Sequence[tuple[str, int, int, str]]) -> list[tuple[list[str], int, str]]:
+        """The (keys, epoch, packed ops) of ``apply.lua`` for each batch, for ``evalsha_commands``."""
+        return [([*partition_keys(subscription, partition), cascades_key(subscription, partition)], epoch, packed)
+                for subscription, partition, epoch, packed in batches]
 
     @property
     def pipelines(self) -> bool:

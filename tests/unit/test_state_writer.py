@@ -6,8 +6,10 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import cast
 
+import pytest
 import redis
 
+from ordering_layer._core import evalsha_commands
 from ordering_layer.state import ApplyResult, StateStore
 from ordering_layer.state.store import Op, OpKind, OpLetter, unpack_ops
 from ordering_layer.subscriber.message import AckResponse
@@ -94,3 +96,16 @@ def test_a_failed_write_keeps_the_ops_for_the_next_flush() -> None:
     writer.drop(1)
     assert writer.flush(owned) == {0: ApplyResult.APPLIED}
     assert store.calls == [[(0, 1, [("a", 5, 0), ("n", 6, 0)])]]
+
+
+def test_the_cores_encoding_of_a_flush_is_redis_pys() -> None:
+    """ACK-4: a pipelined flush's ``apply.lua`` calls, encoded by the core for the socket, are the
+    bytes redis-py's ``pack_commands`` makes of the same EVALSHA calls; malformed ops are refused
+    before anything is encoded."""
+    batches = [("sub", 0, 3, "b,0,1700000000000;q,5,1;q,6,2;a,4,1;a,3,0;f,0,5;"), ("sub", 11, 1, "n,9,2;u,8,0;c,7,0;")]
+    sha = "e" * 40
+    commands = [("EVALSHA", sha, len(keys), *keys, *args) for keys, args in StateStore.apply_calls(batches)]
+    expected = b"".join(redis.Connection().pack_commands(commands))
+    assert evalsha_commands(sha, StateStore.apply_packed_calls(batches)) == expected
+    with pytest.raises(ValueError):
+        evalsha_commands(sha, [(["k"], 1, "z,1,1;")])
