@@ -22,6 +22,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -30,6 +31,19 @@ from bench.common import bench_stack
 from ordering_layer import Admin, Message, RetryPolicy, Subscriber
 
 _TICK = os.sysconf("SC_CLK_TCK")
+_COORDINATOR = "ordering-layer-engine"
+# The coordinator's calls into the components, measured with --phases (nested ones are included in
+# their callers' figures too: the flush write in Ownership.start, the hand-out in Ownership.poll).
+_PHASES = {
+    "engine": ("Engine", ["_handle", "_wait_time"]),
+    "settlement": ("Settlement", ["acks", "write_starts", "expire"]),
+    "partitions": ("Partitions", ["take"]),
+    "dispatch": ("Dispatcher", ["release", "hand_out"]),
+    "ownership": ("Ownership", ["poll", "start"]),
+    "state_writer": ("StateWriter", ["write", "finish"]),
+    "inbox": ("Inbox", ["take", "wait"]),
+    "flow": ("FlowGate", ["update"]),
+}
 _GROUPS = ("engine", "fetch", "redis-read", "redis", "-cb-", "MainThread", "rdk:")
 
 
@@ -54,12 +68,38 @@ def group(name: str) -> str:
     return next((prefix.strip("-:") or prefix for prefix in _GROUPS if prefix in name), name)
 
 
+def wrap_phases(spent: dict[str, float]) -> None:
+    """Wrap the coordinator's component calls to add their CPU time on the coordinator to ``spent``."""
+    import importlib
+
+    clock = time.thread_time
+    for module_name, (class_name, methods) in _PHASES.items():
+        cls = getattr(importlib.import_module(f"ordering_layer.subscriber.{module_name}"), class_name)
+        for method in methods:
+            original, label = getattr(cls, method), f"{class_name}.{method}"
+
+            def timed(*args: object, _original: Any = original, _label: str = label, **kwargs: object) -> Any:
+                if not threading.current_thread().name.startswith(_COORDINATOR):
+                    return _original(*args, **kwargs)
+                begun = clock()
+                try:
+                    return _original(*args, **kwargs)
+                finally:
+                    spent[_label] += clock() - begun
+
+            setattr(cls, method, timed)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--messages", type=int, default=600_000)
     parser.add_argument("--pull", action="store_true", help="pull mode instead of callbacks")
+    parser.add_argument("--phases", action="store_true", help="split the coordinator's CPU by component call")
     args = parser.parse_args()
     count = args.messages
+    phases: dict[str, float] = collections.defaultdict(float)
+    if args.phases:
+        wrap_phases(phases)
     with bench_stack() as endpoints:
         admin = Admin(endpoints.kafka_config(), redis_url=endpoints.redis_url)
         topic = workload_topic(endpoints, admin, "threads", count)
@@ -73,6 +113,7 @@ def main() -> None:
                 messages = subscriber.pull(name, max_messages=500, timeout=1.0)
                 if messages and not start:
                     start, before = time.perf_counter(), thread_cpu()
+                    phases.clear()
                 Subscriber.acknowledge(messages)
                 seen += len(messages)
         else:
@@ -87,8 +128,10 @@ def main() -> None:
             handle = subscriber.subscribe(name, callback, max_workers=16)
             first.wait(120)
             start, before = time.perf_counter(), thread_cpu()
+            phases.clear()
             done.wait(600)
         elapsed, after = time.perf_counter() - start, thread_cpu()
+        measured = dict(phases)
         if not args.pull:
             handle.cancel()
         subscriber.close()
@@ -100,6 +143,10 @@ def main() -> None:
         print(f"  {thread:28s} {seconds / count * 1e6:6.2f} us/msg  ({seconds / elapsed:4.0%} of a core)")
     total = sum(spent.values())
     print(f"  {'process':28s} {total / count * 1e6:6.2f} us/msg  ({total / elapsed:4.0%} of a core)")
+    if measured:
+        print("the coordinator's calls (CPU on its thread):")
+        for label, seconds in sorted(measured.items(), key=lambda item: -item[1]):
+            print(f"  {label:28s} {seconds / count * 1e6:6.3f} us/msg")
 
 
 if __name__ == "__main__":
