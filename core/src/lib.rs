@@ -2,12 +2,14 @@
 //!
 //! The engine runs on it; `ordering_layer/subscriber/partition.py` is its reference, whose
 //! semantics it keeps (see `partition.rs`). Python crosses into it once per batch: a fetched batch
-//! in, a release of up to a budget of ready keys out as parallel lists, a batch of acks in with the
-//! new commit point out. Records stay Python objects: the core keeps a reference to each and hands
-//! it back on release, reading only `offset`, `key` and `size`; which of them are suspects (ACK-6,
-//! DLQ-3) it says with the release. The ops for Redis (packed, see `ops.rs` and `runs.rs`) are written
-//! as the decisions are made. Assignment generations, epochs, leases, start notes and dead-letter
-//! policy stay in Python.
+//! in, a release of up to a budget of ready keys out (as the `Message`s handed to user code,
+//! `release_messages`, or as parallel lists), a batch of acks in with the new commit point out.
+//! Records stay Python objects: the core keeps a reference to each and hands it back on release,
+//! reading only `offset`, `key` and `size` (from the slots of a `Record`, `slots.rs`), and marks the
+//! suspects among them (ACK-6, DLQ-3). The ops for Redis (packed, see `ops.rs`; grouped into command
+//! runs and encoded for the socket, `runs.rs`) are written as the decisions are made. Assignment
+//! generations, epochs, start notes and dead-letter policy stay in Python; leases are the
+//! `LeaseTable`'s (`leases.rs`).
 
 mod fetch;
 mod key_queue;
