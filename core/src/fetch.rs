@@ -7,19 +7,19 @@
 //! partition's fetch queue is forwarded to a queue of this fetch (`rd_kafka_queue_forward`, the
 //! documented way to split partitions off the consumer queue), so the consumer queue keeps only
 //! events, which `Consumer.poll` serves as before. `fetch` waits for and copies a batch without the
-//! GIL, then makes the `Record`s the engine takes, with the layer metadata read once per distinct
-//! header set (`metadata_of`, a Python function, is called only for header sets not shared).
+//! GIL (into one buffer per batch), then makes the `Record`s the engine takes (`slots.rs`), with the
+//! layer metadata read once per distinct header set (`metadata_of`, a Python function, is called
+//! only for header sets not shared).
 //! A batch comes from the same librdkafka call as `consume()`'s (`rd_kafka_consume_batch_queue`),
 //! so records of an outdated fetch version (after a revoke, an unassign or a seek) are treated as
 //! `consume()` treats them; the fetcher's assignment generations guard the rest (SUB-3).
 
 use std::collections::HashMap;
-
-use foldhash::HashMap as FastMap;
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::ptr;
 use std::sync::Mutex;
 
+use foldhash::HashMap as FastMap;
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::{PyTraverseError, PyVisit};

@@ -25,6 +25,7 @@ use std::collections::{HashMap as StdHashMap, HashSet as StdHashSet};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
+use pyo3::{PyTraverseError, PyVisit};
 use pyo3::types::{PyBool, PyBytes, PyDict, PyList};
 
 use leases::{LeaseSettings, Leases};
@@ -62,6 +63,7 @@ impl PartitionCore {
         }
         Ok(skipped)
     }
+
     /// Release within `limits` (see `release_ready`), as Rust lists.
     fn release(&mut self, py: Python<'_>, limits: &Limits, leases: Option<&Bound<'_, LeaseTable>>, partition: i32,
                epoch: i64) -> ReleaseOut {
@@ -153,6 +155,13 @@ impl Deliveries {
         }
         Ok(Deliveries { messages: messages.unbind(), records: records.unbind(), topic, submit, ordered })
     }
+
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        visit.call(&self.messages)?;
+        visit.call(&self.records)?;
+        visit.call(&self.topic)?;
+        visit.call(&self.submit)
+    }
 }
 
 impl Deliveries {
@@ -196,7 +205,6 @@ impl Deliveries {
         Ok((messages, out.bytes))
     }
 }
-
 
 fn key_bytes<'a>(key: &'a Bound<'_, PyAny>) -> PyResult<Option<&'a [u8]>> {
     if key.is_none() {
@@ -324,6 +332,7 @@ impl PartitionCore {
         let messages = deliveries.get().make(py, out, epoch)?;
         Ok(messages)
     }
+
     /// Settle deliveries (acks): returns the positions of the refused ones (stale tokens) and the
     /// new commit point.
     fn ack(&mut self, offsets: Vec<i64>, tokens: Vec<u64>) -> PyResult<(Vec<usize>, Option<i64>)> {

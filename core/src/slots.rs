@@ -13,6 +13,7 @@
 use pyo3::exceptions::PyTypeError;
 use pyo3::ffi;
 use pyo3::prelude::*;
+use pyo3::{PyTraverseError, PyVisit};
 use pyo3::types::{PyList, PyTuple, PyType};
 
 const POINTER: usize = std::mem::size_of::<*mut ffi::PyObject>();
@@ -129,5 +130,9 @@ impl SlotLayout {
     fn new_instance<'py>(&self, py: Python<'py>, values: &Bound<'py, PyTuple>) -> PyResult<Bound<'py, PyAny>> {
         let values: Vec<Bound<'py, PyAny>> = values.iter().collect();
         self.make(py, &values)
+    }
+
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        visit.call(&self.class)
     }
 }

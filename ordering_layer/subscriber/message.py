@@ -1,8 +1,8 @@
 """``Message``: one delivery, with Pub/Sub fields and confluent-kafka ``Message`` accessors.
 
-A ``Message`` is the engine's ``Delivery`` itself (made at release), so a message handed to user
-code is one object, not a wrapper around another; ``lease`` names it in the engine's
-``LeaseTable`` while it is outstanding.
+A ``Message`` is the engine's ``Delivery`` itself (made at release, by the core:
+``PartitionCore.release_messages``), so a message handed to user code is one object, not a wrapper
+around another; ``lease`` names it in the engine's ``LeaseTable`` while it is outstanding.
 """
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ class Message(Delivery):
 
     def __init__(self, record: Record, queue_key: QueueKey, token: int, attempt: int, topic: str, epoch: int,
                  submit: Callable[[Settle | Message | list[Message]], None] = unattached, lease: int = 0) -> None:
-        # Delivery's fields, set here rather than through its __init__: one Message is made per
-        # message released, and that call would add ~0.1 us to each (bench/RESULTS.md).
+        # The subscriber's releases do not call this: the core fills the slots (MESSAGE_SLOTS) of
+        # each message it releases directly. Delivery's fields are set here, not by its __init__.
         self.record = record
         self.queue_key = queue_key
         self.token = token

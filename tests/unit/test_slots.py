@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from ordering_layer._core import LeaseTable, PartitionCore, SlotLayout, partition_runs
+from ordering_layer._core import Deliveries, LeaseTable, PartitionCore, SlotLayout, partition_runs
 from ordering_layer.record import RecordMetadata
 from ordering_layer.subscriber.key_queue import Delivery, Record
 from ordering_layer.subscriber.message import MESSAGE_SLOTS, Message
@@ -170,3 +170,14 @@ def test_fields_read_from_slots_are_those_read_as_attributes() -> None:
     assert leases.ack_run(messages[:1], owned, 0.0, MESSAGE_LAYOUT) == 1
     assert leases.ack_run(messages[1:2], owned, 0.0) == 1
     assert leases.ack_run(messages[:2], owned, 0.0, MESSAGE_LAYOUT) == 0 and leases.count == 1  # stale now
+
+
+def test_the_collector_sees_what_layouts_and_deliveries_hold() -> None:
+    """A subscriber's objects form cycles (the engine and its components): the collector must see
+    through the core's objects to free them."""
+    acks: list[object] = []
+    deliveries = Deliveries(MESSAGE_LAYOUT, RECORD_LAYOUT, "orders", acks.append, True)
+    held = gc.get_referents(deliveries)
+    assert MESSAGE_LAYOUT in held and RECORD_LAYOUT in held and "orders" in held
+    assert any(getattr(r, "__self__", None) is acks for r in held)
+    assert Record in gc.get_referents(RECORD_LAYOUT)
