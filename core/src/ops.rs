@@ -84,9 +84,9 @@ mod tests {
         let mut buffer = OpBuffer::default();
         let values = [0, 7, -7, 10, 1_700_000_000_000, i64::MAX, i64::MIN];
         for &value in &values {
-            buffer.push(SETTLED, value, -value.saturating_neg());
+            buffer.push(SETTLED, value, value.saturating_neg());
         }
-        let expected: String = values.iter().map(|value| format!("a,{value},{};", -value.saturating_neg())).collect();
+        let expected: String = values.iter().map(|value| format!("a,{value},{};", value.saturating_neg())).collect();
         assert_eq!((buffer.take(), buffer.count), (expected, 0));
     }
 }
