@@ -329,8 +329,7 @@ impl PartitionCore {
     ) -> PyResult<(Bound<'py, PyList>, i64)> {
         let limits = Limits { now, budget, per_key, byte_budget, lease_ms, pooled };
         let out = self.release(py, &limits, leases, partition, epoch);
-        let messages = deliveries.get().make(py, out, epoch)?;
-        Ok(messages)
+        deliveries.get().make(py, out, epoch)
     }
 
     /// Settle deliveries (acks): returns the positions of the refused ones (stale tokens) and the

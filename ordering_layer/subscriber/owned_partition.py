@@ -41,8 +41,8 @@ class OwnedPartition:
         submit: where a released ``Message`` posts its acks (the engine's inbox).
     """
 
-    __slots__ = ("_charged_up_to", "_deliveries", "core", "epoch", "generation", "ordered", "partition", "revoking",
-                 "seek_generation", "start_offset", "submit", "topic")
+    __slots__ = ("_charged_up_to", "_deliveries", "core", "epoch", "generation", "partition", "revoking",
+                 "seek_generation", "start_offset")
 
     def __init__(self, partition: int, epoch: int, *, ordered: bool,
                  settled_before: frozenset[int] = frozenset(), attempts_before: dict[int, int] | None = None,
@@ -50,19 +50,16 @@ class OwnedPartition:
                  seek_generation: int = 0, cascades: frozenset[int] = frozenset(), floor: int | None = None,
                  topic: str = "", submit: Callable[[Any], None] = unattached) -> None:
         self.partition = partition
-        self.topic = topic
-        self.submit = submit
         self.epoch = epoch
         self.generation = generation
         self.seek_generation = seek_generation
         self.start_offset = start_offset
-        self.ordered = ordered
         self.revoking = False
         self.core: PartitionCore[Record] = PartitionCore(
             ordered=ordered, settled_before=set(settled_before), attempts_before=attempts_before or {},
             suspects=suspects, start_offset=start_offset, cascades=set(cascades), floor=floor)
         self._charged_up_to = max(attempts_before) if attempts_before else None
-        self._deliveries = Deliveries(MESSAGE_LAYOUT, RECORD_LAYOUT, topic, submit, ordered)
+        self._deliveries = Deliveries(MESSAGE_LAYOUT, RECORD_LAYOUT, topic, submit, ordered)  # what releases make
 
     def charged_pending(self) -> bool:
         """Some record the claim charged attempts to is not settled yet (its commit point is not past
