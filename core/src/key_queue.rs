@@ -94,13 +94,18 @@ pub enum QueueKey {
 /// One fetched record of a key's queue; `item` is the caller's (the Python record object).
 /// `suspect`: an earlier owner handed it out and never settled it (ACK-6), so each start of it is
 /// to be written before user code runs; `quarantined`: a suspect charged `QUARANTINE_FROM`
-/// attempts or more, which goes out alone (`Quarantine`).
+/// attempts or more, which goes out alone (`Quarantine`). `released`: an attempt of it was queued
+/// for Redis already, so the next one is not its first (`runs.rs`: first attempts are written as
+/// runs of offsets); `in_hash`: the attempts hash may hold a field of it, to be deleted when it is
+/// settled.
 pub struct Entry<T> {
     pub offset: i64,
     pub size: i64,
     pub attempts: u32,
     pub suspect: bool,
     pub quarantined: bool,
+    pub released: bool,
+    pub in_hash: bool,
     pub token: u64, // 0: not outstanding
     pub acked: bool,
     pub item: T,

@@ -419,7 +419,7 @@ impl PartitionCore {
 
     /// Queue an op decided in Python (a lease extension, a commit watermark), in decision order.
     fn push_op(&mut self, kind: char, offset: i64, value: i64) {
-        self.core.ops.push(kind, offset, value);
+        self.core.push_op(kind, offset, value);
     }
 
     /// The queued ops packed for `apply.lua` (`"<letter>,<offset>,<value>;"` each); empties the queue.
@@ -735,7 +735,7 @@ impl LeaseTable {
             let Some(&lease) = self.leases.get(handle_of(&note)?) else { continue };
             let Some(core) = cache.core(lease.partition, lease.epoch)? else { continue };
             let attempt: i64 = note.getattr(intern!(note.py(), "attempt"))?.extract()?;
-            core.borrow_mut().core.ops.push(kind, lease.offset, attempt);
+            core.borrow_mut().core.push_op(kind, lease.offset, attempt);
             queued += 1;
         }
         Ok(queued)

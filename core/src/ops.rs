@@ -32,7 +32,16 @@ pub const BATCH_LEASE: char = 'b';
 pub const BATCH_DELIVERED: char = 'e';
 pub const RELEASED: char = 'r';
 pub const BATCH_RELEASED: char = 'q';
+pub const FIRST_DELIVERED: char = 'D';
+pub const FIRST_RELEASED: char = 'R';
+pub const BATCH_FIRST_DELIVERED: char = 'E';
+pub const BATCH_FIRST_RELEASED: char = 'Q';
+pub const STARTED: char = 's';
 pub const SETTLED: char = 'a';
+/// Bits of a `SETTLED` op's value: no lease of the delivery was written; no attempts-hash field
+/// holds its attempt (its only attempt was written as part of a first-attempt run).
+pub const SETTLED_NO_LEASE: i64 = 1;
+pub const SETTLED_NO_ATTEMPT_FIELD: i64 = 2;
 pub const NACKED: char = 'n';
 pub const UNSETTLED: char = 'u';
 pub const CASCADE_FROM: char = 'c';

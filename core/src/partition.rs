@@ -244,9 +244,11 @@ impl<T> PartitionCore<T> {
             }
             return false;
         }
+        let mut settled_before = false; // settled before the claim, and goes out again in a cascade
         if offset <= self.horizon {
             let qkey = self.queue_key(offset, key);
             let settled = self.settled_before.contains(&offset);
+            settled_before = settled;
             let cascades = self.cascading.contains_key(&qkey);
             let skipped = settled && !cascades && !self.marks.contains(&offset);
             if skipped {
@@ -272,14 +274,19 @@ impl<T> PartitionCore<T> {
         } else if self.horizon >= 0 {
             self.end_of_walk();
         }
-        let (attempts, suspect) = match self.attempts_before.remove(&offset) {
-            Some(charged) => (charged, self.suspects),
-            None => (0, false),
+        // A record an earlier owner handed out has its attempt in Redis already (a field or a run), and
+        // so has one that was settled before and goes out again: their attempts go to the hash.
+        let (attempts, suspect, earlier) = match self.attempts_before.remove(&offset) {
+            Some(charged) => (charged, self.suspects, true),
+            None => (0, false, settled_before),
         };
         let quarantined = suspect && attempts >= QUARANTINE_FROM;
         let slot = self.slot_for(offset, key);
         let queue = self.queue(slot);
-        queue.records.push_back(Entry { offset, size, attempts, suspect, quarantined, token: 0, acked: false, item });
+        queue.records.push_back(Entry {
+            offset, size, attempts, suspect, quarantined, released: earlier, in_hash: earlier, token: 0, acked: false,
+            item,
+        });
         let idle = queue.outstanding == 0 && !queue.backing_off;
         self.buffered += 1;
         if idle {
@@ -356,13 +363,18 @@ impl<T> PartitionCore<T> {
             return totals;
         }
         let mark = self.ops.mark();
-        let released_kind = match written.lease_ms {
+        // (a later attempt, a record's first attempt: written as part of a run, `runs.rs`)
+        let (released_kind, first_kind) = match written.lease_ms {
             Some(lease) => {
                 self.ops.push(ops::BATCH_LEASE, 0, lease);
-                if written.pooled { ops::BATCH_RELEASED } else { ops::BATCH_DELIVERED }
+                if written.pooled {
+                    (ops::BATCH_RELEASED, ops::BATCH_FIRST_RELEASED)
+                } else {
+                    (ops::BATCH_DELIVERED, ops::BATCH_FIRST_DELIVERED)
+                }
             }
-            None if written.pooled => ops::RELEASED,
-            None => ops::DELIVERED,
+            None if written.pooled => (ops::RELEASED, ops::FIRST_RELEASED),
+            None => (ops::DELIVERED, ops::FIRST_DELIVERED),
         };
         // The keys looked at are the first `budget` ready ones when the call starts (Python's
         // `islice(ready, budget)`); releasing adds no key, so walking the live front is the same.
@@ -402,9 +414,16 @@ impl<T> PartitionCore<T> {
                 stop += 1;
                 let token = TOKENS.fetch_add(1, AtomicOrdering::Relaxed);
                 entry.token = token;
+                let kind = if entry.released || entry.attempts > 0 {
+                    entry.in_hash = true;
+                    released_kind
+                } else {
+                    first_kind
+                };
+                entry.released = true;
                 entry.attempts += 1;
                 self.delivered.insert(entry.offset, slot);
-                self.ops.push(released_kind, entry.offset, i64::from(entry.attempts));
+                self.ops.push(kind, entry.offset, i64::from(entry.attempts));
                 byte_budget -= entry.size;
                 totals.bytes += entry.size;
                 emit(entry, token);
@@ -432,6 +451,20 @@ impl<T> PartitionCore<T> {
         (queue.records[index].token == token).then_some((slot, index))
     }
 
+    /// Queue an op decided outside the core; one that writes an attempt (`STARTED`) to the attempts
+    /// hash marks the outstanding record of `offset`, whose settle then deletes that field.
+    pub fn push_op(&mut self, kind: char, offset: i64, value: i64) {
+        if kind == ops::STARTED {
+            if let Some(&slot) = self.delivered.get(&offset) {
+                let queue = self.queue(slot);
+                if let Some(index) = queue.index_of(offset) {
+                    queue.records[index].in_hash = true;
+                }
+            }
+        }
+        self.ops.push(kind, offset, value);
+    }
+
     /// Settle a delivery; false when the token is stale (redelivered since, or never issued).
     pub fn ack(&mut self, offset: i64, token: u64) -> bool {
         self.ack_leased(offset, token, true)
@@ -448,8 +481,9 @@ impl<T> PartitionCore<T> {
         entry.acked = true;
         queue.outstanding -= 1;
         queue.failures = 0;
+        let no_field = if entry.in_hash { 0 } else { ops::SETTLED_NO_ATTEMPT_FIELD };
         self.tracker.settle(offset);
-        self.ops.push(ops::SETTLED, offset, i64::from(!leased));
+        self.ops.push(ops::SETTLED, offset, no_field | if leased { 0 } else { ops::SETTLED_NO_LEASE });
         self.pop_settled(slot, offset);
         true
     }
@@ -517,8 +551,9 @@ impl<T> PartitionCore<T> {
     pub fn nack<E>(&mut self, offset: i64, token: u64, now: f64, lapsed: bool,
                    backoff: impl FnOnce(u32) -> Result<f64, E>) -> Result<bool, E> {
         let Some((slot, index)) = self.rewind(offset, token) else { return Ok(false) };
-        let queue = self.queue(slot);
-        let attempt = if lapsed { 0 } else { i64::from(queue.records[index].attempts) };
+        let entry = &mut self.queue(slot).records[index];
+        let attempt = if lapsed { 0 } else { i64::from(entry.attempts) };
+        entry.in_hash |= !lapsed;
         self.ops.push(ops::NACKED, offset, attempt);
         let queue = self.queue(slot);
         queue.failures += 1;
@@ -696,7 +731,7 @@ mod tests {
         assert!(core.ack(0, first[0].1));
         assert_eq!(offsets(&release(&mut core, 1)), vec![2]);
         assert_eq!(core.watermark(), Some(2));
-        assert_eq!(core.ops.take(), "d,0,1;d,1,1;a,1,0;d,3,1;a,0,0;d,2,1;");
+        assert_eq!(core.ops.take(), "D,0,1;D,1,1;a,1,2;D,3,1;a,0,2;D,2,1;");
     }
 
     /// A walk ended early by a buffer limit marks the cascading keys, and holds the commit point at
@@ -771,7 +806,7 @@ mod tests {
         assert!(core.ack(0, out[0].1));
         core.queue_floor();
         core.queue_floor();
-        assert_eq!(core.ops.take(), "a,0,0;f,0,2;");
+        assert_eq!(core.ops.take(), "a,0,2;f,0,2;");
         let mut next = PartitionCore::new(true, [4].into_iter().collect(), HashMap::default(), true, None,
                                           HashSet::new(), Some(3));
         assert!(!next.add(0, Some(b"k"), 1, ()) && !next.add(2, Some(b"k"), 1, ()));
@@ -809,7 +844,7 @@ mod tests {
         assert_eq!(again.iter().map(|d| (d.0, d.2)).collect::<Vec<_>>(), vec![(1, 5)]);
         core.settle_dead_lettered(1, Some(b"b"));
         assert_eq!((core.quarantined(), named(core.ready_keys())), (None, vec![&b"c"[..]]));
-        assert_eq!(core.ops.take(), "d,0,3;d,3,1;a,0,0;d,1,4;n,1,0;d,2,3;d,1,5;a,1,0;");
+        assert_eq!(core.ops.take(), "d,0,3;D,3,1;a,0,0;d,1,4;n,1,0;d,2,3;d,1,5;a,1,0;");
     }
 
     #[test]
@@ -844,6 +879,27 @@ mod tests {
     }
 
     #[test]
+    fn only_a_records_first_attempt_goes_to_a_run_and_a_settle_deletes_only_fields_written() {
+        // 0 charged by an earlier owner, 1 and 2 fresh, 3 settled before and cascading (marked).
+        let mut core = PartitionCore::new(true, [3].into_iter().collect(), [(0, 1)].into_iter().collect(), false,
+                                          None, [3].into_iter().collect(), None);
+        for (offset, key) in [(0, b"a"), (1, b"b"), (2, b"c"), (3, b"d")] {
+            assert!(core.add(offset, Some(key), 1, ()));
+        }
+        let out = release(&mut core, 1);
+        assert_eq!(core.ops.take(), "u,3,0;x,3,0;d,0,2;D,1,1;D,2,1;d,3,1;");
+        // 1 is given back unseen and goes out again; 2 is started (a field) and then acked.
+        assert!(core.requeue(1, out[1].1, 0.0, 0.0, true));
+        core.push_op(crate::ops::STARTED, 2, 1);
+        let again = release(&mut core, 1);
+        assert_eq!(offsets(&again), vec![1]);
+        for (offset, token) in [(0, out[0].1), (1, again[0].1), (2, out[2].1), (3, out[3].1)] {
+            assert!(core.ack_leased(offset, token, false));
+        }
+        assert_eq!(core.ops.take(), "s,2,1;d,1,1;a,0,1;a,1,1;a,2,1;a,3,1;");
+    }
+
+    #[test]
     fn op_letters_follow_the_release_mode() {
         let mut core = claimed(false, &[b"", b"", b""], &[], true);
         let pooled = release_as(&mut core, 1, Admission { lease_ms: None, pooled: true });
@@ -851,6 +907,6 @@ mod tests {
         release_as(&mut core, 1, Admission { lease_ms: Some(9), pooled: true });
         assert!(release_as(&mut core, 1, Admission { lease_ms: Some(9), pooled: false }).is_empty(),
                 "nothing released: no batch lease either");
-        assert_eq!(core.ops.take(), "r,0,1;r,1,1;r,2,1;n,0,1;b,0,9;q,0,2;");
+        assert_eq!(core.ops.take(), "R,0,1;R,1,1;R,2,1;n,0,1;b,0,9;q,0,2;");
     }
 }

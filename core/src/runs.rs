@@ -2,7 +2,7 @@
 //!
 //! Ops are packed `"<letter>,<offset>,<value>;"` each (`ops.rs`; the letters are `OpKind`'s in
 //! `ordering_layer/state/store.py`). What each op writes to the partition's keys (`KEYS[2]` settled,
-//! `KEYS[3]` attempts, `KEYS[4]` leases, `KEYS[5]` cascades):
+//! `KEYS[3]` attempts, `KEYS[4]` leases, `KEYS[5]` cascades, `KEYS[6]` firsts):
 //!
 //! | op | writes |
 //! |---|---|
@@ -12,13 +12,22 @@
 //! | `b` BATCH_LEASE | nothing: the lease (value) of the batch ops after it |
 //! | `e` BATCH_DELIVERED | HSET attempts offset value; HSET leases offset (the batch lease) |
 //! | `q` BATCH_RELEASED | HSET attempts offset -value; HSET leases offset (the batch lease) |
+//! | `D` FIRST_DELIVERED, `R` FIRST_RELEASED | a first attempt (value 1): ZADD firsts, see below |
+//! | `E`, `Q` BATCH_FIRST_DELIVERED, BATCH_FIRST_RELEASED | the same; HSET leases offset (the batch lease) |
 //! | `s` STARTED | HSET attempts offset value |
-//! | `a` SETTLED | ZADD settled offset offset, unless the batch's floor is above the offset; HDEL attempts offset; HDEL leases offset unless the value is 1 (no lease was written) |
+//! | `a` SETTLED | ZADD settled offset offset, unless the batch's floor is above the offset; HDEL attempts offset unless the value has bit 2 (no field: the attempt is in a run); HDEL leases offset unless it has bit 1 (no lease was written) |
 //! | `n` NACKED | HDEL leases offset; with a value above 0, HSET attempts offset value |
 //! | `u` UNSETTLED | ZREM settled offset |
 //! | `c` CASCADE_FROM | SADD cascades offset |
 //! | `x` CASCADE_DONE | SREM cascades offset |
-//! | `f` FLOOR | ZADD settled GT value `_`; ZREMRANGEBYSCORE settled -inf (value |
+//! | `f` FLOOR | ZADD settled GT value `_`; ZREMRANGEBYSCORE settled -inf (value; ZREMRANGEBYSCORE firsts -inf (value |
+//!
+//! First attempts (`KEYS[6]` firsts, a sorted set) are most of a busy partition's writes: a record
+//! released for the first time gets no attempts field (a write, and a delete at its settle) but a
+//! share of one member `"<first>,<last>,<value>"` scored `<last>`, one per stretch of consecutive
+//! offsets of the batch written with one value (1 delivered, -1 released), added after the batch's
+//! other writes. Any later write of a record's attempt goes to the attempts hash, which a claim
+//! reads before the runs; a run is dropped once the floor passes its last offset.
 //!
 //! The floor (the member `_` of the settled set, its score) is the partition's commit point:
 //! everything below it is settled, so the set keeps only the offsets settled above it. A batch's
@@ -40,6 +49,7 @@ const SETTLED_KEY: usize = 2;
 const ATTEMPTS_KEY: usize = 3;
 const LEASES_KEY: usize = 4;
 const CASCADES_KEY: usize = 5;
+const FIRSTS_KEY: usize = 6;
 
 /// Why packed ops could not be encoded.
 #[derive(Debug, PartialEq, Eq)]
@@ -73,7 +83,7 @@ pub struct Runs {
     pub header: String,
     /// One MessagePack array of strings per run: the command's arguments after its key.
     pub arguments: Vec<Vec<u8>>,
-    open: [Option<Run>; 6],
+    open: [Option<Run>; 7],
 }
 
 impl Runs {
@@ -113,6 +123,7 @@ pub fn group(packed: &str) -> Result<Runs, OpsError> {
     let mut runs = Runs::default();
     let floor = highest_floor(packed);
     let mut batch_lease: Option<&str> = None;
+    let mut firsts = Firsts::default();
     let mut rest = packed;
     while !rest.is_empty() {
         let (op, after) = rest.split_once(';').ok_or_else(|| OpsError::Malformed(rest.to_owned()))?;
@@ -126,7 +137,21 @@ pub fn group(packed: &str) -> Result<Runs, OpsError> {
             return Err(malformed());
         }
         let lease = || batch_lease.ok_or_else(|| OpsError::NoBatchLease(op.to_owned()));
+        let first = |offsets: &mut Vec<i64>| {
+            if value != "1" {
+                return Err(malformed());
+            }
+            offsets.push(offset.parse().map_err(|_| malformed())?);
+            Ok(())
+        };
         match kind {
+            "D" => first(&mut firsts.delivered)?,
+            "R" => first(&mut firsts.released)?,
+            "E" | "Q" => {
+                let lease = lease()?;
+                first(if kind == "E" { &mut firsts.delivered } else { &mut firsts.released })?;
+                runs.add(LEASES_KEY, "HSET", &[("", offset), ("", lease)]);
+            }
             "d" | "s" => runs.add(ATTEMPTS_KEY, "HSET", &[("", offset), ("", value)]),
             "r" => runs.add(ATTEMPTS_KEY, "HSET", &[("", offset), ("-", value)]),
             "l" => runs.add(LEASES_KEY, "HSET", &[("", offset), ("", value)]),
@@ -138,11 +163,14 @@ pub fn group(packed: &str) -> Result<Runs, OpsError> {
                 runs.add(LEASES_KEY, "HSET", &[("", offset), ("", lease)]);
             }
             "a" => {
+                let bits: u8 = value.parse().ok().filter(|bits| *bits <= 3).ok_or_else(malformed)?;
                 if !below(offset, floor) {
                     runs.add(SETTLED_KEY, "ZADD", &[("", offset), ("", offset)]);
                 }
-                runs.add(ATTEMPTS_KEY, "HDEL", &[("", offset)]);
-                if value != "1" {
+                if bits & 2 == 0 {
+                    runs.add(ATTEMPTS_KEY, "HDEL", &[("", offset)]);
+                }
+                if bits & 1 == 0 {
                     runs.add(LEASES_KEY, "HDEL", &[("", offset)]);
                 }
             }
@@ -161,6 +189,8 @@ pub fn group(packed: &str) -> Result<Runs, OpsError> {
                 runs.close(SETTLED_KEY);
                 runs.add(SETTLED_KEY, "ZREMRANGEBYSCORE", &[("", "-inf"), ("(", value)]);
                 runs.close(SETTLED_KEY);
+                runs.add(FIRSTS_KEY, "ZREMRANGEBYSCORE", &[("", "-inf"), ("(", value)]);
+                runs.close(FIRSTS_KEY);
             }
             _ => return Err(malformed()),
         }
@@ -168,7 +198,38 @@ pub fn group(packed: &str) -> Result<Runs, OpsError> {
     for key in SETTLED_KEY..=CASCADES_KEY {
         runs.close(key);
     }
+    firsts.add_to(&mut runs);
     Ok(runs)
+}
+
+/// The offsets of a batch's first attempts, as delivered (1) and as released (-1).
+#[derive(Default)]
+struct Firsts {
+    delivered: Vec<i64>,
+    released: Vec<i64>,
+}
+
+impl Firsts {
+    /// One ZADD of the first-attempts set: a member `"<first>,<last>,<value>"` scored `last` for each
+    /// stretch of consecutive offsets written with one value.
+    fn add_to(self, runs: &mut Runs) {
+        let mut items: Vec<(String, String)> = Vec::new();
+        for (mut offsets, value) in [(self.delivered, 1), (self.released, -1)] {
+            offsets.sort_unstable();
+            offsets.dedup();
+            let mut stretches = offsets.chunk_by(|a, b| b - a == 1);
+            for stretch in &mut stretches {
+                let (first, last) = (stretch[0], stretch[stretch.len() - 1]);
+                items.push((last.to_string(), format!("{first},{last},{value}")));
+            }
+        }
+        if items.is_empty() {
+            return;
+        }
+        let pairs: Vec<(&str, &str)> = items.iter().flat_map(|(score, member)| [("", score.as_str()), ("", member.as_str())]).collect();
+        runs.add(FIRSTS_KEY, "ZADD", &pairs);
+        runs.close(FIRSTS_KEY);
+    }
 }
 
 /// The settled set's member whose score is the partition's floor (not an offset: readers skip it).
@@ -257,12 +318,14 @@ mod tests {
                 run("2,ZADD", &["12", "12"]),
                 run("2,ZADD", &["GT", "4", "_"]),
                 run("2,ZREMRANGEBYSCORE", &["-inf", "(4"]),
+                run("6,ZREMRANGEBYSCORE", &["-inf", "(4"]),
                 run("5,SADD", &["9"]),
                 run("3,HDEL", &["3", "12", "9"]),
                 run("4,HDEL", &["3", "12", "9", "11", "12"]),
                 run("2,ZREM", &["9"]),
                 run("2,ZADD", &["GT", "10", "_"]),
                 run("2,ZREMRANGEBYSCORE", &["-inf", "(10"]),
+                run("6,ZREMRANGEBYSCORE", &["-inf", "(10"]),
                 run("3,HSET", &["12", "3", "13", "1"]),
                 run("4,HSET", &["13", "77"]),
                 run("5,SREM", &["2"]),
@@ -291,6 +354,36 @@ mod tests {
     }
 
     #[test]
+    fn first_attempts_become_one_member_per_stretch_of_consecutive_offsets() {
+        let runs = decoded("D,7,1;D,5,1;R,9,1;D,6,1;R,10,1;D,12,1;b,0,900;E,13,1;Q,14,1;d,8,2;a,5,2;a,8,0;a,6,3;");
+        assert_eq!(
+            runs,
+            vec![
+                run("4,HSET", &["13", "900", "14", "900"]),
+                run("3,HSET", &["8", "2"]),
+                run("2,ZADD", &["5", "5", "8", "8", "6", "6"]),
+                run("3,HDEL", &["8"]),
+                run("4,HDEL", &["5", "8"]),
+                run("6,ZADD", &["7", "5,7,1", "13", "12,13,1", "10", "9,10,-1", "14", "14,14,-1"]),
+            ]
+        );
+    }
+
+    #[test]
+    fn a_floor_drops_the_first_attempt_stretches_below_it() {
+        let runs = decoded("D,3,1;f,0,10;");
+        assert_eq!(
+            runs,
+            vec![
+                run("2,ZADD", &["GT", "10", "_"]),
+                run("2,ZREMRANGEBYSCORE", &["-inf", "(10"]),
+                run("6,ZREMRANGEBYSCORE", &["-inf", "(10"]),
+                run("6,ZADD", &["3", "3,3,1"]),
+            ]
+        );
+    }
+
+    #[test]
     fn nothing_queued_is_no_run() {
         let runs = group("").expect("no ops");
         assert!(runs.header.is_empty() && runs.arguments.is_empty());
@@ -303,5 +396,8 @@ mod tests {
         assert_eq!(group("a,-1,0;").err(), Some(OpsError::Malformed("a,-1,0".into())));
         assert_eq!(group("a,1,0").err(), Some(OpsError::Malformed("a,1,0".into())));
         assert_eq!(group("q,1,1;").err(), Some(OpsError::NoBatchLease("q,1,1".into())));
+        assert_eq!(group("Q,1,1;").err(), Some(OpsError::NoBatchLease("Q,1,1".into())));
+        assert_eq!(group("D,1,2;").err(), Some(OpsError::Malformed("D,1,2".into())));
+        assert_eq!(group("a,1,4;").err(), Some(OpsError::Malformed("a,1,4".into())));
     }
 }

@@ -1,8 +1,9 @@
 """The Redis state store: one hash tag per (subscription, partition), Lua scripts for every write.
 
-Keys: ``ol:{<subscription>:<partition>}:epoch|settled|attempts|leases|seek|cascades`` (one slot per partition,
-so every script touches one slot of a Redis Cluster; the attempts and leases hashes, offset -> value,
-keep one more field, ``KEEP_FIELD``, so that Redis does not delete and recreate them as they empty),
+Keys: ``ol:{<subscription>:<partition>}:epoch|settled|attempts|leases|seek|cascades|firsts`` (one slot per
+partition, so every script touches one slot of a Redis Cluster; the attempts and leases hashes, offset ->
+value, keep one more field, ``KEEP_FIELD``, so that Redis does not delete and recreate them as they empty;
+first attempts are written as runs of consecutive offsets, ``firsts_key``),
 ``ol:sub:<subscription>`` for the settings, ``ol:sub:<subscription>:parked`` for parked keys, ``:seek``
 for the latest seek generation announced to the subscribers and ``:seek-counter`` for the next one
 (each read and written alone, by one-key commands).
@@ -35,7 +36,7 @@ from ordering_layer.state.durable import SettingsLog
 
 _LOGGER = logging.getLogger(__name__)
 
-OpLetter = Literal["d", "l", "b", "e", "r", "q", "s", "a", "n", "u", "c", "x", "f"]
+OpLetter = Literal["d", "l", "b", "e", "r", "q", "D", "E", "R", "Q", "s", "a", "n", "u", "c", "x", "f"]
 
 
 class OpKind:
@@ -53,20 +54,28 @@ class OpKind:
     * ``RELEASED``: attempts[offset] = -value: attempt ``value`` went to the callback pool, user code
       has not been seen to start it; its lease comes with a ``LEASE``;
     * ``BATCH_RELEASED``: attempts[offset] = -value and leases[offset] = the batch lease;
+    * ``FIRST_DELIVERED``, ``FIRST_RELEASED``, ``BATCH_FIRST_DELIVERED``, ``BATCH_FIRST_RELEASED``: the
+      same for a record's first attempt (value 1), which is written to no attempts field: the batch's
+      first attempts go to the partition's first-attempt runs (``firsts_key``), one member per stretch of
+      consecutive offsets with one value (1 or -1);
     * ``STARTED``: attempts[offset] = value: user code started attempt ``value`` (callback mode);
     * ``SETTLED``: acked or dead-lettered: added to the settled set (unless below a ``FLOOR`` of the same
-      batch, which covers it), attempts and lease dropped (with value 1 the lease is left alone: the
-      engine never wrote one for the delivery);
+      batch, which covers it), attempts and lease dropped. The value's bits: 1, the lease is left
+      alone (the engine never wrote one for the delivery); 2, so is the attempts field (there is none:
+      the record's only attempt is in a first-attempt run, which the floor drops once past it);
     * ``NACKED``: the lease is dropped (the message stays unsettled); a value above 0 is the attempt
       user code nacked, so attempts[offset] = value (it started); 0 for a lapsed lease;
     * ``UNSETTLED``: a settled record goes out again in a cascade (SUB-4): dropped from the settled set,
-      so that a successor cascades from it if this owner crashes first (value 0);
+      so that a successor cascades from it if this owner crashes first (value 0); the successor
+      charges it the attempt of the first-attempt run that covers it, if one does (its settle dropped
+      only an attempts field);
     * ``CASCADE_FROM``: the key of the record at offset cascades from it, found by a recovery walk
       that released before its end (SUB-4): added to the partition's cascades set (value 0);
     * ``CASCADE_DONE``: a walk has ended: the mark at offset is dropped from the cascades set (value 0);
     * ``FLOOR``: value is the owner's commit point: everything below it is settled. It is kept as the
       settled set's member ``_`` (raised, never lowered) and the offsets below it are dropped from
-      the set, which so holds only the offsets settled above the floor (offset 0). A claim reads it
+      the set, which so holds only the offsets settled above the floor, and the first-attempt runs
+      wholly below it are dropped (offset 0). A claim reads it
       (``ClaimedPartition.floor``) and the new owner skips the records below it.
     """
 
@@ -76,6 +85,10 @@ class OpKind:
     BATCH_DELIVERED: Final = "e"
     RELEASED: Final = "r"
     BATCH_RELEASED: Final = "q"
+    FIRST_DELIVERED: Final = "D"
+    BATCH_FIRST_DELIVERED: Final = "E"
+    FIRST_RELEASED: Final = "R"
+    BATCH_FIRST_RELEASED: Final = "Q"
     STARTED: Final = "s"
     SETTLED: Final = "a"
     NACKED: Final = "n"
@@ -150,9 +163,12 @@ def unpack_ops(packed: str) -> list[Op]:
 
 def parse_claim(raw: Sequence[Any]) -> ClaimedPartition:
     """``claim.lua``'s answer: ``[epoch, settled offsets..., "|", offset, attempt, ..., "|", seek
-    generation, seek target, "|", cascade marks..., "|", floor]``, an attempt negated while it waited
-    in a callback pool, the target -1 when the claim applied no seek, the floor -1 when none is kept
-    (the parts after the attempts may be left out: no seek, no marks, no floor)."""
+    generation, seek target, "|", cascade marks..., "|", floor, "|", first-attempt runs...]``, an
+    attempt negated while it waited in a callback pool, the target -1 when the claim applied no seek,
+    the floor -1 when none is kept (the parts after the attempts may be left out: no seek, no marks,
+    no floor, no runs). An unsettled offset with no field of its own takes the attempt of the run
+    that covers it (``firsts_key``; of two, which only a loss of Redis between two owners makes, the
+    one user code had)."""
     split = raw.index(b"|")
     sections: list[list[Any]] = [[]]
     for item in raw[split + 1:]:
@@ -160,13 +176,21 @@ def parse_claim(raw: Sequence[Any]) -> ClaimedPartition:
             sections.append([])
         else:
             sections[-1].append(item)
-    attempts, seek, marks, floor = (*sections, [], [], [])[:4]
+    attempts, seek, marks, floor, firsts = (*sections, [], [], [], [])[:5]
     seek_generation, target = (int(seek[0]), int(seek[1])) if seek else (0, -1)
     stored = {int(attempts[i]): int(attempts[i + 1]) for i in range(0, len(attempts), 2)}
     kept_floor = int(floor[0]) if floor else -1
+    settled = frozenset(int(o) for o in raw[1:split])
+    from_runs: dict[int, int] = {}
+    for run in firsts:
+        first, last, value = (int(part) for part in run.split(b","))
+        for offset in range(max(first, kept_floor), last + 1):
+            if offset not in stored and offset not in settled:
+                from_runs[offset] = max(value, from_runs.get(offset, value))
+    stored.update(from_runs)
     return ClaimedPartition(
         epoch=int(raw[0]),
-        settled=frozenset(int(o) for o in raw[1:split]),
+        settled=settled,
         attempts={offset: abs(n) for offset, n in stored.items()},
         unstarted=frozenset(offset for offset, n in stored.items() if n < 0),
         seek_generation=seek_generation,
@@ -202,6 +226,12 @@ def cascades_key(subscription: str, partition: int) -> str:
     """The key of a partition's cascade marks (same slot as ``partition_keys``): the offsets from which
     keys cascade, written by an owner whose recovery walk released before its end."""
     return f"ol:{{{subscription}:{partition}}}:cascades"
+
+
+def firsts_key(subscription: str, partition: int) -> str:
+    """The key of a partition's first-attempt runs (same slot as ``partition_keys``): a record's
+    first attempt is written with those of the consecutive offsets released with it (apply.lua)."""
+    return f"ol:{{{subscription}:{partition}}}:firsts"
 
 
 def seek_key(subscription: str, partition: int) -> str:
@@ -394,7 +424,7 @@ class StateStore:
     @staticmethod
     def _claim_keys(subscription: str, partition: int) -> list[str]:
         return [*partition_keys(subscription, partition), seek_key(subscription, partition),
-                cascades_key(subscription, partition)]
+                cascades_key(subscription, partition), firsts_key(subscription, partition)]
 
     @_redis_call
     def apply_many(self, batches: Sequence[tuple[str, int, int, Sequence[Op]]]) -> list[ApplyResult]:
@@ -426,7 +456,8 @@ class StateStore:
     @staticmethod
     def apply_packed_calls(batches: Sequence[tuple[str, int, int, str]]) -> list[tuple[list[str], int, str]]:
         """The (keys, epoch, packed ops) of ``apply.lua`` for each batch, for ``evalsha_commands``."""
-        return [([*partition_keys(subscription, partition), cascades_key(subscription, partition)], epoch, packed)
+        return [([*partition_keys(subscription, partition), cascades_key(subscription, partition),
+                  firsts_key(subscription, partition)], epoch, packed)
                 for subscription, partition, epoch, packed in batches]
 
     @property

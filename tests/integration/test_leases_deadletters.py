@@ -16,7 +16,7 @@ import pytest
 
 from ordering_layer import Admin, DeadLetterPolicy, Message, RetryPolicy, Subscriber
 from ordering_layer.state import StateStore
-from ordering_layer.state.store import offset_fields, partition_keys
+from ordering_layer.state.store import firsts_key, offset_fields, partition_keys
 from tests.checker import wait_until
 from tests.integration.conftest import publish_keys, pull_until, recording_callback
 from tests.kafka_helpers import headers_of, read_topic
@@ -283,7 +283,11 @@ def test_crashes_of_a_poison_dead_letter_no_message_that_waited_beside_it(
     waiting: dict[str, int] = {}
 
     def count_waiting(worker: str) -> None:  # offsets 1..39 were released with the poison, unsettled
-        waiting[worker] = sum(1 for o in offset_fields(redis_client.hkeys(attempts_key)) if o != 0)
+        recorded = set(offset_fields(redis_client.hkeys(attempts_key)))  # attempts after the first
+        for run in redis_client.zrange(firsts_key(name, 0), 0, -1):  # first attempts
+            first, last, _ = (int(part) for part in run.split(b","))
+            recorded.update(range(first, last + 1))
+        waiting[worker] = len(recorded - {0})
     exits = _crash_rounds(tmp_path, admin, endpoints, name, log, others, ["--workers", "1"], count_waiting)
     stderr = {w: (tmp_path / f"{w}.stderr").read_text()[-2000:] for w in exits}
     events = _events(log)

@@ -11,7 +11,7 @@ import redis
 
 from ordering_layer.state import ApplyResult, StateStore
 from ordering_layer.state.pipe import ApplyPipe
-from ordering_layer.state.store import Op, OpKind, cascades_key, partition_keys, seek_key
+from ordering_layer.state.store import Op, OpKind, cascades_key, firsts_key, partition_keys, seek_key
 from tests.checker import wait_until
 
 pytestmark = pytest.mark.integration
@@ -69,7 +69,7 @@ def test_a_pending_seek_is_applied_by_a_claim_or_by_its_owner_and_fences_earlier
     name = unique_name("seek")
     owner = store.claim(name, 0).epoch
     store.apply_many([(name, 0, owner, [(OpKind.SETTLED, 5, 0), (OpKind.DELIVERED, 6, 3), (OpKind.LEASE, 6, 99),
-                                        (OpKind.CASCADE_FROM, 3, 0)])])
+                                        (OpKind.CASCADE_FROM, 3, 0), (OpKind.FIRST_DELIVERED, 8, 1)])])
     assert store.claim_for_seek(name, {0: owner}) == {}  # nothing pending: nothing changes
 
     generation = store.post_seek(name, {0: (4, (4, 7)), 1: (0, ())})
@@ -82,6 +82,7 @@ def test_a_pending_seek_is_applied_by_a_claim_or_by_its_owner_and_fences_earlier
         frozenset({4, 7}), {}, 4, generation, frozenset())
     assert claimed.epoch > owner
     assert store.client.hlen(partition_keys(name, 0)[3]) == 0  # leases dropped
+    assert not store.client.exists(firsts_key(name, 0))  # and first attempts
     assert store.apply_many([(name, 0, owner, [(OpKind.SETTLED, 9, 0)])]) == [ApplyResult.FENCED]
 
     assert store.seek_status(name, [0])[0].pending  # until the owner has committed the target
@@ -105,7 +106,7 @@ def test_a_pending_seek_is_applied_by_a_claim_or_by_its_owner_and_fences_earlier
     assert store.claim(name, 0).cascades == {12}  # marks outlive a claim that applies no seek
     store.delete_subscription(name)
     assert not store.client.exists(seek_key(name, 0), f"ol:sub:{name}:seek", f"ol:sub:{name}:seek-counter",
-                                   cascades_key(name, 0))
+                                   cascades_key(name, 0), firsts_key(name, 0))
 
 
 def test_each_state_op_writes_its_keys_in_the_order_queued(endpoints: Any, unique_name: Callable[[str], str]) -> None:
@@ -139,6 +140,42 @@ def test_each_state_op_writes_its_keys_in_the_order_queued(endpoints: Any, uniqu
     assert (claimed.floor, claimed.settled) == (9, frozenset({10, 12}))
     assert store.settled_from(name, {0: 3}) == {0: (9, [10, 12])}  # the floor is above the commit
     assert store.settled_from(name, {0: 11}) == {0: (11, [12])}
+
+
+def test_first_attempts_are_runs_that_a_claim_reads_under_later_fields(endpoints: Any,
+                                                                       unique_name: Callable[[str], str]) -> None:
+    """ACK-4, ACK-6: first attempts are written as runs of consecutive offsets (delivered 1, released
+    -1), later attempts and starts as fields; a settle deletes the field only when it says one may
+    exist; a claim charges each unsettled offset its field, else its run's attempt; the floor drops the
+    runs wholly below it."""
+    store = StateStore(endpoints.redis_url)
+    name = unique_name("firsts")
+    owner = store.claim(name, 0).epoch
+    first: list[Op] = [
+        (OpKind.FIRST_DELIVERED, 10, 1), (OpKind.FIRST_DELIVERED, 12, 1), (OpKind.FIRST_RELEASED, 13, 1),
+        (OpKind.FIRST_DELIVERED, 11, 1), (OpKind.FIRST_DELIVERED, 14, 1), (OpKind.FIRST_RELEASED, 15, 1),
+        (OpKind.FIRST_RELEASED, 16, 1), (OpKind.BATCH_LEASE, 0, 5000), (OpKind.BATCH_FIRST_RELEASED, 17, 1),
+        (OpKind.STARTED, 13, 1), (OpKind.NACKED, 11, 1)]
+    later: list[Op] = [(OpKind.DELIVERED, 11, 2), (OpKind.SETTLED, 10, 3), (OpKind.SETTLED, 13, 1),
+                       (OpKind.SETTLED, 12, 3)]
+    assert store.apply_many([(name, 0, owner, first), (name, 0, owner, later)]) == [ApplyResult.APPLIED] * 2
+    attempts, leases = partition_keys(name, 0)[2:]
+    client = store.client
+    assert client.zrange(firsts_key(name, 0), 0, -1, withscores=True) == [
+        (b"10,12,1", 12), (b"13,13,-1", 13), (b"14,14,1", 14), (b"15,17,-1", 17)]
+    assert client.hgetall(attempts) == {b"_": b"0", b"11": b"2"}
+    assert client.hgetall(leases) == {b"_": b"0", b"17": b"5000"}
+    claimed = store.claim(name, 0)
+    assert claimed.settled == {10, 12, 13}
+    assert (claimed.attempts, claimed.unstarted) == ({11: 2, 14: 1, 15: 1, 16: 1, 17: 1}, frozenset({15, 16, 17}))
+    epoch = claimed.epoch
+    assert store.apply_many([(name, 0, epoch, [(OpKind.SETTLED, 11, 1), (OpKind.SETTLED, 14, 3),
+                                               (OpKind.FLOOR, 0, 15)])]) == [ApplyResult.APPLIED]
+    assert client.zrange(firsts_key(name, 0), 0, -1) == [b"15,17,-1"]
+    again = store.claim(name, 0)
+    assert (again.floor, again.settled, again.attempts) == (15, frozenset(), {15: 1, 16: 1, 17: 1})
+    store.delete_subscription(name)
+    assert not client.exists(firsts_key(name, 0))
 
 
 def test_a_batch_naming_another_command_is_refused_before_any_write(endpoints: Any,

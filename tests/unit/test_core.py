@@ -52,6 +52,15 @@ class Twin:
     latest: dict[int, Delivered] = field(default_factory=dict)  # the last delivery of each offset
     ops: list[str] = field(default_factory=list)
     settled_aside: set[int] = field(default_factory=set)  # dead-lettered while not outstanding
+    # Offsets whose next attempt is not their first (charged by the claim, settled before it, or
+    # released since): their attempts go to the attempts hash, not to a first-attempt run.
+    written: set[int] = field(default_factory=set)
+    in_hash: set[int] = field(default_factory=set)  # offsets the attempts hash may have a field of
+
+    def __post_init__(self) -> None:
+        charged = set(self.py._attempts_before)
+        self.written |= charged
+        self.in_hash |= charged
 
     def check(self) -> None:
         py, core = self.py, self.core
@@ -90,6 +99,10 @@ class Twin:
     def take_cascade_ops(self) -> None:
         """The reference's cascade ops: the core's UNSETTLED, CASCADE_FROM and CASCADE_DONE ops."""
         self.ops.extend(f"{kind},{offset},0;" for kind, offset in self.py.cascade_ops)
+        for kind, offset in self.py.cascade_ops:
+            if kind == "u":  # settled, and goes out again: not its first attempt
+                self.written.add(offset)
+                self.in_hash.add(offset)
         self.py.cascade_ops.clear()
 
     def release(self, budget: int, per_key: int, byte_budget: int, lease: bool, pooled: bool) -> None:
@@ -111,7 +124,14 @@ class Twin:
         if expected:
             self.ops.append("b,0,99;" if lease else "")
             letter = {(False, False): "d", (False, True): "r", (True, False): "e", (True, True): "q"}[lease, pooled]
-            self.ops.extend(f"{letter},{d.record.offset},{d.attempt};" for d in expected)
+            for d in expected:
+                offset = d.record.offset
+                if offset in self.written:
+                    self.in_hash.add(offset)
+                    self.ops.append(f"{letter},{offset},{d.attempt};")
+                else:
+                    self.ops.append(f"{letter.upper()},{offset},{d.attempt};")
+                self.written.add(offset)
 
     def ack(self, picks: list[tuple[bool, int]]) -> None:
         chosen = [self.pick(i) for i in picks]
@@ -119,7 +139,7 @@ class Twin:
         for offset, py_token, _, qkey, _, _ in chosen:
             verdicts.append(self.py.ack(qkey, offset, py_token))
             if verdicts[-1]:
-                self.ops.append(f"a,{offset},0;")
+                self.ops.append(f"a,{offset},{0 if offset in self.in_hash else 2};")
         refused, watermark = self.core.ack([d[0] for d in chosen], [d[2] for d in chosen])
         assert refused == [i for i, accepted in enumerate(verdicts) if not accepted]
         assert watermark == self.py.watermark
@@ -151,6 +171,8 @@ class Twin:
         self.take_cascade_ops()
         if accepted:
             self.ops.append(f"n,{offset},{0 if lapsed else attempt};")
+            if not lapsed:
+                self.in_hash.add(offset)
 
     def requeue(self, pick: tuple[bool, int], delay: float, uncount: bool) -> None:
         offset, py_token, core_token, qkey, _, _ = self.pick(pick)
@@ -318,7 +340,7 @@ def test_op_buffer_keeps_decision_order() -> None:
     core.push_op("l", 0, 11)
     core.ack([0, 1], tokens)
     assert core.ops_count == 6
-    assert core.take_ops() == "b,0,7;e,0,1;e,1,1;l,0,11;a,0,0;a,1,0;"
+    assert core.take_ops() == "b,0,7;E,0,1;E,1,1;l,0,11;a,0,2;a,1,2;"
     assert (core.take_ops(), core.ops_count) == ("", 0)
 
 
@@ -358,13 +380,13 @@ def test_a_cascade_unsettles_in_redis_what_it_delivers_again() -> None:
     assert walk.add([record(12, b"k", 1), record(14, b"j", 1)]) == [14]
     assert not walk.walking
     assert [r.offset for r in walk.release_ready(0.0, 10, 1, 100)[0]] == [10]
-    assert walk.take_ops() == "u,11,0;u,12,0;d,10,1;"
+    assert walk.take_ops() == "u,11,0;u,12,0;D,10,1;"
     # A walk the fetch cannot finish (held over a buffer limit) lets releases go when told.
     held: PartitionCore[Record] = PartitionCore(ordered=True, settled_before={50})
     held.add([record(10, b"k", 1)])
     held.end_walk()
     assert [r.offset for r in held.release_ready(0.0, 10, 1, 100)[0]] == [10]
-    assert held.take_ops() == "c,10,0;d,10,1;"  # its cascade is marked before anything goes out
+    assert held.take_ops() == "c,10,0;D,10,1;"  # its cascade is marked before anything goes out
     # Records that queue alone (an unordered subscription, or no ordering key) have nothing to
     # cascade over: no marks, and the commit point is not held.
     for ordered, key in ((False, b"k"), (True, None)):
@@ -425,7 +447,7 @@ def test_a_seek_target_is_the_commit_point_until_records_arrive() -> None:
     released, tokens, _, _, _, _ = core.release_ready(0.0, 1, 1, 10)
     assert [r.offset for r in released] == [7]
     assert core.ack_one(7, tokens[0]) and not core.ack_one(7, tokens[0])
-    assert (core.watermark, core.take_ops()) == (8, "d,7,1;a,7,0;")
+    assert (core.watermark, core.take_ops()) == (8, "D,7,1;a,7,2;")
 
 
 def test_a_key_held_again_wakes_at_its_last_backoff() -> None:

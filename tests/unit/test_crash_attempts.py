@@ -33,7 +33,8 @@ KEYS = 12  # offset 0 is the poison (key k0); offsets 1..11 are the first messag
 
 
 class RedisLike:
-    """One partition's epoch, settled (with its floor) and attempts keys, written as apply.lua writes them."""
+    """One partition's epoch, settled (with its floor), attempts and first-attempt runs, written as
+    apply.lua writes them (a run per first attempt: ``runs.rs`` joins consecutive ones)."""
 
     pipelines = False  # flushes one at a time, through ``apply_packed``
 
@@ -41,14 +42,26 @@ class RedisLike:
         self.epoch = 0
         self.settled: set[int] = set()
         self.floor = -1
-        self.attempts: dict[int, int] = {}
+        self.fields: dict[int, int] = {}  # the attempts hash
+        self.firsts: set[tuple[int, int, int]] = set()  # (first, last, value)
         self.ops: list[Op] = []
 
     def claim(self, subscription: str, partition: int) -> ClaimedPartition:
         self.epoch += 1
-        pairs = [str(v).encode() for item in self.attempts.items() for v in item]
+        pairs = [str(v).encode() for item in self.fields.items() for v in item]
+        runs = [f"{first},{last},{value}".encode() for first, last, value in sorted(self.firsts)]
         return parse_claim([self.epoch, *(str(o).encode() for o in sorted(self.settled)), b"|", *pairs,
-                            b"|", b"0", b"-1", b"|", b"|", str(self.floor).encode()])
+                            b"|", b"0", b"-1", b"|", b"|", str(self.floor).encode(), b"|", *runs])
+
+    @property
+    def attempts(self) -> dict[int, int]:
+        """The attempt recorded of each offset, as a claim reads it: its field, else (unsettled) its run's."""
+        acked, recorded = self.acked(), dict[int, int]()
+        for first, last, value in self.firsts:
+            for offset in range(first, last + 1):
+                if offset not in acked:
+                    recorded[offset] = max(value, recorded.get(offset, value))
+        return recorded | self.fields
 
     def acked(self) -> set[int]:
         """Every offset Redis has settled: those below the floor and the settled set's."""
@@ -64,15 +77,21 @@ class RedisLike:
                 self.ops.append((kind, offset, value))
                 if kind in (OpKind.DELIVERED, OpKind.BATCH_DELIVERED, OpKind.STARTED) or (
                         kind == OpKind.NACKED and value):
-                    self.attempts[offset] = value
+                    self.fields[offset] = value
                 elif kind in (OpKind.RELEASED, OpKind.BATCH_RELEASED):
-                    self.attempts[offset] = -value
+                    self.fields[offset] = -value
+                elif kind in (OpKind.FIRST_DELIVERED, OpKind.BATCH_FIRST_DELIVERED):
+                    self.firsts.add((offset, offset, value))
+                elif kind in (OpKind.FIRST_RELEASED, OpKind.BATCH_FIRST_RELEASED):
+                    self.firsts.add((offset, offset, -value))
                 elif kind == OpKind.SETTLED:
                     self.settled.add(offset)
-                    self.attempts.pop(offset, None)
+                    if not value & 2:
+                        self.fields.pop(offset, None)
                 elif kind == OpKind.FLOOR:
                     self.floor = max(self.floor, value)
                     self.settled = {o for o in self.settled if o >= self.floor}
+                    self.firsts = {run for run in self.firsts if run[1] >= self.floor}
             results.append(ApplyResult.APPLIED)
         return results
 
@@ -243,7 +262,7 @@ def test_a_nack_marks_its_attempt_started() -> None:
     message.nack()
     process.step()
     ops = [op for op in store.ops if op[1] == 1 and op[0] != OpKind.LEASE]
-    assert ops == [(OpKind.RELEASED, 1, 1), (OpKind.NACKED, 1, 1), (OpKind.RELEASED, 1, 2)]
+    assert ops == [(OpKind.FIRST_RELEASED, 1, 1), (OpKind.NACKED, 1, 1), (OpKind.RELEASED, 1, 2)]
     process.crash()
 
 

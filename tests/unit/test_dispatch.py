@@ -78,7 +78,7 @@ def test_callback_mode_releases_one_per_key_within_the_budget_and_queues_release
     assert [d.record.offset for d in batch] == [0, 1]
     assert rig.leases.count == 2 and all(rig.leases.holds(d.lease) for d in batch)
     assert rig.writer.count == 2
-    assert unpack_ops(state.take_ops()) == [(OpKind.RELEASED, 0, 1), (OpKind.RELEASED, 1, 1)]
+    assert unpack_ops(state.take_ops()) == [(OpKind.FIRST_RELEASED, 0, 1), (OpKind.FIRST_RELEASED, 1, 1)]
     assert rig.dispatcher.release(0.0) == []  # the budget is used up
     rig.dispatcher.hand_out(released)
     assert [(m.offset(), m.ordering_key) for m in rig.handed] == [(0, "a"), (1, "b")]
@@ -96,7 +96,7 @@ def test_pull_mode_releases_per_key_batches_only_for_a_waiting_pull() -> None:
     rig.dispatcher.pull(Pull(3, time.monotonic() + 10, future), 0.0)
     released = rig.dispatcher.release(0.0)
     assert [d.record.offset for _, batch in released for d in batch] == [0, 2, 1]
-    assert {op[0] for op in unpack_ops(rig.owned.owned[0].take_ops())} == {OpKind.DELIVERED}
+    assert {op[0] for op in unpack_ops(rig.owned.owned[0].take_ops())} == {OpKind.FIRST_DELIVERED}
     rig.dispatcher.hand_out(released)
     assert [m.offset() for m in future.result(0)] == [0, 2, 1]
 
@@ -114,7 +114,7 @@ def test_pull_mode_releases_ahead_of_the_next_pull_which_is_answered_at_once() -
     state.take_ops()
     ahead = rig.dispatcher.release(0.0)
     assert [d.record.offset for _, batch in ahead for d in batch] == [4]  # the flow-control budget: 4
-    assert {op[0] for op in unpack_ops(state.take_ops())} == {OpKind.RELEASED}
+    assert {op[0] for op in unpack_ops(state.take_ops())} == {OpKind.FIRST_RELEASED}
     assert rig.dispatcher.release(0.0) == []
     rig.dispatcher.hand_out(ahead)
     assert rig.pulls.take_served() == []

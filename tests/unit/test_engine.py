@@ -237,7 +237,7 @@ def test_a_walk_ended_at_the_buffer_limit_marks_its_cascades_and_holds_the_commi
         step(engine)
         step(engine)  # the walk ends at the buffer limit
         assert [m.offset() for m in handed] == [0, 1, 2]
-        released = {OpKind.RELEASED, OpKind.BATCH_RELEASED}
+        released = {OpKind.RELEASED, OpKind.BATCH_RELEASED, OpKind.FIRST_RELEASED, OpKind.BATCH_FIRST_RELEASED}
         kinds = [("r" if op[0] in released else op[0], op[1]) for _, op in store.op_log
                  if op[0] == OpKind.CASCADE_FROM or op[0] in released]
         assert kinds == [("c", 0), ("c", 1), ("c", 2), ("r", 0), ("r", 1), ("r", 2)]

@@ -151,8 +151,9 @@ def test_a_run_of_acks_settles_in_the_partitions_cores() -> None:
     assert leases.write_starts([b, c], owned, OpKind.STARTED) == 1
     owned[1].epoch = 2  # partition 1 claimed again meanwhile: its deliveries' acks are refused
     assert leases.ack_run([b, a, c, d, a], owned, now=1.0) == 2
-    # SETTLED 1: no lease of these deliveries was written, so none is deleted.
-    assert unpack_ops(owned[0].take_ops()) == [(OpKind.STARTED, 1, 1), (OpKind.SETTLED, 1, 1), (OpKind.SETTLED, 0, 1)]
+    # SETTLED 1: no lease of these deliveries was written, so none is deleted; with 2 (0's only
+    # attempt is in a first-attempt run, 1's start is a field) no attempts field either.
+    assert unpack_ops(owned[0].take_ops()) == [(OpKind.STARTED, 1, 1), (OpKind.SETTLED, 1, 1), (OpKind.SETTLED, 0, 3)]
     assert owned[1].take_ops() == "" and leases.count == 3 and leases.holds(d.lease)
     del owned[1]
     assert leases.ack_run([e, f], owned, now=1.0) == 0 and leases.count == 3
@@ -161,23 +162,23 @@ def test_a_run_of_acks_settles_in_the_partitions_cores() -> None:
 def test_leases_reach_redis_only_for_deliveries_still_outstanding_when_due() -> None:
     """ACK-4: a release queues the attempts only; as a flush begins (``write_leases``) the deliveries
     released before the given time that are still outstanding get their LEASE op, under their
-    partition's epoch; an ack settles with SETTLED 0 (its lease deleted) when its lease was written,
-    SETTLED 1 when not; a manual deadline writes the lease itself."""
+    partition's epoch; an ack settles with SETTLED 2 (its lease deleted, its attempt in a first-attempt
+    run) when its lease was written, SETTLED 3 when not; a manual deadline writes the lease itself."""
     leases = table()
     owned = {0: OwnedPartition(0, 1, ordered=True)}
     state = owned[0]
     state.add([Record(0, o, b"k%d" % o, b"x", None, RecordMetadata(None, 1, None), 1, 0) for o in range(4)])
     batch, _ = state.release_ready(0.0, 10, 1, 10**6, 5_000, pooled=True, leases=leases)
-    assert unpack_ops(state.take_ops()) == [(OpKind.RELEASED, o, 1) for o in range(4)]
+    assert unpack_ops(state.take_ops()) == [(OpKind.FIRST_RELEASED, o, 1) for o in range(4)]
     assert leases.write_leases(owned, -0.1) == 0 and leases.next_lease_write() == 0.0  # not due yet
     a, b, c, _ = batch
     assert leases.ack_run([a], owned, now=0.1) == 1
     assert leases.set_deadline(b.lease, 30.0, 0.1) is not None  # the caller queues this LEASE op
     assert leases.write_leases(owned, 0.0) == 2  # due: c and d are still outstanding
-    assert unpack_ops(state.take_ops()) == [(OpKind.SETTLED, 0, 1), (OpKind.LEASE, 2, 5_000), (OpKind.LEASE, 3, 5_000)]
+    assert unpack_ops(state.take_ops()) == [(OpKind.SETTLED, 0, 3), (OpKind.LEASE, 2, 5_000), (OpKind.LEASE, 3, 5_000)]
     assert leases.next_lease_write() is None and leases.write_leases(owned, 1.0) == 0
     assert leases.ack_run([b, c], owned, now=0.2) == 2
-    assert unpack_ops(state.take_ops()) == [(OpKind.SETTLED, 1, 0), (OpKind.SETTLED, 2, 0)]
+    assert unpack_ops(state.take_ops()) == [(OpKind.SETTLED, 1, 2), (OpKind.SETTLED, 2, 2)]
     state.epoch = 2  # claimed again: its leases are no longer written here
     leases.admit(0, 1, [4], [1], [1], 0.3, lease_ms=6_000)
     assert leases.write_leases(owned, 0.3) == 0 and state.take_ops() == ""

@@ -217,8 +217,9 @@ def test_a_flush_is_sent_on_its_own_thread_one_at_a_time_and_delivers_after_its_
     assert rig.delivered == [([0, 1], True), ([2], True)]
     [first], [second] = rig.gated.written
     # The commit point (0) goes last as the partition's floor, once.
-    assert [(op[0], op[1]) for op in first[1]] == [(OpKind.RELEASED, 0), (OpKind.RELEASED, 1), (OpKind.FLOOR, 0)]
-    assert [(op[0], op[1]) for op in second[1]] == [(OpKind.SETTLED, 7), (OpKind.RELEASED, 2)]
+    assert [(op[0], op[1]) for op in first[1]] == [(OpKind.FIRST_RELEASED, 0), (OpKind.FIRST_RELEASED, 1),
+                                                   (OpKind.FLOOR, 0)]
+    assert [(op[0], op[1]) for op in second[1]] == [(OpKind.SETTLED, 7), (OpKind.FIRST_RELEASED, 2)]
 
 
 def test_a_failed_flush_in_flight_gives_back_and_keeps_its_ops_ahead_of_later_ones() -> None:
@@ -240,7 +241,7 @@ def test_a_failed_flush_in_flight_gives_back_and_keeps_its_ops_ahead_of_later_on
     rig.gated.gate.set()
     assert rig.ownership.flush()
     [[(_, ops)]] = rig.gated.written
-    assert [(op[0], op[1]) for op in ops] == [(OpKind.RELEASED, 0), (OpKind.FLOOR, 0), (OpKind.SETTLED, 9)]
+    assert [(op[0], op[1]) for op in ops] == [(OpKind.FIRST_RELEASED, 0), (OpKind.FLOOR, 0), (OpKind.SETTLED, 9)]
     assert future.result(0) is AckResponse.SUCCESS
 
 
@@ -346,8 +347,8 @@ def test_a_pipelined_flush_goes_out_while_one_is_in_flight_and_answers_apply_in_
     rig.answer(2)
     assert rig.delivered == [([0, 1], True), ([2], True), ([3], True)]
     ops = [[(op[0], op[1]) for op in batch[0][1]] for batch in rig.pipe.written]
-    assert ops == [[(OpKind.RELEASED, 0), (OpKind.RELEASED, 1), (OpKind.FLOOR, 0)],
-                   [(OpKind.SETTLED, 7), (OpKind.RELEASED, 2)], [(OpKind.RELEASED, 3)]]
+    assert ops == [[(OpKind.FIRST_RELEASED, 0), (OpKind.FIRST_RELEASED, 1), (OpKind.FLOOR, 0)],
+                   [(OpKind.SETTLED, 7), (OpKind.FIRST_RELEASED, 2)], [(OpKind.FIRST_RELEASED, 3)]]
 
 
 def test_a_failed_pipelined_flush_fails_the_one_written_after_it_and_their_ops_go_again_in_order() -> None:
@@ -367,7 +368,7 @@ def test_a_failed_pipelined_flush_fails_the_one_written_after_it_and_their_ops_g
     rig.ownership.start(1.0)
     rig.answer(2)
     [[(_, ops)]] = rig.pipe.written[2:]
-    assert [(op[0], op[1]) for op in ops] == [(OpKind.RELEASED, 0), (OpKind.FLOOR, 0), (OpKind.RELEASED, 1),
+    assert [(op[0], op[1]) for op in ops] == [(OpKind.FIRST_RELEASED, 0), (OpKind.FLOOR, 0), (OpKind.FIRST_RELEASED, 1),
                                               (OpKind.SETTLED, 9)]
 
 

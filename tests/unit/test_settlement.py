@@ -71,7 +71,8 @@ def test_an_ack_settles_the_key_forgets_the_lease_and_queues_settled() -> None:
     rig.settlement.settle(SettleKind.ACK, first, 1, 0.0, None, future, 1.0)
     assert not rig.leases.holds(first.lease) and rig.counts["acked"] == 1
     assert not future.done()
-    assert rig.written() == [(OpKind.SETTLED, 0, 0), (OpKind.FLOOR, 0, 1)]  # the commit point rose to 1
+    # 2: its attempt is in a first-attempt run, no field to delete; the commit point rose to 1
+    assert rig.written() == [(OpKind.SETTLED, 0, 2), (OpKind.FLOOR, 0, 1)]
     assert future.result(0) is AckResponse.SUCCESS
     assert [d.record.offset for d in rig.release(1.0)] == [1]
 
@@ -125,7 +126,7 @@ def test_start_notes_are_written_only_for_deliveries_still_outstanding() -> None
     rig.settlement.settle(SettleKind.ACK, b2, 1, 0.0, None, None, 1.0)
     rig.settlement.write_starts(1.0)
     assert not rig.settlement.starts
-    assert rig.written() == [(OpKind.SETTLED, 2, 0), (OpKind.STARTED, 0, 1)]
+    assert rig.written() == [(OpKind.SETTLED, 2, 2), (OpKind.STARTED, 0, 1)]
 
 
 def test_a_lapsed_lease_gives_the_delivery_back_as_a_nack_of_no_attempt() -> None:
@@ -191,7 +192,8 @@ def test_a_run_of_plain_acks_applies_in_one_pass_as_settle_would_one_by_one() ->
     rig.settlement.acks([b2, a0, a0], 3.0)
     assert rig.counts == {"acked": 1, "nacked": 1}
     assert rig.leases.count == 0 and rig.leases.bytes == 0
-    # 1: no lease to delete; then the commit point, risen to 1, as the floor
-    assert rig.written() == [(OpKind.NACKED, 2, 1), (OpKind.SETTLED, 0, 1), (OpKind.FLOOR, 0, 1)]
+    # 3: no lease to delete, no attempts field either (a first-attempt run has it); then the commit
+    # point, risen to 1, as the floor
+    assert rig.written() == [(OpKind.NACKED, 2, 1), (OpKind.SETTLED, 0, 3), (OpKind.FLOOR, 0, 1)]
     assert rig.leases.take_latencies() == [3.0]
     assert [d.record.offset for d in rig.release(3.0)] == [1]  # key a's next; key b backs off

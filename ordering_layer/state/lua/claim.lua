@@ -10,6 +10,7 @@
 --                   (comma-separated offsets above the target that count as settled), applied
 --                   (the last gen whose target is committed in Kafka)
 -- KEYS[6]  cascades set: offsets from which keys cascade (see apply.lua)
+-- KEYS[7]  firsts   zset: runs of first attempts (see apply.lua)
 -- ARGV[1]  ''       claim: a new owner, whatever the stored epoch;
 --          <epoch>  re-claim for a pending seek: only by the owner of that epoch (a running
 --                   subscriber, or the admin of an empty group that read it), and only when a seek
@@ -19,7 +20,7 @@
 -- ARGV[3]  re-claim only: the seek generation expected ('' any); another pending one returns {0}
 -- Returns {epoch, settled offsets..., '|', attempts as offset, count pairs..., '|', seek gen,
 --          seek target offset (-1: no seek pending, start at the committed offset), '|',
---          cascade marks..., '|', floor (-1: none)}
+--          cascade marks..., '|', floor (-1: none), '|', first-attempt runs...}
 --
 -- A pending seek (gen above applied) is applied with the claim, atomically: settled is replaced by
 -- the seek's set (no floor: the owner starts at the target), attempts, leases and cascade marks are dropped (delivery attempts restart at 1,
@@ -51,7 +52,7 @@ redis.call('SET', KEYS[1], string.format('%d', epoch))
 local target = -1
 if pending then
   target = tonumber(seek[2])
-  redis.call('DEL', KEYS[2], KEYS[3], KEYS[4], KEYS[6])
+  redis.call('DEL', KEYS[2], KEYS[3], KEYS[4], KEYS[6], KEYS[7])
   local pairs_ = {}
   for offset in string.gmatch(seek[3] or '', '%d+') do
     pairs_[#pairs_ + 1] = offset
@@ -91,4 +92,8 @@ for _, offset in ipairs(redis.call('SMEMBERS', KEYS[6])) do
 end
 table.insert(out, '|')
 table.insert(out, string.format('%d', floor))
+table.insert(out, '|')
+for _, run in ipairs(redis.call('ZRANGE', KEYS[7], 0, -1)) do
+  table.insert(out, run)
+end
 return out
