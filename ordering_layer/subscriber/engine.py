@@ -13,12 +13,9 @@ flight (``Ownership``); on a cluster the *sending* thread makes the round trip, 
 answer wakes the coordinator, which meanwhile takes acks and releases more. Commits go back to the
 fetch thread as queued requests. The components hold no references to each other; the rules live
 in modules handed the components they act on: ``dispatch`` (release, hand-out), ``settlement``
-(acks, nacks, deadlines, lapses, dead-letter reports, start notes), ``commits`` (commit points and
-seeks, GRP-3) and ``ownership`` (claims, revocations, flushes and their fencing verdicts).
-
-Attempt counts (ACK-6, DLQ-3): ``starts`` writes the start of a suspect before user code runs, and
-notes the others under a dead-letter policy (callbacks, and pulls answered from messages released
-ahead); the notes are written with the next flush (``settlement``).
+(acks, nacks, deadlines, lapses, dead-letter reports, start notes), ``starts`` (attempt counts of
+deliveries started, ACK-6, DLQ-3), ``commits`` (commit points and seeks, GRP-3) and ``ownership``
+(claims, revocations, flushes and their fencing verdicts).
 """
 
 from __future__ import annotations
@@ -28,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
+from itertools import chain, groupby
 from typing import Any
 
 from confluent_kafka import Consumer, TopicPartition
@@ -173,10 +171,9 @@ class Engine:
         return self._starts.begin(message)
 
     def pull(self, max_messages: int, timeout: float) -> list[Message]:
-        """Release up to ``max_messages`` (at most one batch per key), waiting up to ``timeout`` s.
-        The pull is added on this thread as soon as the coordinator is between steps, answered at once
-        from the messages released ahead if any (the coordinator is woken to release more), not left
-        in the inbox for the coordinator's next step, which may first gather events for 2 ms."""
+        """Release up to ``max_messages`` (at most one batch per key), waiting up to ``timeout`` s; added
+        on this thread between the coordinator's steps (not to gather in the inbox), answered at once
+        from the messages released ahead if any, and the coordinator woken to release more."""
         pull = Pull(max_messages, time.monotonic() + timeout, Future())
         if not self._lock.acquire(timeout=max(timeout, 0.0)):
             self._inbox.put(pull)  # the lock was held all along: the coordinator expires it
@@ -215,16 +212,14 @@ class Engine:
         """Outstanding messages and bytes, buffered records, owned partitions, the fetch gate."""
         with self._lock:
             return {"outstanding": self._leases.count, "outstanding_bytes": self._leases.bytes,
-                    "buffered": self._owned.buffered(),
-                    "partitions": len(self._partitions), "fetch_held": int(self._gate.state is not Gate.OPEN),
-                    "fetch_paused": int(self._fetcher.paused)}
+                    "buffered": self._owned.buffered(), "partitions": len(self._partitions),
+                    "fetch_held": int(self._gate.state is not Gate.OPEN), "fetch_paused": int(self._fetcher.paused)}
 
     def metrics_snapshot(self) -> dict[str, Any]:
         """Counters, gauges and the observations since the previous call (see ``metrics.snapshot``)."""
         with self._lock:
-            return snapshot(self._counts, self._partitions, self._leases, self._writer,
-                            dead_lettered=self._dead_letters.written, malformed=self._fetcher.malformed_records,
-                            now=time.monotonic())
+            return snapshot(self._counts, self._partitions, self._leases, self._writer, now=time.monotonic(),
+                            dead_lettered=self._dead_letters.written, malformed=self._fetcher.malformed_records)
 
     # -- engine thread ---------------------------------------------------------------------------
     def _step(self) -> float:
@@ -239,12 +234,10 @@ class Engine:
         with self._lock:
             now = time.monotonic()
             self._handle(events, now)
-            settlement = self._settlement
-            settlement.write_starts(now)
-            settlement.expire(now)
-            ownership = self._ownership
+            self._settlement.write_starts(now)
+            self._settlement.expire(now)
+            ownership, dispatcher = self._ownership, self._dispatcher
             ownership.poll()
-            dispatcher = self._dispatcher
             if not self._closing:
                 ownership.hold(dispatcher.release(now))
             else:
@@ -277,34 +270,31 @@ class Engine:
         return min([0.1, *(max(0.0, t - now) for t in times if t is not None)])
 
     def _handle(self, events: list[Any], now: float) -> None:
-        settle, acks, fetched = self._settlement.settle, self._settlement.acks, self._owned.take
-        run: list[Message] = []  # plain acks in a row, applied in one pass before the next other event
-        for event in events:
-            kind = type(event)
+        settle, acks = self._settlement.settle, self._settlement.acks
+        for kind, group in groupby(events, type):  # plain acks in a row are applied in one pass
             if kind is Message:
-                run.append(event)
-                continue
-            if kind is list:  # plain acks of a batch (``message.ack_all``)
-                run.extend(event)
-                continue
-            if run:
-                acks(run, now)
-                run = []
-            if kind is Settle:
-                settle(event.kind, event.delivery, event.epoch, event.seconds, event.error, event.future, now)
-            elif kind is Fetched:
-                fetched(event)
-                self._gate.taken(len(event.records))
-            elif kind is Pull:
-                if self._closing:
-                    event.future.set_result([])
-                else:
-                    self._dispatcher.pull(event, now)
-            elif kind is Committed:
-                self._commits.committed(event, now)
-            elif kind is Sought:
-                self._owned.sought(event.partition, event.generation, event.seek_generation)
-            elif kind is DeadLettered and self._settlement.dead_lettered(event, now):
-                self._dead_letters.written += 1
-        if run:
-            acks(run, now)
+                acks(list(group), now)
+            elif kind is list:  # plain acks of a batch (``message.ack_all``)
+                acks(list(chain.from_iterable(group)), now)
+            elif kind is Settle:
+                for event in group:
+                    settle(event.kind, event.delivery, event.epoch, event.seconds, event.error, event.future, now)
+            else:
+                for event in group:
+                    self._route(kind, event, now)
+
+    def _route(self, kind: type, event: Any, now: float) -> None:  # an event that is not a settlement
+        if kind is Fetched:
+            self._owned.take(event)
+            self._gate.taken(len(event.records))
+        elif kind is Pull:
+            if self._closing:
+                event.future.set_result([])
+            else:
+                self._dispatcher.pull(event, now)
+        elif kind is Committed:
+            self._commits.committed(event, now)
+        elif kind is Sought:
+            self._owned.sought(event.partition, event.generation, event.seek_generation)
+        elif kind is DeadLettered and self._settlement.dead_lettered(event, now):
+            self._dead_letters.written += 1

@@ -174,8 +174,6 @@ class PartitionState:
         looked at leave the ready set (an ack, a nack or the end of a backoff brings them back)."""
         if self.walking:
             return []
-        if per_key == 1:
-            return self._release_one_each(now, budget, byte_budget)
         released: list[Delivery] = []
         ready = self.ready
         for qkey in list(itertools.islice(ready, budget)):
@@ -187,29 +185,6 @@ class PartitionState:
                 byte_budget -= delivery.record.size
             released.extend(batch)
             budget -= len(batch)
-        return released
-
-    def _release_one_each(self, now: float, budget: int, byte_budget: int) -> list[Delivery]:
-        """``release_ready`` of callback mode (one record per key), inlined: it runs per message."""
-        released: list[Delivery] = []
-        ready, keys, quarantine = self.ready, self.keys, self.quarantine
-        for qkey in list(itertools.islice(ready, budget)):
-            if byte_budget <= 0:
-                break
-            del ready[qkey]
-            queue = keys.get(qkey)
-            if queue is None or queue.outstanding or now < queue.not_before or queue.cursor >= len(queue.records):
-                continue
-            record = queue.records[queue.cursor]
-            if record.quarantined and not quarantine.admit(qkey, record.offset):
-                continue
-            token = next(_tokens)
-            queue.outstanding[record.offset] = token
-            queue.cursor += 1
-            record.attempts += 1
-            released.append(Delivery(record, qkey, token, record.attempts))
-            byte_budget -= record.size
-        self.buffered -= len(released)
         return released
 
     # -- settlement ------------------------------------------------------------------------------
