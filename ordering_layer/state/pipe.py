@@ -5,8 +5,8 @@ A subscriber's flush is a round trip: the released messages it carries wait for 
 they are handed out (ACK-6). ``ApplyPipe`` lets the next flush go out before the answer of the one
 in flight has come: both are written to the same connection, so Redis runs their calls in the order
 sent, and a partition's ops keep the order they were queued in, as with one flush at a time. One
-thread writes (``send``: the subscriber's coordinator) and another reads the answers
-(``receive``), each flush in turn.
+thread writes (``send``: the subscriber's coordinator) and reads the answers (``receive``), each
+flush in turn, once they have come (``answered``; ``socket`` to wait for them).
 
 A connection that failed (an error writing or reading, a timeout) is not used again: ``receive``
 disconnects it, and the next ``send`` takes a new one from the client's pool (and loads the script
@@ -88,6 +88,32 @@ class ApplyPipe:
             self._fail(connection, epoch)
             raise
         return Sent(connection, len(batches), epoch)
+
+    def answered(self, sent: Sent) -> bool:
+        """The answers of a written flush can be read without waiting for Redis (or reading them
+        raises at once: its connection failed)."""
+        with self._lock:
+            if sent.epoch != self._epoch or self._failed:
+                return True
+        try:
+            return bool(sent.connection.can_read(timeout=0))
+        except Exception:  # noqa: BLE001 - receive raises it, and fails the connection
+            return True
+
+    @staticmethod
+    def socket(sent: Sent) -> Any:
+        """The socket a written flush's answers come on, to wait for them with ``select`` (None when
+        the connection has none open)."""
+        return getattr(sent.connection, "_sock", None)
+
+    @staticmethod
+    def timeout(sent: Sent) -> float:
+        """How long a flush's answers may take (the connection's socket timeout)."""
+        return getattr(sent.connection, "socket_timeout", None) or 5.0
+
+    def fail(self, sent: Sent) -> None:
+        """A written flush was not answered in time: its connection is not used again."""
+        self._fail(sent.connection, sent.epoch)
 
     def receive(self, sent: Sent) -> list[ApplyResult]:
         """Read the answers of a flush ``send`` wrote, after those of every flush written before it

@@ -224,12 +224,13 @@ class Engine:
     # -- engine thread ---------------------------------------------------------------------------
     def _step(self) -> float:
         with self._lock:
-            wait = self._wait_time(time.monotonic())
+            wait, answer = self._wait_time(time.monotonic()), self._ownership.answer_socket()
         inbox = self._inbox
         # When busy keep gathering for up to _GATHER seconds so that one Redis round trip serves
-        # many messages (ACK-4's batching); a lone event (an idle subscriber) is handled at once.
-        if inbox.wait(1, wait) and len(inbox) > 1:
-            inbox.wait(_GATHER_EVENTS, _GATHER)
+        # many messages (ACK-4's batching); a lone event (an idle subscriber) or the answer of a flush
+        # (read on this thread, ``Ownership.poll``) is handled at once.
+        if inbox.wait(1, wait, answer) and len(inbox) > 1:
+            inbox.wait(_GATHER_EVENTS, _GATHER, answer)
         events = inbox.take()
         with self._lock:
             now = time.monotonic()

@@ -32,6 +32,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 from confluent_kafka import TopicPartition
 
@@ -83,11 +84,11 @@ class Ownership:
         self._wake = wake
         self._withdraw = withdraw
         self._held: list[Released] = []  # releases, their ops queued, waiting for the next flush
-        self._flights: deque[tuple[Flush, list[Released], Future[None]]] = deque()  # in the order sent
+        # In the order sent, each with the sending thread's future (None: written by the coordinator).
+        self._flights: deque[tuple[Flush, list[Released], Future[None] | None]] = deque()
         self._failed: Exception | None = None  # a flush in flight before those still in flight failed
         self._sender: ThreadPoolExecutor | None = None
         self._writing: Future[None] | None = None  # the last flush written on the sending thread
-        self._reader: ThreadPoolExecutor | None = None
 
     # -- fetch thread ------------------------------------------------------------------------------
     def assigned(self, partitions: list[int], generations: Mapping[int, int]) -> Mapping[int, int]:
@@ -178,39 +179,50 @@ class Ownership:
         done = self._send(flush)
         flights.append((flush, releases, done))
         wake = self._wake
-        if wake is not None:
+        if wake is not None and done is not None:
             done.add_done_callback(lambda _: wake())
 
-    def _send(self, flush: Flush) -> Future[None]:
-        """The round trip of a flush on the sending thread; pipelined, its answers are read on the
-        reading thread, flushes in the order written. A pipelined flush is written here when the
-        connection is open and every earlier flush is written (a socket write of at most two flushes
-        in flight, which Redis reads as they come); one that needs a new connection (the first, or
-        after a failure: connect and script load) is written on the sending thread."""
+    def _send(self, flush: Flush) -> Future[None] | None:
+        """The round trip of a flush on the sending thread (its future is done when answered), or,
+        pipelined, its write: here when the connection is open and every earlier flush is written (a
+        socket write of at most two flushes in flight, which Redis reads as they come; None), on the
+        sending thread when it needs a new connection (the first, or after a failure: connect and
+        script load; its future is done when written). A pipelined flush's answers are read by the
+        coordinator (``poll``), flushes in the order written, once they have come (``answer_socket``
+        lets it wait for them with its events)."""
         writer = self._writer
         if self._sender is None:
             self._sender = ThreadPoolExecutor(1, thread_name_prefix=f"ordering-layer-redis-{self._subscription}")
         if writer.pipe is None:
             return self._sender.submit(writer.send, flush)
-        if self._reader is None:
-            self._reader = ThreadPoolExecutor(1, thread_name_prefix=f"ordering-layer-redis-read-{self._subscription}")
         writing = self._writing
         if writer.pipe.ready and (writing is None or writing.done()):
             writer.write(flush)
-            return self._reader.submit(writer.read, flush)
-        written = self._writing = self._sender.submit(writer.write, flush)
-
-        def read() -> None:
-            written.result()
-            writer.read(flush)
-
-        return self._reader.submit(read)
+            return None
+        self._writing = self._sender.submit(writer.write, flush)
+        return self._writing
 
     def poll(self) -> None:
         """Apply the answers of the flushes in flight that came, in the order sent."""
-        flights = self._flights
-        while flights and flights[0][2].done():
+        flights, writer = self._flights, self._writer
+        while flights:
+            flush, _, done = flights[0]
+            if done is not None and not done.done():
+                return
+            if not writer.answered(flush):
+                return
+            writer.read(flush)
             self._settle(*flights.popleft())
+
+    def answer_socket(self) -> Any:
+        """The socket the oldest flush's answers come on, while they are awaited (pipelined, written)."""
+        pipe = self._writer.pipe
+        if pipe is None or not self._flights:
+            return None
+        flush, _, done = self._flights[0]
+        if (done is not None and not done.done()) or flush.sent is None:
+            return None
+        return pipe.socket(flush.sent)
 
     @property
     def in_flight(self) -> int:
@@ -218,10 +230,13 @@ class Ownership:
         return len(self._flights)
 
     def next_due(self) -> float | None:
-        """When a flush is due by age or for leases to write (None while one is in flight: its answer
-        wakes the coordinator)."""
+        """When a flush is due by age or for leases to write; while one is in flight, its answer
+        wakes the coordinator (None), or is there already, or its timeout is due (pipelined)."""
         if self._flights:
-            return None
+            flush, _, done = self._flights[0]
+            if flush.sent is None or (done is not None and not done.done()):
+                return None
+            return time.monotonic() + self._writer.answer_due(flush)
         due, oldest = self._writer.next_due(), self._leases.next_lease_write()
         if oldest is not None:
             return oldest + LEASE_WRITE_AGE if due is None else min(due, oldest + LEASE_WRITE_AGE)
@@ -236,10 +251,9 @@ class Ownership:
         return self._finish(flush, releases)
 
     def close(self) -> None:
-        """Stop the sending and reading threads (after the last ``flush``)."""
-        for executor in (self._sender, self._reader):
-            if executor is not None:
-                executor.shutdown(wait=True)
+        """Stop the sending thread (after the last ``flush``)."""
+        if self._sender is not None:
+            self._sender.shutdown(wait=True)
         self._writer.close()
 
     def settle_in_flight(self) -> None:
@@ -247,10 +261,12 @@ class Ownership:
         flights = self._flights
         while flights:
             flush, releases, done = flights.popleft()
-            done.result()
+            if done is not None:
+                done.result()
+            self._writer.read(flush)
             self._settle(flush, releases, done)
 
-    def _settle(self, flush: Flush, releases: list[Released], _: Future[None]) -> None:
+    def _settle(self, flush: Flush, releases: list[Released], _: Future[None] | None) -> None:
         """Apply a flush's answer. A flush sent after one that failed counts as failed too, whatever
         Redis answered: its ops go again after the failed one's, so that each partition's ops end
         applied in the order queued (a batch applied twice leaves what it left once)."""

@@ -149,16 +149,35 @@ class StateWriter:
             flush.error = exc
 
     def read(self, flush: Flush) -> None:
-        """Pipelined: read the answers of a written flush (the reading thread, flushes in the order
-        written)."""
-        if flush.sent is None or self.pipe is None:
+        """Pipelined: read the answers of a written flush (flushes in the order written), once."""
+        sent, flush.sent = flush.sent, None
+        if sent is None or self.pipe is None:
             return
         try:
-            flush.answers = self.pipe.receive(flush.sent)
-        except Exception as exc:  # noqa: BLE001 - kept for finish, on the coordinator's thread
+            flush.answers = self.pipe.receive(sent)
+        except Exception as exc:  # noqa: BLE001 - kept for finish
             flush.error = exc
             return
         self.flush_seconds.append(time.perf_counter() - flush.started)
+
+    def answer_due(self, flush: Flush) -> float:
+        """Pipelined, written: seconds until a flush's answers are due (0: they can be read now)."""
+        sent, pipe = flush.sent, self.pipe
+        if sent is None or pipe is None or pipe.answered(sent):
+            return 0.0
+        return max(0.0, flush.started + pipe.timeout(sent) - time.perf_counter())
+
+    def answered(self, flush: Flush) -> bool:
+        """Pipelined: a flush's answers can be read without waiting (or it needs no reading: not
+        written, failed, or read); one unanswered past its connection's timeout fails."""
+        sent, pipe = flush.sent, self.pipe
+        if sent is None or pipe is None or pipe.answered(sent):
+            return True
+        if time.perf_counter() - flush.started < pipe.timeout(sent):
+            return False
+        pipe.fail(sent)
+        flush.sent, flush.error = None, TimeoutError(f"no answer from Redis in {pipe.timeout(sent):.0f} s")
+        return True
 
     def close(self) -> None:
         """Give the pipelined connection back (after the last flush)."""
@@ -211,5 +230,5 @@ class Flush:
         self.states: list[PartitionOps] = []  # the partition state each batch was taken from
         self.answers: list[ApplyResult] = []
         self.error: Exception | None = None  # what the round trip raised
-        self.sent: Sent | None = None  # pipelined: where its answers are to be read
+        self.sent: Sent | None = None  # pipelined: where its answers are to be read, until read
         self.started = 0.0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 
@@ -70,24 +71,19 @@ def test_no_post_is_lost_between_many_posters_and_the_consumer() -> None:
     assert sorted(got) == list(range(posters * per_poster))
 
 
-class CountingEvent(threading.Event):
-    """An event that counts its ``set`` calls."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.sets = 0
-
-    def set(self) -> None:
-        self.sets += 1
-        super().set()
-
-
 def test_a_burst_of_posts_wakes_a_waiting_consumer_once() -> None:
     """The post that wakes an idle consumer disarms the wake-up: the 99 posts after it, made before
-    the consumer runs again, do not set the event (each set takes a lock and notifies)."""
+    the consumer runs again, send no wake-up (each is a system call)."""
     inbox: Inbox[int] = Inbox()
-    event = CountingEvent()
-    inbox._wake = event
+    signals = 0
+    signal = inbox._signal
+
+    def counted() -> None:
+        nonlocal signals
+        signals += 1
+        signal()
+
+    inbox._signal = counted  # type: ignore[method-assign]
     taken: list[int] = []
     thread = threading.Thread(target=lambda: taken.extend(inbox.take() if inbox.wait(1, 10.0) else []))
     thread.start()
@@ -98,7 +94,7 @@ def test_a_burst_of_posts_wakes_a_waiting_consumer_once() -> None:
     for n in range(100):
         inbox.put(n)
     thread.join(10.0)
-    assert event.sets == 1
+    assert signals == 1
     assert taken + inbox.take() == list(range(100))
 
 
@@ -128,3 +124,26 @@ def test_a_nudge_ends_any_wait_until_the_next_take() -> None:
     assert done.wait(5.0)
     thread.join(10.0)
     assert inbox.take() == [1]
+
+
+def test_a_socket_with_something_to_read_ends_a_wait() -> None:
+    """The consumer waits for its events and for a socket of its own (a flush's answer) at once."""
+    inbox: Inbox[int] = Inbox()
+    left, right = socket.socketpair()
+    with left, right:
+        started = time.monotonic()
+        assert not inbox.wait(1, 0.05, left) and time.monotonic() - started >= 0.04
+        done = threading.Event()
+
+        def wait() -> None:
+            if inbox.wait(500, 10.0, left):
+                done.set()
+
+        thread = threading.Thread(target=wait)
+        thread.start()
+        right.send(b"+1\r\n")
+        assert done.wait(5.0)
+        thread.join(10.0)
+        assert inbox.take() == []
+        left.close()
+        assert inbox.wait(1, 10.0, left)  # closed meanwhile: its reader finds out at once

@@ -276,7 +276,7 @@ def test_a_verdict_in_flight_applies_only_to_the_ownership_that_sent_it() -> Non
 
 class FakePipe:
     """Flushes written back to back to one connection: each answer waits for its gate, and the answers
-    are read in the order written (the reading thread takes them one flush at a time)."""
+    are read in the order written (the coordinator takes them one flush at a time once they came)."""
 
     def __init__(self) -> None:
         self.written: list[list[tuple[int, list[Op]]]] = []
@@ -285,6 +285,7 @@ class FakePipe:
         self._gates: dict[int, threading.Event] = {}
         self._lock = threading.Lock()
         self.failing: set[int] = set()  # flushes (by number) whose answer is an error
+        self.reads = 0
 
     def gate(self, flush: int) -> threading.Event:
         """What the answer of the flush written ``flush``-th (from 0) waits for."""
@@ -297,8 +298,23 @@ class FakePipe:
         self.written.append([(partition, unpack_ops(packed)) for _, partition, _, packed in batches])
         return Sent(len(self.written) - 1, len(batches))
 
+    def answered(self, sent: Sent) -> bool:
+        return self.gate(sent.connection).is_set()
+
+    @staticmethod
+    def socket(sent: Sent) -> None:
+        return None
+
+    @staticmethod
+    def timeout(sent: Sent) -> float:
+        return 10.0
+
+    def fail(self, sent: Sent) -> None:
+        raise AssertionError(f"flush {sent.connection} timed out")
+
     def receive(self, sent: Sent) -> list[ApplyResult]:
         assert self.gate(sent.connection).wait(10)
+        self.reads += 1
         if sent.connection in self.failing:
             raise RedisError("down")
         return [ApplyResult.APPLIED] * sent.count
@@ -318,10 +334,15 @@ class PipelinedRig(DeliveringRig):
         self.writer.max_in_flight = 2
 
     def answer(self, flush: int) -> None:
-        """Let a written flush's answer come, and apply what came."""
+        """Let a written flush's answer come, and apply what came (once the sending thread wrote it,
+        when it did)."""
         self.pipe.gate(flush).set()
-        assert self.woken.acquire(timeout=10)
-        self.ownership.poll()
+        deadline = time.monotonic() + 10.0
+        while self.pipe.reads <= flush:
+            assert time.monotonic() < deadline, f"flush {flush} not read"
+            self.ownership.poll()
+            if self.pipe.reads <= flush:
+                self.woken.acquire(timeout=0.01)  # the sending thread's write is done
 
 
 def test_a_pipelined_flush_goes_out_while_one_is_in_flight_and_answers_apply_in_order() -> None:
@@ -339,7 +360,8 @@ def test_a_pipelined_flush_goes_out_while_one_is_in_flight_and_answers_apply_in_
     rig.ownership.start(0.0)
     rig.release([3])
     rig.ownership.start(0.0)
-    assert rig.ownership.in_flight == 2 and rig.ownership.next_due() is None
+    # Nothing is due but the oldest answer's timeout (10 s here); the answer itself wakes the coordinator.
+    assert rig.ownership.in_flight == 2 and rig.ownership.next_due() > time.monotonic() + 5
     rig.answer(0)
     assert rig.delivered == [([0, 1], True)]
     rig.ownership.start(0.0)  # a place is free: the release waiting goes out
@@ -375,7 +397,7 @@ def test_a_failed_pipelined_flush_fails_the_one_written_after_it_and_their_ops_g
 def test_a_pipelined_flush_is_written_by_the_coordinator_once_a_connection_is_open() -> None:
     """ACK-4: a flush that needs a new connection (connect, script load) is written on the sending
     thread; once the connection is open the coordinator writes the next ones itself, after every
-    earlier write, and the reading thread waits for each answer."""
+    earlier write, and reads each answer once it came."""
     rig = PipelinedRig()
     rig.pipe.ready = False
     rig.release([0])
