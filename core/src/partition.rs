@@ -489,20 +489,29 @@ impl<T> PartitionCore<T> {
     }
 
     /// Settle a delivered record without an ack (dead-lettered: DLQ-2). Its settle op is queued
-    /// even when the key's queue is gone.
+    /// even when the key's queue is gone. A record waiting to go out again (a rewind passed it while
+    /// its dead letter was being written) leaves its queue: settled, it never goes out again.
     pub fn settle_dead_lettered(&mut self, offset: i64, key: Option<&[u8]>) {
         self.ops.push(ops::SETTLED, offset, 0);
         let Some(slot) = self.slot_of(&self.queue_key(offset, key)) else { return };
         let queue = self.queue(slot);
-        let mut was_outstanding = false;
+        let (mut was_outstanding, mut waiting) = (false, false);
         if let Some(index) = queue.index_of(offset) {
             let entry = &mut queue.records[index];
             was_outstanding = entry.token != 0;
-            entry.token = 0;
-            entry.acked = true;
+            waiting = !was_outstanding && index >= queue.cursor;
+            if waiting {
+                queue.records.remove(index);
+            } else {
+                entry.token = 0;
+                entry.acked = true;
+            }
             if was_outstanding {
                 queue.outstanding -= 1;
             }
+        }
+        if waiting {
+            self.buffered -= 1;
         }
         if was_outstanding {
             self.delivered.remove(&offset);

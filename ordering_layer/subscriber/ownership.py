@@ -14,14 +14,14 @@ messages wait for the flush that takes their attempts (``hold``), then ``deliver
 or gives them back when Redis failed (DLQ-3). A delivery's lease is not written with its release:
 the first flush that begins ``LEASE_WRITE_AGE`` after the release writes it if the delivery is still
 outstanding (``LeaseTable.write_leases``; a flush is due for it then), so that the many settled
-sooner never reach Redis's leases hash (ACK-4). The coordinator's flushes are sent on a thread of
-their own (``start``, ``poll``), so that the coordinator takes acks and releases while Redis works.
-One is in flight at a time, or two with a pipelined writer (``StateWriter.pipe``: a single Redis
-server), the second written behind the first on the same connection for messages released meanwhile;
-either way the ops of a partition reach Redis in the order they were queued, and the answers are
-applied in the order sent (a flush sent after one that failed counts as failed too). ``flush``
-writes at once, after the flushes in flight (a revocation, a seek, a close). A seek (GRP-3) claims
-owned partitions again (``apply_seeks``): what they had outstanding is void.
+sooner never reach Redis's leases hash (ACK-4). The coordinator takes acks and releases while Redis
+works (``start``, ``poll``): with a pipelined writer (``StateWriter.pipe``: a single Redis server) it
+writes a flush, a second behind the first for messages released meanwhile, and reads each answer once
+it has come; on a cluster a thread of its own makes one round trip at a time. Either way a
+partition's ops reach Redis in the order queued, and the answers apply in the order sent (a flush
+sent after one that failed counts as failed too). ``flush`` writes at once, after the flushes in
+flight (a revocation, a seek, a close). A seek (GRP-3) claims owned partitions again
+(``apply_seeks``): what they had outstanding is void.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ class Ownership:
         commits: the commit points.
         deliver: takes one release's messages once a flush answered for them: True when Redis took
             their attempts (hand them out), False when it failed (give them back).
-        wake: called on the sending (or reading) thread when a flush in flight has its answer.
+        wake: called on the sending thread when a flush it made or wrote is done.
         withdraw: gives back what was released ahead of the pulls in partitions being revoked.
     """
 
@@ -207,22 +207,17 @@ class Ownership:
         flights, writer = self._flights, self._writer
         while flights:
             flush, _, done = flights[0]
-            if done is not None and not done.done():
-                return
-            if not writer.answered(flush):
+            if (done is not None and not done.done()) or not writer.answered(flush):
                 return
             writer.read(flush)
             self._settle(*flights.popleft())
 
     def answer_socket(self) -> Any:
         """The socket the oldest flush's answers come on, while they are awaited (pipelined, written)."""
-        pipe = self._writer.pipe
-        if pipe is None or not self._flights:
+        flush, _, done = self._flights[0] if self._flights else (None, None, None)
+        if flush is None or flush.sent is None or self._writer.pipe is None or (done is not None and not done.done()):
             return None
-        flush, _, done = self._flights[0]
-        if (done is not None and not done.done()) or flush.sent is None:
-            return None
-        return pipe.socket(flush.sent)
+        return self._writer.pipe.socket(flush.sent)
 
     @property
     def in_flight(self) -> int:

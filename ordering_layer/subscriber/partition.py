@@ -201,11 +201,17 @@ class PartitionState:
         return True
 
     def settle_dead_lettered(self, qkey: QueueKey, offset: int) -> None:
-        """Settle a delivered record without an ack (dead-lettered: DLQ-2)."""
+        """Settle a delivered record without an ack (dead-lettered: DLQ-2); one waiting to go out again
+        (a rewind passed it while its dead letter was being written) leaves its queue."""
         queue = self.keys.get(qkey)
         if queue is not None:
-            queue.outstanding.pop(offset, None)
-            queue.acked.add(offset)
+            index = next((i for i, r in enumerate(queue.records) if r.offset == offset), -1)
+            if offset not in queue.outstanding and index >= queue.cursor:
+                del queue.records[index]
+                self.buffered -= 1
+            else:
+                queue.outstanding.pop(offset, None)
+                queue.acked.add(offset)
             self.tracker.settle(offset)
             self._pop_settled(qkey, queue, offset)
 

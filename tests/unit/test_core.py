@@ -450,6 +450,28 @@ def test_a_seek_target_is_the_commit_point_until_records_arrive() -> None:
     assert (core.watermark, core.take_ops()) == (8, "D,7,1;a,7,2;")
 
 
+def test_a_record_dead_lettered_after_a_rewind_passed_it_never_goes_out_again() -> None:
+    """DLQ-2, SUB-4: a pull batch's first record is nacked while the second's dead letter is being
+    written; the rewind puts both back, then the dead letter's report settles the second. It leaves
+    its queue (the core and the reference alike): the key's next release is the first alone, and the
+    commit point never passes a record that goes out again."""
+    twin = Twin(PartitionState(0, 1, ordered=True), PartitionCore(ordered=True), True)
+    twin.add([(0, 0, 1), (0, 0, 1)])  # offsets 0 and 1 of one key
+    twin.release(10, 2, 100, False, False)
+    twin.nack(twin.out(0), 0.0, False)
+    twin.check()
+    twin.dead_lettered((True, 0))  # the last delivery made: offset 1's
+    twin.check()
+    before = len(twin.deliveries)
+    twin.release(10, 2, 100, False, False)
+    twin.check()
+    assert [d[0] for d in twin.deliveries[before:]] == [0]
+    assert twin.core.watermark == twin.py.watermark == 0
+    twin.ack([(False, 0)])
+    twin.check()
+    assert twin.core.watermark == 2 and twin.core.buffered == 0
+
+
 def test_a_key_held_again_wakes_at_its_last_backoff() -> None:
     """DLQ-1, SUB-4: a key nacked twice while backing off (a pull batch of it outstanding) wakes at
     the end of the second backoff, not the first; both states agree at every step."""
