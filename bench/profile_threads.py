@@ -5,7 +5,7 @@ Bench (a)'s workload (100 B, 10,000 keys, 6 partitions) read by one subscription
 workers, no-op callback and ack) or pull mode (``Subscriber.pull`` of 500, acked as a batch). Each
 thread's CPU clock (``/proc/self/task/*/stat``, 10 ms ticks: use several hundred thousand messages)
 is read at the first delivery and at the last ack; threads are grouped by name (the coordinator,
-the fetch, the Redis reading thread, librdkafka's ``rdk:`` threads, the callback workers, the main
+the fetch, the Redis sending thread, librdkafka's ``rdk:`` threads, the callback workers, the main
 thread that pulls).
 
     PYTHONPATH=. .venv/bin/python bench/profile_threads.py [--messages 600000] [--pull]
@@ -44,7 +44,7 @@ _PHASES = {
     "inbox": ("Inbox", ["take", "wait"]),
     "flow": ("FlowGate", ["update"]),
 }
-_GROUPS = ("engine", "fetch", "redis-read", "redis", "-cb-", "MainThread", "rdk:")
+_GROUPS = ("engine", "fetch", "redis", "-cb-", "MainThread", "rdk:")
 
 
 def thread_cpu() -> dict[int, tuple[str, float]]:

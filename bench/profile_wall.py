@@ -6,7 +6,7 @@ window (first delivery to last ack) it times, with ``perf_counter`` around the e
 * the coordinator waiting for events (``Inbox.wait``) and the fetch thread sleeping (its worker's
   pauses: the flow-control gate held, or its batches not yet taken);
 * each Redis flush (``StateWriter.send``, or ``write`` and ``read`` when flushes are pipelined): wall
-  time from its write to its last answer, the sending and reading threads' CPU, ops and bytes,
+  time from its write to its last answer, the CPU spent writing and reading it, ops and bytes,
   against Redis's own EVALSHA time (``INFO commandstats``);
 * the CPU of the Python threads and of the whole machine (``/proc/stat``) as a share of the wall;
 
@@ -87,10 +87,10 @@ def _instrument(no_redis: bool) -> None:
         FLUSHES["cpu"] += time.thread_time() - cpu
 
     def timed_read(self: StateWriter, flush: Flush) -> None:
-        cpu = time.thread_time()
+        cpu, sent = time.thread_time(), flush.sent
         read(self, flush)
         FLUSHES["cpu"] += time.thread_time() - cpu
-        if flush.sent is not None:
+        if sent is not None:
             FLUSHES["wall"] += time.perf_counter() - flush.started
             FLUSHES["count"] += 1
             FLUSHES["ops"] += sum(batch[3].count(";") for batch in flush.batches)
@@ -140,12 +140,14 @@ def machine_cpu() -> tuple[int, int]:
 
 
 def sample(engine: Any, done: threading.Event) -> list[tuple[int, int, str, bool, int]]:
-    """(outstanding, buffered, gate, flush in flight, ready keys) every ~2 ms until ``done``."""
+    """(outstanding, buffered, gate, flush in flight, ready keys) every ~2 ms until ``done``, under
+    the engine's lock (the compiled cores are the coordinator's while it holds it)."""
     samples = []
     while not done.is_set():
-        samples.append((engine._leases.count, engine._owned.buffered(), engine._gate.state.value,
-                        engine._ownership.in_flight > 0,
-                        sum(len(state.core.ready_keys()) for state in list(engine._partitions.values()))))
+        with engine._lock:
+            samples.append((engine._leases.count, engine._owned.buffered(), engine._gate.state.value,
+                            engine._ownership.in_flight > 0,
+                            sum(len(state.core.ready_keys()) for state in engine._partitions.values())))
         time.sleep(0.002)
     return samples
 
@@ -203,7 +205,7 @@ def report(first: dict[str, Any], last: dict[str, Any], samples: list[tuple[int,
     n = max(1, flushes.get("count", 0))
     print(f"  flushes {int(flushes.get('count', 0))}: {flushes.get('ops', 0) / n:.0f} ops, "
           f"{flushes.get('bytes', 0) / n / 1024:.1f} KiB each; wall {flushes.get('wall', 0) / n * 1e3:.2f} ms, "
-          f"sending and reading threads' CPU {flushes.get('cpu', 0) / n * 1e3:.2f} ms, "
+          f"CPU writing and reading {flushes.get('cpu', 0) / n * 1e3:.2f} ms, "
           f"Redis EVALSHA {evalsha / n * 1e3:.2f} ms; "
           f"sent {flushes.get('wall', 0) / wall:.0%} of wall")
     if not samples:

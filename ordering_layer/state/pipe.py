@@ -4,9 +4,10 @@
 A subscriber's flush is a round trip: the released messages it carries wait for its answer before
 they are handed out (ACK-6). ``ApplyPipe`` lets the next flush go out before the answer of the one
 in flight has come: both are written to the same connection, so Redis runs their calls in the order
-sent, and a partition's ops keep the order they were queued in, as with one flush at a time. One
-thread writes (``send``: the subscriber's coordinator) and reads the answers (``receive``), each
-flush in turn, once they have come (``answered``; ``socket`` to wait for them).
+sent, and a partition's ops keep the order they were queued in, as with one flush at a time. The
+subscriber's coordinator writes them (``send``; one that needs a new connection is written by its
+sending thread, the others wait for that write) and reads the answers (``receive``), each flush in
+turn, once they have come (``answered``; ``socket`` to wait for them).
 
 A connection that failed (an error writing or reading, a timeout) is not used again: ``receive``
 disconnects it, and the next ``send`` takes a new one from the client's pool (and loads the script
@@ -117,7 +118,7 @@ class ApplyPipe:
 
     def receive(self, sent: Sent) -> list[ApplyResult]:
         """Read the answers of a flush ``send`` wrote, after those of every flush written before it
-        (the reading thread). Raises the first error answer, or what the connection raised; a flush
+        (the coordinator). Raises the first error answer, or what the connection raised; a flush
         written to a connection that failed since is not read."""
         connection = sent.connection
         with self._lock:
