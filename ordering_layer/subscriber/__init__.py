@@ -8,9 +8,10 @@ a record read once) -> ``inbox`` ->
 ``core/src/partition.rs``, whose pure-Python reference is ``partition`` with ``key_queue`` and
 ``commit_point``) -> ``dispatch`` (released as a ``Message`` within ``flow``, made outstanding in
 ``leases``, its attempt queued in the core and flushed by ``state_writer`` through ``ownership``,
-on a thread of its own, one or two flushes in flight, ``state/pipe.py``) -> ``dead_letters`` or
-``handoff`` once the flush answered; its ack comes back through ``message`` -> ``inbox`` ->
-``settlement``. The coordinator's rules live in ``dispatch`` (release, hand-out),
+one or two flushes in flight, written and their answers read by the coordinator, ``state/pipe.py``;
+on a cluster a thread of its own makes each round trip) -> ``dead_letters`` or ``handoff`` once the
+flush answered; its ack comes back through ``message`` -> ``inbox`` -> ``settlement``. The
+coordinator's rules live in ``dispatch`` (release, hand-out),
 ``settlement`` (acks, nacks, deadlines, lapses, dead-letter reports, start notes), ``starts`` (a
 worker's start of a delivery: written first for a suspect, noted under a dead-letter policy),
 ``commits`` (commit points, commit reports, seek look-ups) and ``ownership`` (claims on assignment,
@@ -51,7 +52,8 @@ rules under the same names, checked against it by ``tests/unit/test_core.py``:
   ``settlement`` and ``leases`` (stale epochs and lease handles refused), ``state_writer`` (answers),
   ``state/lua/apply.lua``
   (the ops' Redis writes, grouped into command runs by ``core/src/runs.rs``)
-- ACK-6 delivery attempt survives crashes (counted before hand-off): the core (release ops),
+- ACK-6 delivery attempt survives crashes (counted before hand-off): the core (release ops; a
+  record's first attempt goes to a run of consecutive offsets, ``core/src/runs.rs``),
   ``ownership`` (releases held until their flush answered, then ``dispatch.hand_out``),
   ``starts`` (``begin``: a suspect's start written first; the start notes of callbacks and of pulls
   answered from releases ahead, ``handoff``), ``settlement`` (the notes written), ``partitions``

@@ -1,6 +1,6 @@
 """The engine: one coordinator over the subscriber's components, shared by every front end.
 
-Three threads and one lock. The *fetch* thread (``Fetcher``) owns the Kafka consumer and tells the
+Two threads and one lock. The *fetch* thread (``Fetcher``) owns the Kafka consumer and tells the
 coordinator of assignments, revocations and losses (``ownership``). The *engine* thread runs the
 coordinator: it takes everything waiting in the inbox at once (fetched batches, acks, nacks,
 deadline changes, pulls, commit and dead-letter reports), routes each typed request to where its
@@ -8,8 +8,8 @@ state is kept and applies the verdicts: partitions release what may go out (``Ow
 compiled core's key queues) within flow control (``FlowGate``), as outstanding leases (``LeaseTable``).
 Attempts and leases reach Redis in one pipeline (``StateWriter``) *before* the messages are handed
 out (``handoff``) or dead-lettered (``DeadLetters``); on a single Redis server the coordinator
-writes the pipeline to its connection and the *reading* thread waits for the answer, one or two in
-flight (``Ownership``); on a cluster the *sending* thread makes the round trip, one at a time. The
+writes the pipeline to its connection, one or two in flight (``Ownership``), and waits for the answer
+in the same ``select`` as for its events; on a cluster a *sending* thread makes each round trip. The
 answer wakes the coordinator, which meanwhile takes acks and releases more. Commits go back to the
 fetch thread as queued requests. The components hold no references to each other; the rules live
 in modules handed the components they act on: ``dispatch`` (release, hand-out), ``settlement``
@@ -226,9 +226,8 @@ class Engine:
         with self._lock:
             wait, answer = self._wait_time(time.monotonic()), self._ownership.answer_socket()
         inbox = self._inbox
-        # When busy keep gathering for up to _GATHER seconds so that one Redis round trip serves
-        # many messages (ACK-4's batching); a lone event (an idle subscriber) or the answer of a flush
-        # (read on this thread, ``Ownership.poll``) is handled at once.
+        # When busy keep gathering for up to _GATHER seconds so that one Redis round trip serves many
+        # messages (ACK-4's batching); a lone event, or a flush's answer (``Ownership.poll``), at once.
         if inbox.wait(1, wait, answer) and len(inbox) > 1:
             inbox.wait(_GATHER_EVENTS, _GATHER, answer)
         events = inbox.take()
