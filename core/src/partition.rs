@@ -471,7 +471,8 @@ impl<T> PartitionCore<T> {
     }
 
     /// `ack`, its `SETTLED` op saying whether a lease of the delivery may be in Redis (`leased`:
-    /// it is deleted; otherwise the op's value is 1 and no lease is deleted).
+    /// it is deleted; otherwise the op's value has bit 1 and no lease is deleted), and whether an
+    /// attempts field may hold its attempt (bit 2 when none does: its attempt is in a run).
     pub fn ack_leased(&mut self, offset: i64, token: u64, leased: bool) -> bool {
         let Some((slot, index)) = self.outstanding(offset, token) else { return false };
         self.delivered.remove(&offset);

@@ -19,7 +19,8 @@ client keeps), clamped to the subscription's per-extension bounds, unless it has
 A delivery's lease reaches Redis (ACK-4) only if the delivery is still outstanding
 ``ownership.LEASE_WRITE_AGE`` after its release (``write_leases``, called by ``ownership`` as each
 flush begins): most deliveries are settled sooner, and their settle deletes no lease (``ack_run``
-queues a ``SETTLED`` op with value 1). An extension or a manual deadline writes the lease itself.
+queues a ``SETTLED`` op with bit 1 of its value set). An extension or a manual deadline writes the
+lease itself.
 
 With ``track=False`` (a comparison setting, not for production) no deadline is watched: leases
 neither lapse nor get extended, and the release asks for no lease write.
