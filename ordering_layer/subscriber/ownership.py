@@ -225,11 +225,11 @@ class Ownership:
         return len(self._flights)
 
     def next_due(self) -> float | None:
-        """When a flush is due by age or for leases to write; while one is in flight, its answer
-        wakes the coordinator (None), or is there already, or its timeout is due (pipelined)."""
+        """When a flush is due by age or for leases to write; while one is in flight, when its answer
+        is (None: the sending thread wakes the coordinator; now: it came, or its write failed)."""
         if self._flights:
             flush, _, done = self._flights[0]
-            if flush.sent is None or (done is not None and not done.done()):
+            if done is not None and not done.done():
                 return None
             return time.monotonic() + self._writer.answer_due(flush)
         due, oldest = self._writer.next_due(), self._leases.next_lease_write()

@@ -286,6 +286,7 @@ class FakePipe:
         self._lock = threading.Lock()
         self.failing: set[int] = set()  # flushes (by number) whose answer is an error
         self.reads = 0
+        self.write_fails = False
 
     def gate(self, flush: int) -> threading.Event:
         """What the answer of the flush written ``flush``-th (from 0) waits for."""
@@ -293,6 +294,8 @@ class FakePipe:
             return self._gates.setdefault(flush, threading.Event())
 
     def send(self, batches: Sequence[tuple[str, int, int, str]]) -> Sent:
+        if self.write_fails:
+            raise RedisError("connection reset")
         self.writers.append(threading.current_thread().name)
         self.ready = True
         self.written.append([(partition, unpack_ops(packed)) for _, partition, _, packed in batches])
@@ -409,3 +412,17 @@ def test_a_pipelined_flush_is_written_by_the_coordinator_once_a_connection_is_op
     assert rig.delivered == [([0], True), ([1], True)]
     assert rig.pipe.writers[0].startswith("ordering-layer-redis-sub")
     assert rig.pipe.writers[1] == threading.current_thread().name
+
+
+def test_a_pipelined_flush_whose_write_failed_is_settled_at_the_next_step() -> None:
+    """DLQ-3: a flush the coordinator failed to write has no answer to wait for: it is due at once,
+    and the next poll gives its messages back."""
+    rig = PipelinedRig()
+    rig.pipe.write_fails = True
+    rig.release([0])
+    rig.ownership.start(0.0)
+    assert rig.ownership.in_flight == 1
+    due = rig.ownership.next_due()
+    assert due is not None and due <= time.monotonic()
+    rig.ownership.poll()
+    assert rig.delivered == [([0], False)] and rig.ownership.in_flight == 0
