@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 
+import confluent_kafka
+import pytest
 from confluent_kafka import TopicPartition
+
+from ordering_layer.subscriber import native_fetch
 
 
 class OwnAll:
@@ -19,3 +24,14 @@ class OwnAll:
 
     def lost(self, partitions: list[int]) -> None:
         return None
+
+
+def report_release(monkeypatch: pytest.MonkeyPatch, confluent_kafka_version: str | tuple[str, int] | None = None,
+                   librdkafka_version: str | None = None) -> None:
+    """Until the test ends, confluent-kafka reports these releases (the loaded ones where None), and
+    the native fetch checks them afresh (its once-per-process answer is set aside meanwhile)."""
+    if confluent_kafka_version is not None:
+        monkeypatch.setattr(confluent_kafka, "version", lambda: confluent_kafka_version)
+    if librdkafka_version is not None:
+        monkeypatch.setattr(confluent_kafka, "libversion", lambda: (librdkafka_version, 0))
+    monkeypatch.setattr(native_fetch, "unknown_release", functools.cache(native_fetch.unknown_release.__wrapped__))

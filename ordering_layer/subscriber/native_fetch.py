@@ -12,19 +12,28 @@ queue carries only events, served by ``consume`` on the fetch thread as before.
 The handle is the ``rd_kafka_t`` pointer that confluent-kafka's consumer object holds first after
 its object header, in the librdkafka it loaded (looked up in the process's mappings); the handle
 must be a consumer whose name begins with the consumer's ``client.id``, or the fetch is not used.
-``open_native_fetch`` returns None whenever anything does not match (another platform, another
-build of confluent-kafka), or when ``ORDERING_LAYER_NATIVE_FETCH=0`` is set, and the fetcher then
-uses ``consume()``.
+That layout is confluent-kafka's own, not a published interface, so the fetch is used only on the
+releases it was tested on (``KNOWN_RELEASES``): ``confluent_kafka.version()`` and
+``confluent_kafka.libversion()`` (the librdkafka it loaded, bundled or the system's) both from
+2.6.1 up to and including every 2.16 patch release (``pyproject.toml`` names the tested releases).
+On any other release the fetcher uses ``consume()``, and says so once at INFO.
+
+``open_native_fetch`` returns None whenever anything does not match (another release, another
+platform, another build of confluent-kafka), or when ``ORDERING_LAYER_NATIVE_FETCH=0`` is set, and
+the fetcher then uses ``consume()``.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
+import re
 from collections.abc import Callable
 from typing import Any
 
+import confluent_kafka
 from confluent_kafka import Consumer
 
 from ordering_layer._core import NativeFetch
@@ -39,6 +48,44 @@ _HANDLE_OFFSET = 2 * ctypes.sizeof(ctypes.c_void_p)  # after ob_refcnt and ob_ty
 DEFAULT_CLIENT_ID = "rdkafka"  # librdkafka's default client.id
 
 Malformed = Callable[[Record], None]
+
+# The releases of confluent-kafka and of librdkafka the native fetch was tested on
+# (tests/integration/test_native_fetch.py, tests/compat/check_versions.sh): from the lowest release
+# to every patch release of the highest minor.
+KNOWN_RELEASES: tuple[tuple[int, int, int], tuple[int, int]] = ((2, 6, 1), (2, 16))
+
+_RELEASE = re.compile(r"(\d+)\.(\d+)\.(\d+)")
+
+
+def is_known_release(version: str) -> bool:
+    """Whether ``version`` (``major.minor.patch``, maybe with a suffix) is in ``KNOWN_RELEASES``."""
+    match = _RELEASE.match(version)
+    if match is None:
+        return False
+    lowest, highest_minor = KNOWN_RELEASES
+    release = (int(match[1]), int(match[2]), int(match[3]))
+    return lowest <= release and release[:2] <= highest_minor
+
+
+@functools.cache
+def unknown_release() -> str | None:
+    """Why the loaded confluent-kafka or librdkafka is not a release the native fetch knows (logged
+    at INFO, once per process), or None when both are.
+
+    ``confluent_kafka.version()`` is a string (older releases: a (string, int) pair);
+    ``libversion()`` a (string, int) pair.
+    """
+    reported: str | tuple[str, int] = confluent_kafka.version()
+    loaded = {"confluent-kafka": reported if isinstance(reported, str) else reported[0],
+              "librdkafka": confluent_kafka.libversion()[0]}
+    for name, version in loaded.items():
+        if not is_known_release(version):
+            lowest, highest_minor = KNOWN_RELEASES
+            reason = (f"{name} {version} is not a release the native fetch was tested on "
+                      f"({'.'.join(map(str, lowest))} to {'.'.join(map(str, highest_minor))}.x)")
+            _LOGGER.info("fetching through consume(): %s", reason)
+            return reason
+    return None
 
 
 def loaded_librdkafka() -> str | None:
@@ -71,7 +118,7 @@ def open_native_fetch(consumer: Consumer, config: dict[str, Any], topic: str,
                       malformed: Malformed) -> NativeFetch | None:
     """A ``NativeFetch`` on ``consumer``, or None when it cannot be used here (logged) or is switched
     off (``ORDERING_LAYER_NATIVE_FETCH=0`` in the environment)."""
-    if os.environ.get("ORDERING_LAYER_NATIVE_FETCH", "1") == "0":
+    if os.environ.get("ORDERING_LAYER_NATIVE_FETCH", "1") == "0" or unknown_release() is not None:
         return None
     library = loaded_librdkafka()
     if library is None or type(consumer) is not Consumer:

@@ -3,27 +3,33 @@
 Records of every shape (null and empty keys and values, binary bytes, user headers with null values,
 the layer's metadata, malformed metadata) are read twice from one topic: by a plain confluent-kafka
 consumer through ``to_record``, and by the subscriber's ``Fetcher`` with its native fetch; every field
-of every record must match, and malformed metadata must be counted the same (DLQ-4).
+of every record must match, and malformed metadata must be counted the same (DLQ-4). On a release of
+confluent-kafka the native fetch does not know, the fetcher and a subscriber consume, and lose nothing.
 """
 
 from __future__ import annotations
 
 import gc
+import logging
 import time
 import uuid
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 from confluent_kafka import Consumer, Producer
 
-from ordering_layer import FlowControl, OrderedProducer
+from ordering_layer import FlowControl, Message, OrderedProducer, Subscriber
 from ordering_layer.record import HEADER_MESSAGE_ID, HEADER_PARTITION_COUNT
+from ordering_layer.subscriber import native_fetch
 from ordering_layer.subscriber.fetched import to_record
 from ordering_layer.subscriber.fetcher import Fetcher, RebalanceHooks
 from ordering_layer.subscriber.flow import FlowGate
 from ordering_layer.subscriber.key_queue import Record
 from ordering_layer.subscriber.requests import Fetched
-from tests.fetch_helpers import OwnAll
+from tests.checker import wait_until
+from tests.fetch_helpers import OwnAll, report_release
+from tests.integration.conftest import publish_keys, recording_callback
 
 FIELDS = ("partition", "offset", "key", "value", "headers", "metadata", "size", "timestamp_ms")
 
@@ -135,3 +141,45 @@ def test_without_the_native_fetch_the_fetcher_consumes(kafka_config: dict[str, A
     got, fetcher = by_fetcher(kafka_config, topic, count, native=False)
     assert fetcher.native is None
     assert len(got) == count
+
+
+def test_on_another_release_the_fetcher_consumes_the_same_records(kafka_config: dict[str, Any],
+                                                                  topic_factory: Callable[..., str],
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a confluent-kafka release outside the tested ones the native fetch is not opened; the
+    fetcher's ``consume()`` makes every record, field for field."""
+    report_release(monkeypatch, "2.17.0")
+    topic = topic_factory(partitions=2)
+    count = produce_shapes(kafka_config, topic)
+    expected = by_consume(kafka_config, topic, count)
+    got, fetcher = by_fetcher(kafka_config, topic, count, native=True)
+    assert fetcher.native is None
+    assert sorted(got) == sorted(expected)
+    for position, record in expected.items():
+        assert fields(got[position]) == fields(record), position
+
+
+def test_a_subscriber_on_another_release_delivers_everything(kafka_config: dict[str, Any], endpoints: Any,
+                                                             subscription: Callable[..., tuple[str, str]],
+                                                             monkeypatch: pytest.MonkeyPatch,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    """SUB-1, SUB-3, SUB-4 with the fetch through ``consume()`` (a librdkafka release outside the
+    tested ones): every message is delivered in key order and acked, a nacked one cascades."""
+    report_release(monkeypatch, librdkafka_version="2.17.0")
+    topic, name = subscription(partitions=3)
+    checker = publish_keys(kafka_config, topic, keys=20, per_key=10)
+    nacked: set[str] = set()
+
+    def nack_every_seventh_once(message: Message) -> str:
+        if int(message.data.split(b":")[1]) % 7 == 3 and message.message_id not in nacked:
+            nacked.add(message.message_id)
+            return "nack"
+        return "ack"
+
+    subscriber = Subscriber(kafka_config, redis_url=endpoints.redis_url)
+    with caplog.at_level(logging.INFO, logger=native_fetch.__name__), \
+            subscriber.subscribe(name, recording_callback(checker, "s1", nack_every_seventh_once), max_workers=4):
+        wait_until(lambda: checker.acked_count() == checker.total(), 120, "all messages acked")
+    assert checker.verify() == []
+    assert nacked
+    assert "fetching through consume(): librdkafka 2.17.0 is not a release" in caplog.text

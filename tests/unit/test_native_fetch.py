@@ -17,7 +17,7 @@ from ordering_layer.subscriber.fetched import to_record
 from ordering_layer.subscriber.fetcher import Fetcher, RebalanceHooks
 from ordering_layer.subscriber.flow import FlowGate
 from ordering_layer.subscriber.key_queue import Record
-from tests.fetch_helpers import OwnAll
+from tests.fetch_helpers import OwnAll, report_release
 
 CONFIG = {"bootstrap.servers": "127.0.0.1:9", "group.id": "native-unit", "client.id": "native-unit"}
 
@@ -61,6 +61,47 @@ def test_switched_off_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> Non
         assert native_fetch.open_native_fetch(consumer, CONFIG, "t", lambda record: None) is None
     finally:
         consumer.close()
+
+
+@pytest.mark.parametrize(("version", "known"), [
+    ("2.6.1", True), ("2.10.0", True), ("2.16.0", True), ("2.16.9", True), ("2.16.0-RC2", True),
+    ("2.6.0", False), ("2.5.3", False), ("1.9.2", False), ("2.17.0", False), ("3.0.0", False), ("v2.16.1", False),
+])
+def test_the_known_releases_are_the_tested_ones(version: str, known: bool) -> None:
+    assert native_fetch.is_known_release(version) is known
+
+
+def test_the_loaded_releases_are_known() -> None:
+    assert native_fetch.unknown_release() is None
+
+
+@pytest.mark.parametrize(("confluent_kafka_version", "librdkafka_version", "named"), [
+    (("2.17.0", 0x021100FF), None, "confluent-kafka 2.17.0"),  # the (string, int) pair of older releases
+    ("2.5.3", None, "confluent-kafka 2.5.3"),
+    (None, "2.17.0", "librdkafka 2.17.0"),  # confluent-kafka built against another librdkafka
+])
+def test_another_release_falls_back_to_consume_logged_once(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        confluent_kafka_version: str | tuple[str, int] | None, librdkafka_version: str | None, named: str) -> None:
+    """The consumer's layout is known only on the tested releases: on any other the fetcher consumes,
+    and says so once."""
+    report_release(monkeypatch, confluent_kafka_version, librdkafka_version)
+    with caplog.at_level(logging.INFO, logger=native_fetch.__name__):
+        consumer = Consumer(CONFIG)
+        try:
+            assert native_fetch.open_native_fetch(consumer, CONFIG, "t", lambda record: None) is None
+            assert native_fetch.open_native_fetch(consumer, CONFIG, "t", lambda record: None) is None
+        finally:
+            consumer.close()
+        fetcher = Fetcher(CONFIG, "old", "t", FlowGate(FlowControl()), OwnAll(), lambda event: None,
+                          RebalanceHooks())
+        try:
+            assert fetcher.native is None
+        finally:
+            fetcher.close()
+    fallbacks = [r.getMessage() for r in caplog.records if "not a release the native fetch was tested on" in r.message]
+    assert fallbacks == [f"fetching through consume(): {named} is not a release the native fetch was tested on "
+                         "(2.6.1 to 2.16.x)"]
 
 
 def test_metadata_is_shared_only_for_the_layers_one_header_records() -> None:
