@@ -11,13 +11,18 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPar
 from confluent_kafka import Message as KafkaMessage
 
 
+def _client_config(kafka: str | Mapping[str, Any]) -> dict[str, Any]:
+    """A client config of a bootstrap address (a plain broker) or a copy of a client config (with
+    its security settings, as the session's ``kafka_config`` fixture gives them)."""
+    return {"bootstrap.servers": kafka} if isinstance(kafka, str) else dict(kafka)
+
+
 def read_topic(kafka: str | Mapping[str, Any], topic: str, expected: int, timeout: float = 60.0) -> list[KafkaMessage]:
     """Every record of ``topic`` from the start, waiting until ``expected`` have arrived.
 
     ``kafka`` is a bootstrap address or a client config (with its security settings).
     """
-    config = {"bootstrap.servers": kafka} if isinstance(kafka, str) else dict(kafka)
-    consumer = Consumer({**config, "group.id": f"reader-{uuid.uuid4().hex}",
+    consumer = Consumer({**_client_config(kafka), "group.id": f"reader-{uuid.uuid4().hex}",
                          "enable.auto.commit": False})
     try:
         metadata = consumer.list_topics(topic, timeout=10)
@@ -35,9 +40,9 @@ def read_topic(kafka: str | Mapping[str, Any], topic: str, expected: int, timeou
         consumer.close()
 
 
-def end_offsets(bootstrap: str, topic: str) -> dict[int, int]:
-    """High watermark of each partition of ``topic``."""
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"offsets-{uuid.uuid4().hex}"})
+def end_offsets(kafka: str | Mapping[str, Any], topic: str) -> dict[int, int]:
+    """High watermark of each partition of ``topic``; ``kafka`` as for ``read_topic``."""
+    consumer = Consumer({**_client_config(kafka), "group.id": f"offsets-{uuid.uuid4().hex}"})
     try:
         partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
         return {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1] for p in partitions}

@@ -9,9 +9,17 @@ from typing import Any
 import pytest
 
 from ordering_layer import Admin, Message, OrderedProducer, RetryPolicy
+from ordering_layer.stack import Endpoints
 from tests.checker import DeliveryChecker
 
 NO_BACKOFF = RetryPolicy(minimum_backoff=0, maximum_backoff=0)
+
+
+def cli_servers(endpoints: Endpoints) -> list[str]:
+    """The CLI's server options for ``endpoints``: the bootstrap address, the Kafka client settings
+    file when the stack has one (TLS, SASL), and the Redis URL."""
+    kafka_config = ["--kafka-config", endpoints.kafka_config_file] if endpoints.kafka_config_file else []
+    return ["--bootstrap", endpoints.bootstrap, *kafka_config, "--redis-url", endpoints.redis_url]
 
 
 def publish_keys(kafka_config: dict[str, Any], topic: str, keys: int, per_key: int,

@@ -16,7 +16,7 @@ from ordering_layer import Admin, DeadLetterPolicy, Message, Subscriber
 from ordering_layer.cli import main
 from ordering_layer.publisher.partitioner import murmur2
 from tests.checker import wait_until
-from tests.integration.conftest import publish_keys
+from tests.integration.conftest import cli_servers, publish_keys
 
 pytestmark = pytest.mark.integration
 
@@ -68,7 +68,7 @@ def test_describe_shows_outstanding_held_and_parked(admin: Admin, kafka_config: 
         assert took < 15
 
         runner = CliRunner()
-        servers = ["--bootstrap", kafka_config["bootstrap.servers"], "--redis-url", endpoints.redis_url]
+        servers = cli_servers(endpoints)
         result = runner.invoke(main, ["subscription", "describe", name, "--json", *servers])
         assert result.exit_code == 0, result.output
         printed = json.loads(result.output)

@@ -145,11 +145,10 @@ def test_plain_confluent_clients_both_directions(kafka_config: dict[str, Any], e
                                                  subscription: Callable[..., tuple[str, str]]) -> None:
     """PUB-6, PUB-7: a plain confluent-kafka Consumer reads the payload byte for byte and the
     attributes as headers; records of a plain Producer (headers included) are delivered in order."""
-    bootstrap = kafka_config["bootstrap.servers"]
     topic, name = subscription(partitions=2)
     with OrderedProducer(kafka_config) as producer:
         producer.publish(topic, PAYLOAD, ordering_key="layer", attributes={"color": "blue"}).result(timeout=30)
-    (record,) = read_topic(bootstrap, topic, 1)
+    (record,) = read_topic(kafka_config, topic, 1)
     assert (record.key(), record.value()) == (b"layer", PAYLOAD)
     assert record.headers() == [(HEADER_PARTITION_COUNT, b"2"), ("color", b"blue")]
 
@@ -201,5 +200,5 @@ def test_confluent_program_runs_with_the_import_swapped(kafka_config: dict[str, 
         offsets = committed.committed([TopicPartition(topic, p) for p in range(3)], timeout=30)
     finally:
         committed.close()
-    assert {tp.partition: tp.offset for tp in offsets} == end_offsets(kafka_config["bootstrap.servers"], topic)
-    assert all(headers_of(r) for r in read_topic(kafka_config["bootstrap.servers"], topic, count))
+    assert {tp.partition: tp.offset for tp in offsets} == end_offsets(kafka_config, topic)
+    assert all(headers_of(r) for r in read_topic(kafka_config, topic, count))

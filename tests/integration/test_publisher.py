@@ -44,7 +44,7 @@ def test_in_key_order_many_keys_and_partitions(kafka_config: dict[str, Any],
             for key in keys:
                 futures.append(producer.publish(topic, f"{key}:{n}".encode(), ordering_key=key))
     results = [f.result(timeout=30) for f in futures]
-    records = read_topic(kafka_config["bootstrap.servers"], topic, len(results))
+    records = read_topic(kafka_config, topic, len(results))
     assert len(records) == len(results)
 
     seen: dict[str, list[int]] = defaultdict(list)
@@ -81,7 +81,7 @@ def test_publish_result_identity(kafka_config: dict[str, Any], topic_factory: Ca
     after = datetime.now(UTC) + timedelta(seconds=5)
 
     assert len({r.message_id for r in results}) == len(results)
-    records = read_topic(kafka_config["bootstrap.servers"], topic, len(results))
+    records = read_topic(kafka_config, topic, len(results))
     by_position = {(r.partition(), r.offset()): r for r in records}
     for result in results:
         assert result.sequence_number == (result.partition << 48) | result.offset
@@ -118,8 +118,7 @@ def test_plain_records_and_partition_count_stamp(admin: Admin, kafka_config: dic
             wait(later, timeout=30)
             if max(f.result().partition for f in later) >= 2:
                 break
-    records = read_topic(kafka_config["bootstrap.servers"], topic, sum(end_offsets(
-        kafka_config["bootstrap.servers"], topic).values()))
+    records = read_topic(kafka_config, topic, sum(end_offsets(kafka_config, topic).values()))
     stamps: dict[bytes, set[int]] = {}
     for record in records:
         headers = headers_of(record)
@@ -162,7 +161,7 @@ def test_pause_on_failure_and_resume(restartable: StackBackend, kafka_config: di
             producer.publish(topic, b"still-refused", ordering_key="doomed")
         producer.resume_publish("doomed")
         resumed = producer.publish(topic, b"resumed", ordering_key="doomed").result(timeout=60)
-    records = read_topic(kafka_config["bootstrap.servers"], topic, 3)
+    records = read_topic(kafka_config, topic, 3)
     stored = sorted(r.value() for r in records)
     assert [r.value() for r in records if r.key() == b"doomed"] == [b"resumed"]
     assert len(stored) == 3
@@ -193,7 +192,7 @@ def test_bad_input_is_refused_before_sending(kafka_config: dict[str, Any],
             with pytest.raises(error, match=text):
                 call()
         ok = producer.publish(topic, b"ok", ordering_key="k" * 1024).result(timeout=30)
-    assert end_offsets(kafka_config["bootstrap.servers"], topic) == {0: ok.offset + 1}
+    assert end_offsets(kafka_config, topic) == {0: ok.offset + 1}
     assert ok.offset == 0
 
     for config, settings, text in [
@@ -220,8 +219,8 @@ def test_drop_in_produce_flush_and_close_lose_nothing(kafka_config: dict[str, An
     assert producer.close() == 0
     assert len(reports) == 20_000
     assert all(err is None for err, _ in reports)
-    assert sum(end_offsets(kafka_config["bootstrap.servers"], topic).values()) == 20_000
-    records = read_topic(kafka_config["bootstrap.servers"], topic, 20_000)
+    assert sum(end_offsets(kafka_config, topic).values()) == 20_000
+    records = read_topic(kafka_config, topic, 20_000)
     numbers = {int(headers_of(record)["n"]) for record in records}
     assert all(record.value() == f"v{headers_of(record)['n'].decode()}".encode() for record in records)
     assert numbers == set(range(20_000))

@@ -27,7 +27,7 @@ from ordering_layer.scheduler.records import ScheduledMessage, ScheduleState
 from ordering_layer.scheduler.settings import SchedulerSettings
 from ordering_layer.stack import Endpoints
 from tests.checker import wait_until
-from tests.integration.conftest import pull_until
+from tests.integration.conftest import cli_servers, pull_until
 from tests.kafka_helpers import headers_of, read_topic
 
 pytestmark = pytest.mark.integration
@@ -36,13 +36,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _producer(endpoints: Endpoints, schedule_topic: str, scheduler: bool = True) -> OrderedProducer:
-    return OrderedProducer({"bootstrap.servers": endpoints.bootstrap}, redis_url=endpoints.redis_url,
+    return OrderedProducer(endpoints.kafka_config(), redis_url=endpoints.redis_url,
                            settings={"scheduler": scheduler, "schedule_topic": schedule_topic})
 
 
-def _activated_ids(bootstrap: str, topic: str, expected: int, timeout: float = 60.0) -> list[tuple[str, int]]:
+def _activated_ids(endpoints: Endpoints, topic: str, expected: int, timeout: float = 60.0) -> list[tuple[str, int]]:
     """(message id, broker timestamp ms) of every record of ``topic``, once ``expected`` arrived."""
-    records = read_topic(bootstrap, topic, expected, timeout)
+    records = read_topic(endpoints.kafka_config(), topic, expected, timeout)
     return [(headers_of(r)[HEADER_MESSAGE_ID].decode(), r.timestamp()[1]) for r in records]
 
 
@@ -53,7 +53,7 @@ class SchedulerProcess:
         self.log = log.open("ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-c", "from ordering_layer.cli import main; main()", "scheduler",
-             "--bootstrap", endpoints.bootstrap, "--redis-url", endpoints.redis_url,
+             *cli_servers(endpoints),
              "--schedule-topic", schedule_topic, "--lease", str(lease), "--batch", "10"],
             cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT)})
 
@@ -80,7 +80,7 @@ def test_scheduled_message_is_invisible_before_enqueue_at_and_delivered_after(
     created = subscription_factory(partitions=2)
     enqueue_at = datetime.now(UTC) + timedelta(seconds=3)
     with _producer(endpoints, unique_name("sched")) as producer, \
-            Subscriber({"bootstrap.servers": endpoints.bootstrap}, redis_url=endpoints.redis_url) as subscriber:
+            Subscriber(endpoints.kafka_config(), redis_url=endpoints.redis_url) as subscriber:
         first = producer.publish(created.topic, b"before", ordering_key="k").result(30)
         schedule_id = producer.schedule(created.topic, b"later", ordering_key="k", attributes={"a": "1"},
                                         enqueue_at=enqueue_at)
@@ -108,12 +108,12 @@ def test_cancel_before_and_after_activation(endpoints: Endpoints, topic_factory:
         kept = producer.schedule(topic, b"kept", ordering_key="k", enqueue_at=enqueue_at)
         assert producer.cancel_scheduled(cancelled) is CancelResult.CANCELLED
         assert producer.cancel_scheduled(cancelled) is CancelResult.CANCELLED
-        [(message_id, _)] = _activated_ids(endpoints.bootstrap, topic, 1)
+        [(message_id, _)] = _activated_ids(endpoints, topic, 1)
         assert message_id == kept
         assert producer.cancel_scheduled(kept) is CancelResult.ALREADY_ENQUEUED
         assert producer.cancel_scheduled("no-such-id") is CancelResult.NOT_FOUND
         later = producer.schedule(topic, b"last", enqueue_at=datetime.now(UTC))
-        ids = [i for i, _ in _activated_ids(endpoints.bootstrap, topic, 2)]
+        ids = [i for i, _ in _activated_ids(endpoints, topic, 2)]
     assert ids == [kept, later]
 
 
@@ -133,7 +133,7 @@ def test_kill_9_of_the_scheduler_and_a_redis_flush_lose_nothing(
     log = tmp_path / "scheduler.log"
     first = SchedulerProcess(endpoints, schedule_topic, lease=2.0, log=log)
     try:
-        before_kill = _activated_ids(endpoints.bootstrap, topic, 20, timeout=60)
+        before_kill = _activated_ids(endpoints, topic, 20, timeout=60)
         first.kill()
         assert 20 <= len(before_kill) < count, log.read_text()
     finally:
@@ -143,7 +143,7 @@ def test_kill_9_of_the_scheduler_and_a_redis_flush_lose_nothing(
     try:
         deadline = time.monotonic() + 90
         while True:
-            activated = _activated_ids(endpoints.bootstrap, topic, count, timeout=5)
+            activated = _activated_ids(endpoints, topic, count, timeout=5)
             if {i for i, _ in activated} >= set(due) or time.monotonic() > deadline:
                 break
     finally:
@@ -161,7 +161,7 @@ def test_two_schedulers_activate_each_message_once(endpoints: Endpoints, topic_f
     """PUB-5: two schedulers of one schedule topic share the work; each message is activated once."""
     topic = topic_factory(partitions=2)
     schedule_topic = unique_name("sched")
-    kafka = {"bootstrap.servers": endpoints.bootstrap}
+    kafka = endpoints.kafka_config()
     settings = {"schedule_topic": schedule_topic, "batch": 5, "poll_interval": 0.05}
     one = Scheduler(kafka, endpoints.redis_url, settings=settings, name="scheduler-one")
     two = Scheduler(kafka, endpoints.redis_url, settings=settings, name="scheduler-two")
@@ -177,7 +177,7 @@ def test_two_schedulers_activate_each_message_once(endpoints: Endpoints, topic_f
     finally:
         one.stop()
         two.stop()
-    ids = Counter(i for i, _ in _activated_ids(endpoints.bootstrap, topic, count))
+    ids = Counter(i for i, _ in _activated_ids(endpoints, topic, count))
     assert set(ids) == set(scheduled)
     assert max(ids.values()) == 1
     assert one.activated > 0 and two.activated > 0
@@ -219,14 +219,14 @@ def test_a_subscriber_side_participant_activates_with_its_own_producer(
     from a consumer's config, through a producer it makes itself; it stops at close()."""
     topic = topic_factory()
     schedule_topic = unique_name("sched")
-    consumer_config = {"bootstrap.servers": endpoints.bootstrap, "group.id": "g", "enable.auto.commit": False,
+    consumer_config = {**endpoints.kafka_config(), "group.id": "g", "enable.auto.commit": False,
                        "auto.offset.reset": "earliest"}
     with _producer(endpoints, schedule_topic, scheduler=False) as producer:
         schedule_id = producer.schedule(topic, b"due", ordering_key="k", enqueue_at=datetime.now(UTC))
     activation = join_activation(consumer_config, endpoints.redis_url,
                                  settings=SchedulerSettings(schedule_topic=schedule_topic))
     try:
-        assert [i for i, _ in _activated_ids(endpoints.bootstrap, topic, 1)] == [schedule_id]
+        assert [i for i, _ in _activated_ids(endpoints, topic, 1)] == [schedule_id]
     finally:
         activation.close()
     switched_off = join_activation(consumer_config, endpoints.redis_url, enabled=False)
@@ -239,7 +239,7 @@ def test_a_running_subscription_activates_without_anything_else(
     """PUB-5: as in Service Bus, no extra process is needed: with the producer not taking part, a
     running ``Subscriber.subscribe`` activates the due message (default schedule topic) and gets it."""
     created = subscription_factory(partitions=1)
-    kafka = {"bootstrap.servers": endpoints.bootstrap}
+    kafka = endpoints.kafka_config()
     with OrderedProducer(kafka, redis_url=endpoints.redis_url, settings={"scheduler": False}) as producer:
         schedule_id = producer.schedule(created.topic, b"due soon", ordering_key="k",
                                         enqueue_at=datetime.now(UTC) + timedelta(seconds=1))

@@ -18,6 +18,7 @@ from ordering_layer.errors import StackError
 from ordering_layer.stack import StackBackend, containers
 from ordering_layer.state.client import redis_client
 from tests.checker import wait_until
+from tests.integration.conftest import cli_servers
 from tests.kafka_helpers import end_offsets
 
 pytestmark = pytest.mark.integration
@@ -56,8 +57,8 @@ def test_broker_kill_9_and_restart_keep_its_address_and_data(restartable: StackB
                                                             unique_name: Callable[[str], str]) -> None:
     """The launcher restarts the broker alone after a SIGKILL, on the same address with its log."""
     endpoints = restartable.endpoints()
-    topic = Admin({"bootstrap.servers": endpoints.bootstrap}).create_topic(unique_name("restart")).name
-    with OrderedProducer({"bootstrap.servers": endpoints.bootstrap}) as producer:
+    topic = Admin(endpoints.kafka_config()).create_topic(unique_name("restart")).name
+    with OrderedProducer(endpoints.kafka_config()) as producer:
         producer.publish(topic, b"kept", ordering_key="k").result(timeout=60)
     restartable.stop_broker(kill=True)
     assert not restartable.status()["kafka"]["running"]
@@ -66,7 +67,7 @@ def test_broker_kill_9_and_restart_keep_its_address_and_data(restartable: StackB
 
     def kept() -> bool:
         try:  # the restarted broker answers before it leads its partitions again
-            return end_offsets(endpoints.bootstrap, topic) == {0: 1}
+            return end_offsets(endpoints.kafka_config(), topic) == {0: 1}
         except KafkaException:
             return False
 
@@ -83,7 +84,7 @@ def test_cli_reports_a_missing_stack(tmp_path: Path) -> None:
 def test_cli_topic_subscription_publish_pull(endpoints: Any, unique_name: Callable[[str], str]) -> None:
     """The CLI end to end: topic create, subscription create/describe, publish from stdin, pull with ack."""
     runner = CliRunner()
-    servers = ["--bootstrap", endpoints.bootstrap, "--redis-url", endpoints.redis_url]
+    servers = cli_servers(endpoints)
     topic, name = unique_name("cli-topic"), unique_name("cli-sub")
     assert runner.invoke(main, ["topic", "create", topic, "--partitions", "2", *servers]).exit_code == 0
     created = runner.invoke(main, ["subscription", "create", name, "--topic", topic, *servers])

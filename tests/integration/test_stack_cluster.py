@@ -20,7 +20,7 @@ from confluent_kafka.admin import AdminClient, ClusterMetadata  # type: ignore[a
 
 from ordering_layer import Admin, Message, OrderedProducer, PublishResult, Subscriber
 from ordering_layer.cli import main
-from ordering_layer.stack import LocalStack
+from ordering_layer.stack import Endpoints, LocalStack
 from tests.checker import DeliveryChecker, wait_until
 from tests.integration.conftest import NO_BACKOFF
 from tests.kafka_helpers import end_offsets
@@ -33,8 +33,8 @@ KEYS = 20
 PER_KEY = 150
 
 
-def _admin_client(bootstrap: str) -> AdminClient:
-    return AdminClient({"bootstrap.servers": bootstrap,
+def _admin_client(endpoints: Endpoints) -> AdminClient:
+    return AdminClient({**endpoints.kafka_config(),
                         "logger": logging.getLogger("ordering_layer.kafka.client")})  # type: ignore[dict-item]
 
 
@@ -72,7 +72,7 @@ def cluster(kafka_cluster: LocalStack) -> LocalStack:
     """The session's cluster with every broker running and every replica in sync (a failed test may
     have left a broker down or behind)."""
     kafka_cluster.start_broker()
-    client = _admin_client(kafka_cluster.endpoints().bootstrap)
+    client = _admin_client(kafka_cluster.endpoints())
     wait_until(lambda: len(_brokers(client)) == 3 and not _under_replicated(client), 120,
                "3 brokers with every replica in sync", interval=0.5)
     return kafka_cluster
@@ -88,9 +88,9 @@ def test_cluster_has_three_brokers_and_topics_keep_three_replicas(cluster: Local
     status = cluster.status()
     assert status["up"] and [b["node"] for b in status["kafka"]["brokers"]] == [1, 2, 3]
     assert [b["address"] for b in status["kafka"]["brokers"]] == addresses
-    assert _brokers(_admin_client(endpoints.bootstrap)) == dict(zip([1, 2, 3], addresses, strict=True))
+    assert _brokers(_admin_client(endpoints)) == dict(zip([1, 2, 3], addresses, strict=True))
 
-    admin = Admin({"bootstrap.servers": endpoints.bootstrap}, redis_url=endpoints.redis_url)
+    admin = Admin(endpoints.kafka_config(), redis_url=endpoints.redis_url)
     topic = admin.create_topic(unique_name("rf3"), partitions=3)
     assert (topic.replication_factor, topic.config["min.insync.replicas"]) == (3, "2")
     chosen = admin.create_topic(unique_name("rf3-isr3"), config={"min.insync.replicas": "3"})
@@ -105,15 +105,15 @@ def test_kill_9_and_restart_a_broker_through_the_api_and_the_cli(cluster: LocalS
     """A broker killed with SIGKILL (API, then CLI) leaves two that still take acks=all publishes; it
     restarts with its id, address and data and rejoins every in-sync replica set."""
     endpoints = cluster.endpoints()
-    client = _admin_client(endpoints.bootstrap)
+    client = _admin_client(endpoints)
     addresses = _brokers(client)
-    admin = Admin({"bootstrap.servers": endpoints.bootstrap})
+    admin = Admin(endpoints.kafka_config())
     topic = admin.create_topic(unique_name("kill"), partitions=3).name
     state_dir = str(cluster.status()["state_dir"])
     meta = cluster.state_dir / "broker-2" / "data" / "meta.properties"
     formatted = meta.read_text()
 
-    with OrderedProducer({"bootstrap.servers": endpoints.bootstrap}) as producer:
+    with OrderedProducer(endpoints.kafka_config()) as producer:
         producer.publish(topic, b"before", ordering_key="k").result(timeout=60)
         cluster.stop_broker(node=2, kill=True)
         assert [b["running"] for b in cluster.status()["kafka"]["brokers"]] == [True, False, True]
@@ -137,7 +137,7 @@ def test_kill_9_and_restart_a_broker_through_the_api_and_the_cli(cluster: LocalS
     wait_until(lambda: not _under_replicated(client), 120, "broker 3 back in sync", interval=0.5)
     missing = runner.invoke(main, ["stack", "kill-broker", "4", "--state-dir", state_dir])
     assert missing.exit_code != 0 and "no broker 4" in missing.output
-    assert sum(end_offsets(endpoints.bootstrap, topic).values()) == 2
+    assert sum(end_offsets(endpoints.kafka_config(), topic).values()) == 2
 
 
 def test_partition_leader_killed_during_publish_and_subscribe_loses_nothing(
@@ -149,8 +149,8 @@ def test_partition_leader_killed_during_publish_and_subscribe_loses_nothing(
     (the log holds no duplicate), delivered and acked (SUB-3); each key's deliveries move forward in
     publish order, one outstanding at a time, redeliveries only as cascades (SUB-1, SUB-4)."""
     endpoints = cluster.endpoints()
-    config = {"bootstrap.servers": endpoints.bootstrap}
-    client = _admin_client(endpoints.bootstrap)
+    config = endpoints.kafka_config()
+    client = _admin_client(endpoints)
     admin = Admin(config, redis_url=endpoints.redis_url)
     topic, name = unique_name("failover"), unique_name("sub")
     admin.create_topic(topic, partitions=3)
@@ -220,5 +220,5 @@ def test_partition_leader_killed_during_publish_and_subscribe_loses_nothing(
     _LOGGER.info("failover of broker %d: new leader after %.1f s, two thirds acked after %.1f s; "
                  "%d deliveries of %d messages", victim, new_leader_after, caught_up_after,
                  len(checker.deliveries()), checker.total())
-    assert sum(end_offsets(endpoints.bootstrap, topic).values()) == checker.total()
+    assert sum(end_offsets(endpoints.kafka_config(), topic).values()) == checker.total()
     assert checker.verify() == []

@@ -97,7 +97,7 @@ def test_a_new_owner_skips_what_the_floor_in_redis_says_was_acked(kafka_config: 
         assert offset_fields(client.zrange(settled_key, 0, -1)) == []  # nothing settled above it
     assert checker.verify() == []
     # The predecessor's last commits are lost: Kafka's committed offset goes back to the start.
-    kafka_admin = AdminClient({"bootstrap.servers": kafka_config["bootstrap.servers"]})
+    kafka_admin = AdminClient(dict(kafka_config))
     [future] = kafka_admin.alter_consumer_group_offsets(
         [ConsumerGroupTopicPartitions(name, [TopicPartition(topic, 0, 0)])]).values()
     future.result(30)
