@@ -31,6 +31,7 @@ from ordering_layer.config import (
 from ordering_layer.deadletter import DeadLetter, list_dead_letters, redrive
 from ordering_layer.describe import SubscriptionDescription, describe_subscription
 from ordering_layer.errors import ConfigError, SubscriptionExistsError, TopicError, TopicExistsError
+from ordering_layer.kafka_config import connection_settings
 from ordering_layer.offsets import retrying
 from ordering_layer.seek.runner import Progress, SeekResult, SeekRunner
 from ordering_layer.seek.snapshots import Snapshot, SnapshotBook, check_name
@@ -64,7 +65,8 @@ class Admin:
 
     Args:
         config: confluent-kafka settings; ``bootstrap.servers`` is required (with ``security.protocol``,
-            ``sasl.*`` and ``ssl.*`` for a secured cluster).
+            ``sasl.*`` and ``ssl.*`` for a secured cluster); the admin's clients take only these
+            ``connection_settings``, so a consumer's or producer's settings may be passed as they are.
         redis_url: the Redis holding subscription state (needed for subscriptions only); see
             ``ordering_layer.state.client`` for its forms (TLS, ACL user, Redis Cluster).
         snapshot_topic: the compacted topic that keeps the snapshots (GRP-3; created on first use).
@@ -78,8 +80,8 @@ class Admin:
     def __init__(self, config: Mapping[str, Any], *, redis_url: str | None = None,
                  snapshot_topic: str = DEFAULT_SNAPSHOT_TOPIC) -> None:
         require_bootstrap(config)
-        verify_kafka(config)
-        conf = dict(config)
+        conf = connection_settings(config)
+        verify_kafka(conf)
         conf.setdefault("logger", logging.getLogger("ordering_layer.kafka.admin"))
         try:
             self._admin = AdminClient(conf)

@@ -17,6 +17,7 @@ from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient
 
 from ordering_layer.errors import AuthenticationError, ConfigError
+from ordering_layer.kafka_config import connection_settings
 from ordering_layer.state.client import verify_redis
 
 __all__ = ["verify_kafka", "verify_redis"]
@@ -51,7 +52,7 @@ def verify_kafka(config: Mapping[str, Any], timeout: float = 10.0) -> None:
         # that is down or drops packets (a plain confluent client does not wait at construction).
         return
     reports: list[KafkaError] = []
-    probe_config: dict[str, Any] = {key: value for key, value in config.items() if key not in _PROBE_OWN}
+    probe_config = {key: value for key, value in connection_settings(config).items() if key not in _PROBE_OWN}
     probe_config.update(error_cb=reports.append, logger=logging.getLogger("ordering_layer.kafka.verify"))
     try:
         probe = AdminClient(probe_config)

@@ -100,7 +100,7 @@ def main(verbose: bool) -> None:
 # -- stack -----------------------------------------------------------------------------------------
 @main.group()
 def stack() -> None:
-    """The local Kafka + Redis (start, stop, status, env, kill and start one broker)."""
+    """The local Kafka + Redis, optionally a Spark cluster (start, stop, status, env, kill and start one broker)."""
 
 
 @stack.command("up")
@@ -113,15 +113,23 @@ def stack() -> None:
 @click.option("--secure", is_flag=True, default=None,
               help="TLS with a CA made here, Kafka SASL/SCRAM and a Redis ACL user; one broker only "
                    "(default: $ORDERING_LAYER_SECURE).")
+@click.option("--spark-cluster", is_flag=True,
+              help="Also a Spark standalone master and worker (1 core, 1g) from the installed pyspark, "
+                   "for spark-submit --master; kept until 'stack down'.")
 def stack_up(brokers: str | None, state_dir: Path | None, backend: str | None, redis_cluster: bool | None,
-             secure: bool | None) -> None:
+             secure: bool | None, spark_cluster: bool) -> None:
     """Start the local Kafka broker(s) and Redis (harmless when they run already)."""
     try:
         chosen = get_backend(backend, state_dir, redis_cluster=redis_cluster, secure=secure)
         endpoints = chosen.up(int(brokers) if brokers else None)
+        if spark_cluster:
+            chosen.start_spark()
+            endpoints = chosen.endpoints()
     except OrderingLayerError as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(f"Kafka  {endpoints.bootstrap}\nRedis  {mask_url(endpoints.redis_url)}")
+    if endpoints.spark_master:
+        click.echo(f"Spark  {endpoints.spark_master}")
     if endpoints.kafka_config_file:
         click.echo(f"Kafka client settings  {endpoints.kafka_config_file}\n"
                    "Client settings with secrets: eval \"$(ordering-layer stack env)\"")
@@ -173,8 +181,8 @@ def stack_status(state_dir: Path | None, backend: str | None) -> None:
 @stack.command("env")
 @_stack_option
 def stack_env(state_dir: Path | None, backend: str | None) -> None:
-    """Print export lines for ORDERING_LAYER_BOOTSTRAP, ORDERING_LAYER_REDIS_URL (with its password) and,
-    for a secured stack, ORDERING_LAYER_KAFKA_CONFIG."""
+    """Print export lines for ORDERING_LAYER_BOOTSTRAP, ORDERING_LAYER_REDIS_URL (with its password),
+    for a secured stack ORDERING_LAYER_KAFKA_CONFIG and, with a Spark cluster, ORDERING_LAYER_SPARK_MASTER."""
     try:
         endpoints = get_backend(backend, state_dir).endpoints()
     except OrderingLayerError as exc:

@@ -13,49 +13,25 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
 from ordering_layer.errors import ConfigError, PublishError, TopicError
+from ordering_layer.kafka_config import connection_settings
 
 _LOGGER = logging.getLogger(__name__)
 
 _TIMEOUT = 30.0
 _TOPIC_CONFIG = {"cleanup.policy": "compact"}
-# Settings of one side that the other side's client would only warn about.
-_CONSUMER_ONLY = ("group.", "enable.auto.", "auto.", "session.timeout.ms", "heartbeat.interval.ms",
-                  "max.poll.interval.ms", "isolation.level", "fetch.", "partition.assignment.strategy",
-                  "enable.partition.eof", "queued.", "on_commit", "check.crcs")
-_PRODUCER_ONLY = ("acks", "enable.idempotence", "linger.ms", "batch.", "queue.buffering.", "compression.",
-                  "retries", "message.send.max.retries", "delivery.timeout.ms", "request.required.acks",
-                  "transactional.id", "partitioner", "sticky.")
-
-
-def client_config(config: Mapping[str, Any], other_side: Iterable[str]) -> dict[str, Any]:
-    """``config`` without the settings that belong to the other kind of Kafka client."""
-    prefixes = tuple(other_side)
-    return {k: v for k, v in config.items() if not k.startswith(prefixes)}
-
-
-def producer_config(config: Mapping[str, Any]) -> dict[str, Any]:
-    """A consumer's or producer's config, cut down for a producer."""
-    return client_config(config, _CONSUMER_ONLY)
-
-
-def consumer_config(config: Mapping[str, Any]) -> dict[str, Any]:
-    """A consumer's or producer's config, cut down for a consumer."""
-    return client_config(config, _PRODUCER_ONLY)
-
-
 class CompactedTopic:
     """Writes and reads one compacted topic of the layer's records.
 
     Args:
         kafka_config: confluent-kafka settings (``bootstrap.servers`` at least; ``security.protocol``,
-            ``sasl.*`` and ``ssl.*`` pass through); settings of consumers or producers alone are
-            dropped for the other side.
+            ``sasl.*`` and ``ssl.*`` pass through: ``connection_settings``); the topic's own clients
+            take nothing else from it.
         topic: the topic, created on first write (one partition, compacted, broker append time).
         what: what its records are, for messages and the Kafka client's logger name.
     """
@@ -72,7 +48,7 @@ class CompactedTopic:
     def _writer(self) -> Producer:
         with self._lock:
             if self._producer is None:
-                conf = {**producer_config(self._config), "enable.idempotence": True, "acks": "all",
+                conf = {**connection_settings(self._config), "enable.idempotence": True, "acks": "all",
                         "linger.ms": 2, "logger": self._logger}
                 try:
                     self._producer = Producer(conf)
@@ -92,7 +68,7 @@ class CompactedTopic:
         # of these topics.
         from ordering_layer.admin import Admin
 
-        admin = Admin(producer_config(self._config))
+        admin = Admin(connection_settings(self._config))
         try:
             described = admin.describe_topic(self.topic)
         except TopicError:
@@ -144,7 +120,7 @@ class CompactedTopic:
         Raises:
             TopicError: the topic cannot be read within ten times the Kafka timeout.
         """
-        consumer = Consumer({**consumer_config(self._config),
+        consumer = Consumer({**connection_settings(self._config),
                              "group.id": f"ordering-layer-{self._what}-read-{uuid.uuid4().hex}",
                              "enable.auto.commit": False, "enable.partition.eof": False,
                              "logger": self._logger})

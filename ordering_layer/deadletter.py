@@ -20,6 +20,7 @@ from typing import Any
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, Producer, TopicPartition
 
 from ordering_layer.errors import ConfigError, PublishError, RecordFormatError
+from ordering_layer.kafka_config import connection_settings
 from ordering_layer.offsets import retrying, watermarks
 from ordering_layer.publisher.partitioner import partition_for
 from ordering_layer.record import HEADER_MESSAGE_ID, HEADER_PARTITION_COUNT, decode, display_key
@@ -64,7 +65,7 @@ class DeadLetter:
 
 
 def _consumer(kafka_config: Mapping[str, Any], group: str) -> Consumer:
-    return Consumer({**kafka_config, "group.id": group, "enable.auto.commit": False,
+    return Consumer({**connection_settings(kafka_config), "group.id": group, "enable.auto.commit": False,
                      "auto.offset.reset": "earliest", "logger": logging.getLogger("ordering_layer.kafka.dlq")})
 
 
@@ -119,7 +120,7 @@ def redrive(kafka_config: Mapping[str, Any], subscription: str, dead_letter_topi
     """
     group = f"{subscription}.redrive"
     consumer = _consumer(kafka_config, group)
-    producer = Producer({**{k: v for k, v in kafka_config.items() if not k.startswith("group.")},
+    producer = Producer({**connection_settings(kafka_config),
                          "enable.idempotence": True, "acks": "all",
                          "logger": logging.getLogger("ordering_layer.kafka.dlq")})
     try:

@@ -21,6 +21,7 @@ from confluent_kafka import Consumer, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from ordering_layer.config import SubscriptionSettings
+from ordering_layer.kafka_config import connection_settings
 from ordering_layer.offsets import PartitionOffsets, partition_offsets
 from ordering_layer.publisher.partitioner import murmur2
 from ordering_layer.record import display_key
@@ -132,7 +133,8 @@ def describe_subscription(admin: AdminClient, kafka_config: Mapping[str, Any], s
     """
     settings = store.settings(name)
     topic = settings.topic
-    consumer = Consumer({**kafka_config, "group.id": name, "enable.auto.commit": False,
+    consumer = Consumer({"logger": logging.getLogger("ordering_layer.kafka.describe"),
+                         **connection_settings(kafka_config), "group.id": name, "enable.auto.commit": False,
                          "auto.offset.reset": "earliest"})
     try:
         metadata = consumer.list_topics(topic, timeout=timeout).topics[topic]

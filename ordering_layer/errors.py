@@ -13,11 +13,17 @@ class OrderingLayerError(Exception):
 
 
 class ConfigError(OrderingLayerError, ValueError):
-    """A setting is unknown, missing, out of range or contradicts the contract."""
+    """A setting is unknown, missing, out of range or contradicts the contract.
 
-    def __init__(self, message: str, *, unknown: tuple[str, ...] = ()) -> None:
+    Attributes:
+        unknown: the names of settings that do not exist.
+        setting: the name of the one setting refused (its value cannot be read or honoured), if any.
+    """
+
+    def __init__(self, message: str, *, unknown: tuple[str, ...] = (), setting: str | None = None) -> None:
         super().__init__(message)
         self.unknown = unknown
+        self.setting = setting
 
 
 class InvalidOrderingKeyError(OrderingLayerError, ValueError):

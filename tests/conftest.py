@@ -10,11 +10,12 @@ restart services are then skipped. Tests are isolated by unique topic names.
 from __future__ import annotations
 
 import faulthandler
+import logging
 import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -69,6 +70,33 @@ def topic_factory(admin: Admin, unique_name: Callable[[str], str]) -> Callable[.
         return name
 
     return create
+
+
+class _ConfigWarnings(logging.Handler):
+    """Keeps librdkafka's CONFWARN logs: a Kafka client was handed a setting it does not take."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.seen: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if "CONFWARN" in message:
+            self.seen.append(f"{record.name}: {message}")
+
+
+@pytest.fixture(autouse=True)
+def no_config_warnings() -> Iterator[None]:
+    """DRP-2: no Kafka client of the layer (they all log through Python's logging) warns about its
+    settings in any test: internal clients get only the settings that apply to them."""
+    handler = _ConfigWarnings()
+    root = logging.getLogger()
+    root.addHandler(handler)
+    try:
+        yield
+    finally:
+        root.removeHandler(handler)
+    assert not handler.seen, f"librdkafka warned about settings: {handler.seen}"
 
 
 _EXIT_STATUS = pytest.StashKey[int]()

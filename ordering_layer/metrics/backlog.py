@@ -10,6 +10,7 @@ from typing import Any
 
 from confluent_kafka import Consumer, KafkaException
 
+from ordering_layer.kafka_config import connection_settings
 from ordering_layer.offsets import partition_offsets
 
 _LOGGER = logging.getLogger(__name__)
@@ -28,7 +29,7 @@ class BacklogReader:
     """
 
     def __init__(self, kafka_config: Mapping[str, Any], subscription: str, topic: str, ttl: float = 5.0) -> None:
-        conf = {k: v for k, v in kafka_config.items() if not k.startswith(("on_", "partition.assignment"))}
+        conf = connection_settings(kafka_config)
         conf.update({"group.id": subscription, "enable.auto.commit": False})
         conf.setdefault("logger", logging.getLogger("ordering_layer.kafka.metrics"))
         self._conf = conf

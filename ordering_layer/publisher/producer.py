@@ -37,6 +37,7 @@ from ordering_layer.errors import (
     TopicError,
     UnsupportedOperationError,
 )
+from ordering_layer.kafka_config import flag, integer, read_kafka_config
 from ordering_layer.publisher.future import FINISHED, RUNNING, LightFuture
 from ordering_layer.publisher.partitioner import murmur2
 from ordering_layer.record import (
@@ -62,6 +63,7 @@ ProduceHeaders = Mapping[str, HeaderValue] | Sequence[tuple[str, HeaderValue]]
 
 _ENFORCED = {"enable.idempotence": True, "acks": "all"}
 _ACKS_ALL = {"all", "-1"}
+_ACKS = ("acks", "request.required.acks")  # one setting, two names
 _INLINE_POLL_MASK = 255  # the publishing thread serves delivery reports every 256 sends
 _new_future = object.__new__
 _new_tuple = tuple.__new__
@@ -255,14 +257,16 @@ class OrderedProducer:
     def __init__(self, config: Mapping[str, Any] | None = None, /, *,
                  settings: PublisherSettings | Mapping[str, Any] | None = None, redis_url: str | None = None,
                  metrics_port: int | None = None, **kwargs: Any) -> None:
-        conf = {**(config or {}), **kwargs}
+        conf = read_kafka_config(config, kwargs)
         require_bootstrap(conf)
         verify_kafka(conf)
         self.settings = from_mapping(PublisherSettings, settings)
-        if str(conf.get("enable.idempotence", True)).lower() not in ("true", "1"):
-            raise ConfigError("OrderedProducer needs enable.idempotence=true for in-key order (PUB-1)")
-        if str(conf.get("acks", "all")).lower() not in _ACKS_ALL:
-            raise ConfigError(f"OrderedProducer needs acks=all (PUB-1); got acks={conf['acks']!r}")
+        if not flag(conf, "enable.idempotence", True):
+            raise ConfigError("OrderedProducer needs enable.idempotence=true for in-key order (PUB-1)",
+                              setting="enable.idempotence")
+        for name in _ACKS:
+            if str(conf.get(name, "all")).strip().lower() not in _ACKS_ALL:
+                raise ConfigError(f"OrderedProducer needs acks=all (PUB-1); got {name}={conf[name]!r}", setting=name)
         if conf.get("transactional.id"):
             raise UnsupportedOperationError("transactional.id", _TRANSACTIONS)
         conf.update(_ENFORCED)
@@ -273,7 +277,7 @@ class OrderedProducer:
         except KafkaException as exc:
             raise ConfigError(f"Kafka producer config refused: {exc.args[0]}") from exc
         self._produce = self._producer.produce
-        self._limit = min(self.settings.max_message_bytes, int(conf.get("message.max.bytes", 1_000_000)))
+        self._limit = min(self.settings.max_message_bytes, integer(conf, "message.max.bytes", 1_000_000))
         # A record whose value is up to this size fits with any valid key and up to
         # _UNCHECKED_HEADER_BYTES of headers (record overhead included): no size sum needed.
         self._unchecked_size = self._limit - MAX_ORDERING_KEY_BYTES - _UNCHECKED_HEADER_BYTES

@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
-from ordering_layer.compacted import producer_config
 from ordering_layer.config import from_mapping
 from ordering_layer.errors import OrderingLayerError
+from ordering_layer.kafka_config import connection_settings
 from ordering_layer.record import now_ms
 from ordering_layer.scheduler.book import ScheduleBook
 from ordering_layer.scheduler.records import ScheduledMessage, ScheduleState
@@ -86,7 +86,7 @@ class Scheduler:
             if self._producer is None:
                 from ordering_layer.publisher.producer import OrderedProducer
 
-                self._producer = OrderedProducer(producer_config(self._kafka), settings={"scheduler": False})
+                self._producer = OrderedProducer(connection_settings(self._kafka), settings={"scheduler": False})
             return self._producer
 
     # -- one step --------------------------------------------------------------------------------

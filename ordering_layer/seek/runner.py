@@ -23,6 +23,7 @@ from confluent_kafka import Consumer, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from ordering_layer.errors import SeekTimeoutError, TopicError
+from ordering_layer.kafka_config import connection_settings
 from ordering_layer.offsets import PartitionOffsets, partition_offsets, seek_tag
 from ordering_layer.record import now_ms
 from ordering_layer.seek.snapshots import Snapshot
@@ -99,7 +100,9 @@ class SeekRunner:
         self._timeout = timeout
         # Never subscribes: it reads the group's offsets, and commits them only while the group is
         # empty (the broker refuses a commit of a non-member otherwise).
-        self._consumer = Consumer({**kafka_config, "group.id": subscription, "enable.auto.commit": False})
+        self._consumer = Consumer({"logger": logging.getLogger("ordering_layer.kafka.seek"),
+                                   **connection_settings(kafka_config), "group.id": subscription,
+                                   "enable.auto.commit": False})
 
     def close(self) -> None:
         """Close the consumer."""

@@ -1,4 +1,4 @@
-"""A local SparkSession wired for Spark's Kafka source (INFRA.md, Spark).
+"""A SparkSession wired for Spark's Kafka source (INFRA.md, Spark).
 
 The Kafka source is not inside pyspark: its jars are fetched with Maven (``ordering_layer.stack.jars``)
 and passed with ``spark.jars``, never with ``spark.jars.packages`` (Ivy may not reach a registry).
@@ -11,6 +11,7 @@ import os
 import sys
 from collections.abc import Mapping
 from importlib import resources
+from urllib.parse import urlsplit
 
 from pyspark.sql import SparkSession
 
@@ -38,21 +39,29 @@ def _log_settings() -> dict[str, str]:
     return {"spark.driver.extraJavaOptions": f"-Dlog4j2.configurationFile={config}"}
 
 
+def _on_loopback(master: str) -> bool:
+    """True for a local master, or a cluster master on this machine's loopback address."""
+    return master.startswith("local") or urlsplit(master).hostname in ("127.0.0.1", "localhost")
+
+
 def local_session(app_name: str = "ordering-layer", *, master: str = "local[2]",
                   settings: Mapping[str, str] | None = None) -> SparkSession:
-    """A local SparkSession with Spark's Kafka source on its class path.
+    """A SparkSession whose driver runs here, with Spark's Kafka source on its class path.
 
-    Python workers run the interpreter that calls this (``PYSPARK_PYTHON`` is set to it unless it
-    is set already), so they find ``ordering_layer``, pandas and pyarrow. Memory is small (driver
-    1g) and shuffles use few partitions; Spark logs warnings and errors only. ``settings``
-    override any Spark setting. A local master binds to 127.0.0.1 (``SPARK_LOCAL_IP`` unless set).
-    If a session is active already, Spark returns it and settings that need a new JVM are ignored.
+    The master is local by default, or a cluster's (``spark://host:7077``: the Kafka source jars
+    go to its executors through ``spark.jars``). Python workers run the interpreter that calls
+    this (``PYSPARK_PYTHON`` is set to it unless it is set already), so they find
+    ``ordering_layer``, pandas and pyarrow; a cluster's machines need that interpreter at the same
+    path. Memory is small (driver 1g) and shuffles use few partitions; the driver logs warnings
+    and errors only. ``settings`` override any Spark setting. With a local master, or one on
+    127.0.0.1, the driver binds to 127.0.0.1 (``SPARK_LOCAL_IP`` unless set). If a session is
+    active already, Spark returns it and settings that need a new JVM are ignored.
 
     Raises:
         StackError: the Kafka source jars cannot be fetched (Maven missing or failing).
     """
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    if master.startswith("local"):
+    if _on_loopback(master):
         os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     jars = ",".join(str(path) for path in spark_kafka_jars())
     builder = SparkSession.builder.master(master).appName(app_name).config("spark.jars", jars)

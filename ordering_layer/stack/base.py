@@ -103,17 +103,19 @@ class Endpoints:
     """Where a running stack answers, and how to talk to it.
 
     ``redis_url`` may carry a password; ``kafka_config_file`` names a properties file of the Kafka
-    client settings besides ``bootstrap.servers`` (TLS, SASL), empty for a plain broker. ``repr``
-    masks the password.
+    client settings besides ``bootstrap.servers`` (TLS, SASL), empty for a plain broker;
+    ``spark_master`` is the master URL of a Spark standalone cluster (``spark://host:port``), empty
+    when none runs. ``repr`` masks the password.
     """
 
     bootstrap: str
     redis_url: str
     kafka_config_file: str = ""
+    spark_master: str = ""
 
     def __repr__(self) -> str:
         return (f"Endpoints(bootstrap={self.bootstrap!r}, redis_url={mask_url(self.redis_url)!r}, "
-                f"kafka_config_file={self.kafka_config_file!r})")
+                f"kafka_config_file={self.kafka_config_file!r}, spark_master={self.spark_master!r})")
 
     def kafka_config(self) -> dict[str, Any]:
         """A confluent-kafka config for this stack: ``bootstrap.servers`` plus the file's settings."""
@@ -129,6 +131,8 @@ class Endpoints:
         ]
         if self.kafka_config_file:
             lines.append(f"export ORDERING_LAYER_KAFKA_CONFIG={shlex.quote(self.kafka_config_file)}")
+        if self.spark_master:
+            lines.append(f"export ORDERING_LAYER_SPARK_MASTER={shlex.quote(self.spark_master)}")
         return lines
 
 
@@ -195,6 +199,19 @@ class StackBackend(ABC):
     def start_redis_node(self, index: int) -> None:
         """Start one Redis server again and wait until the cluster serves every slot."""
         raise StackError(f"{type(self).__name__} runs no Redis Cluster")
+
+    def start_spark(self) -> str:
+        """Start a Spark standalone master and worker beside Kafka and Redis (harmless when they run);
+        return the master URL, which ``endpoints().spark_master`` gives from then on.
+
+        Raises:
+            StackError: the backend runs no Spark, no stack runs, or Spark did not come up.
+        """
+        raise StackError(f"{type(self).__name__} runs no Spark cluster: use the local backend")
+
+    def stop_spark(self) -> None:
+        """Stop the Spark master and worker started by ``start_spark`` (``down`` stops them too)."""
+        raise StackError(f"{type(self).__name__} runs no Spark cluster: use the local backend")
 
 
 class FolderStateBackend(StackBackend, ABC):

@@ -15,6 +15,10 @@ Two variants, chosen when the stack is first started and kept in its state:
   formatted), Redis speaks TLS only and admits one ACL user with a password. The controller listener
   stays plaintext on the loopback interface (KRaft cannot authenticate it with SCRAM). Clients find
   their settings in ``client.properties`` and the ``rediss://`` URL (``ordering-layer stack env``).
+
+On request (``start_spark``, ``stack up --spark-cluster``) a Spark standalone master and worker run
+beside them from the installed pyspark (``SparkCluster``, in ``spark/``); ``up`` starts them again
+while the state says so, ``stop_spark`` and ``down`` stop them.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from ordering_layer.stack.certs import TlsFiles, make_certificates
 from ordering_layer.stack.jars import cache_dir, kafka_jars
 from ordering_layer.stack.processes import START_TIMEOUT, alive, spawn, wait_until, write_private
 from ordering_layer.stack.redis_nodes import RedisAccess, RedisNodes
+from ordering_layer.stack.spark_cluster import SparkCluster
 from ordering_layer.state.client import mask_url
 
 _LOGGER = logging.getLogger(__name__)
@@ -234,6 +239,8 @@ class LocalStack(FolderStateBackend):
         self._check_variant(state)
         self._redis(state).up()
         self.start_broker()
+        if state.get("spark"):
+            self._spark().up()
         return self.endpoints()
 
     def down(self) -> None:
@@ -243,6 +250,7 @@ class LocalStack(FolderStateBackend):
             # protects nothing.
             self.stop_broker(kill=True)
             self.stop_redis(kill=True)
+            self._spark().stop(kill=True)
         shutil.rmtree(self.state_dir, ignore_errors=True)
 
     def endpoints(self) -> Endpoints:
@@ -251,6 +259,7 @@ class LocalStack(FolderStateBackend):
             bootstrap=",".join(f"{_HOST}:{n['port']}" for n in state["nodes"]),
             redis_url=self._redis(state).url(),
             kafka_config_file=str(self._client_properties(state)) if state.get("secure") else "",
+            spark_master=self._spark().master_url() if state.get("spark") else "",
         )
 
     def status(self) -> dict[str, Any]:
@@ -263,16 +272,18 @@ class LocalStack(FolderStateBackend):
         redis = self._redis(state)
         redis_up = all(redis.running())
         endpoints = self.endpoints()
+        spark = self._spark().status() if state.get("spark") else None
         return {
             "backend": "local",
             "state_dir": str(self.state_dir),
-            "up": kafka_up and redis_up,
+            "up": kafka_up and redis_up and (spark is None or spark["running"]),
             "secure": bool(state.get("secure")),
             "redis_cluster": bool(state.get("redis_cluster")),
             "kafka": {"running": kafka_up, "bootstrap": endpoints.bootstrap, "brokers": brokers,
                       "config_file": endpoints.kafka_config_file or None},
             "redis": {"running": redis_up, "pid": redis.pids()[0], "pids": redis.pids(),
                       "url": mask_url(endpoints.redis_url)},
+            **({"spark": spark} if spark else {}),
         }
 
     # -- Redis -----------------------------------------------------------------------------------
@@ -301,6 +312,22 @@ class LocalStack(FolderStateBackend):
     def redis_nodes(self) -> RedisNodes:
         """The Redis servers of this stack (for tests that look at single nodes)."""
         return self._redis()
+
+    # -- Spark -----------------------------------------------------------------------------------
+    def _spark(self) -> SparkCluster:
+        return SparkCluster(self.state_dir / "spark")
+
+    def start_spark(self) -> str:
+        state = self._state_or_fail()
+        state["spark"] = True
+        self._save(state)
+        return self._spark().up()
+
+    def stop_spark(self) -> None:
+        state = self._state_or_fail()
+        self._spark().stop()
+        state["spark"] = False
+        self._save(state)
 
     # -- Kafka -----------------------------------------------------------------------------------
     def start_broker(self, *, node: int | None = None) -> None:

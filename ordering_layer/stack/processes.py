@@ -7,7 +7,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from ordering_layer.errors import StackError
@@ -33,11 +33,12 @@ def alive(pid: int | None) -> bool:
         return True
 
 
-def spawn(command: Sequence[str], log: Path) -> int:
-    """Start ``command`` in its own session, output appended to ``log``; return its pid."""
+def spawn(command: Sequence[str], log: Path, env: Mapping[str, str] | None = None) -> int:
+    """Start ``command`` in its own session (``env``: its environment, default this process's),
+    output appended to ``log``; return its pid, which is also its process group's id."""
     with open(log, "ab") as out:
         proc = subprocess.Popen(list(command), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+                                start_new_session=True, env=dict(env) if env is not None else None)
     return proc.pid
 
 
@@ -61,17 +62,24 @@ def wait_until(check: Callable[[], object], what: str, pid: int, log: Path, time
     raise StackError(f"{what} did not answer within {timeout:.0f} s; see {log}")
 
 
-def stop(pid: int | None, *, kill: bool) -> None:
-    """Stop a process (SIGTERM, or SIGKILL when ``kill``; SIGKILL after 30 s anyway) and reap it."""
+def stop(pid: int | None, *, kill: bool, group: bool = False) -> None:
+    """Stop a process (SIGTERM, or SIGKILL when ``kill``; SIGKILL after 30 s anyway) and reap it.
+
+    With ``group`` the signals go to its whole process group (a process started by ``spawn`` and
+    the children it started, which stay in its group), sent while the process itself runs.
+    """
     if not alive(pid):
         return
     assert pid is not None
-    os.kill(pid, signal.SIGKILL if kill else signal.SIGTERM)
+    send = os.killpg if group else os.kill
+    with contextlib.suppress(ProcessLookupError):
+        send(pid, signal.SIGKILL if kill else signal.SIGTERM)
     deadline = time.monotonic() + _STOP_TIMEOUT
     while alive(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     if alive(pid):
-        os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            send(pid, signal.SIGKILL)
         while alive(pid):
             time.sleep(0.05)
     # Collect the exit status when the process is our child, so it does not linger as a zombie.

@@ -1,8 +1,8 @@
 """The subscriber's Kafka settings: as its consumer takes them, as other clients of it take them; the
 credential check and the layer's Redis URL.
 
-The subscriber's settings feed a consumer, but also the dead-letter producer and the credential
-probe, which take no consumer-only keys (librdkafka warns on each one it is given).
+The subscriber's settings feed its consumer; the dead-letter producer and the credential probe take
+only their ``connection_settings``.
 """
 
 from __future__ import annotations
@@ -13,10 +13,8 @@ from typing import Any
 
 from ordering_layer.auth import verify_kafka
 from ordering_layer.errors import ConfigError
+from ordering_layer.kafka_config import connection_settings, read_kafka_config
 from ordering_layer.scheduler.settings import REDIS_URL_ENV, redis_url_or_env
-
-CONSUMER_ONLY = ("group.", "session.", "heartbeat.", "max.poll", "auto.", "enable.auto",
-                 "partition.assignment", "isolation", "on_commit", "fetch.", "queued.")
 
 # librdkafka's fetch.queue.backoff.ms (default 1000): how long it postpones the next fetch of a
 # partition once its local queue was over queued.min.messages. A consumer that drains the queue
@@ -27,19 +25,14 @@ FETCH_QUEUE_BACKOFF_MS = 10
 
 
 def consumer_settings(kafka_config: Mapping[str, Any], subscription: str) -> dict[str, Any]:
-    """The engine's consumer settings: the user's, with the group, commits and assignor the engine
-    needs, and the layer's defaults for what the user did not set."""
-    conf = {k: v for k, v in kafka_config.items() if k != "group.id"}
+    """The engine's consumer settings: the user's (read as librdkafka reads them), with the group,
+    commits, start and assignor the engine needs, and the layer's defaults for what the user did not set."""
+    conf = read_kafka_config(kafka_config)
     conf.update({"group.id": subscription, "enable.auto.commit": False, "enable.auto.offset.store": False,
                  "auto.offset.reset": "earliest", "partition.assignment.strategy": "cooperative-sticky"})
     conf.setdefault("fetch.queue.backoff.ms", FETCH_QUEUE_BACKOFF_MS)
     conf.setdefault("logger", logging.getLogger("ordering_layer.kafka.consumer"))
     return conf
-
-
-def without_consumer_keys(kafka_config: Mapping[str, Any]) -> dict[str, Any]:
-    """``kafka_config`` without the keys only a consumer takes."""
-    return {k: v for k, v in kafka_config.items() if not k.startswith(CONSUMER_ONLY)}
 
 
 def verify_credentials(kafka_config: Mapping[str, Any]) -> None:
@@ -49,7 +42,7 @@ def verify_credentials(kafka_config: Mapping[str, Any]) -> None:
         AuthenticationError: ``server="kafka"``: a broker refused the login or the handshake.
         ConfigError: confluent-kafka refused the config itself.
     """
-    verify_kafka(without_consumer_keys(kafka_config))
+    verify_kafka(connection_settings(kafka_config))
 
 
 def redis_url_from(redis_url: str | None) -> str:

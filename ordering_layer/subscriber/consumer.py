@@ -6,6 +6,12 @@ chooses its start). ``poll``/``consume`` return ``Message`` objects with conflue
 With ``enable.auto.commit`` (confluent's default) what a ``poll``/``consume`` returned is acked at the
 next ``poll``/``consume``/``close`` of the consumer, so a plain poll-process loop gets per-key order
 and at-least-once unchanged; with it off, ``ack()``/``nack()`` or ``commit(...)`` settle explicitly.
+With ``enable.auto.offset.store=false`` nothing is acked by the next poll: ``store_offsets(msg)``
+acks, as storing an offset marks a message processed in confluent-kafka.
+
+The settings are read as librdkafka reads them (``kafka_config.read_kafka_config``: the nested
+``default.topic.config``, the ``auto.offset.reset`` aliases, strings for booleans); one the layer
+cannot honour is refused with a ``ConfigError`` naming it.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from ordering_layer.errors import (
     SubscriptionNotFoundError,
     UnsupportedOperationError,
 )
+from ordering_layer.kafka_config import flag, offset_reset, read_kafka_config
 from ordering_layer.scheduler.participant import join_activation
 from ordering_layer.state import StateStore
 from ordering_layer.subscriber.client_config import redis_url_from, verify_credentials
@@ -37,13 +44,24 @@ _LOGGER = logging.getLogger(__name__)
 
 _WAIT_STEP = 1.0  # an endless poll waits in steps of this many seconds
 _MAX_MESSAGES = 1_000_000  # confluent-kafka's limit for consume(num_messages)
-_LATEST = ("latest", "largest", "end")
 _PER_KEY = "per-key order and per-message acks need the group protocol to own partitions"
 UserRebalanceCallback = Callable[[Any, list[TopicPartition]], None]
 
 
-def _is_true(value: Any) -> bool:
-    return str(value).lower() in ("true", "1")
+# Settings whose value the layer cannot honour, with the values it can and the reason.
+_HONOURED: dict[str, tuple[tuple[str, ...], str]] = {
+    "enable.partition.eof": (("false", "f", "0"), "the layer delivers messages, not partition ends"),
+    "partition.assignment.strategy": (("cooperative-sticky",), "ownership moves key by key only with "
+                                                               "incremental (cooperative) rebalancing"),
+    "group.protocol": (("classic",), "the subscriber runs the classic group protocol"),
+}
+
+
+def _refuse_unhonoured(conf: Mapping[str, Any]) -> None:
+    for name, (values, reason) in _HONOURED.items():
+        if name in conf and str(conf[name]).strip().lower() not in values:
+            raise ConfigError(f"{name}={conf[name]!r} cannot be honoured by OrderedConsumer: {reason}",
+                              setting=name)
 
 
 class OrderedConsumer:
@@ -58,7 +76,8 @@ class OrderedConsumer:
             (``ordering_layer.metrics``); None: no endpoint.
 
     Raises:
-        ConfigError: missing bootstrap, group or Redis URL; the metrics port cannot be bound.
+        ConfigError: missing bootstrap, group or Redis URL; a setting that cannot be read or honoured
+            (``setting`` names it); the metrics port cannot be bound.
         AuthenticationError: Kafka (``server="kafka"``) or Redis (``server="redis"``) refused the
             credentials or the TLS handshake.
     """
@@ -66,13 +85,16 @@ class OrderedConsumer:
     def __init__(self, config: Mapping[str, Any] | None = None, /, *, redis_url: str | None = None,
                  flow_control: FlowControl | None = None, metrics_port: int | None = None,
                  **kwargs: Any) -> None:
-        conf = {**(config or {}), **kwargs}
+        conf = read_kafka_config(config, kwargs)
         require_bootstrap(conf)
-        verify_credentials(conf)
         if not conf.get("group.id"):
-            raise ConfigError("OrderedConsumer needs 'group.id' (the subscription name)")
+            raise ConfigError("OrderedConsumer needs 'group.id' (the subscription name)", setting="group.id")
+        _refuse_unhonoured(conf)
+        self._auto_commit = flag(conf, "enable.auto.commit", True)
+        self._auto_store = flag(conf, "enable.auto.offset.store", True)
+        self._start = StartPosition.LATEST if offset_reset(conf) == "latest" else StartPosition.TRIM_HORIZON
+        verify_credentials(conf)
         self._config = conf
-        self._auto_commit = _is_true(conf.get("enable.auto.commit", True))
         self._redis_url = redis_url_from(redis_url)
         self._store = StateStore(self._redis_url, kafka_config=conf)
         self._activation = join_activation(conf, self._redis_url)  # PUB-5
@@ -121,13 +143,10 @@ class OrderedConsumer:
     def _create(self, name: str, topic: str) -> SubscriptionSettings:
         from ordering_layer.admin import Admin  # the admin client is needed only for a new subscription
 
-        reset = str(self._config.get("auto.offset.reset", "latest")).lower()
-        start = StartPosition.LATEST if reset in _LATEST else StartPosition.TRIM_HORIZON
-        admin = Admin({k: v for k, v in self._config.items() if not k.startswith(("group.", "enable.auto"))},
-                      redis_url=self._redis_url)
+        admin = Admin(self._config, redis_url=self._redis_url)
         with contextlib.suppress(SubscriptionExistsError):  # created meanwhile by another consumer
-            admin.create_subscription(name, topic=topic, start=start)
-        _LOGGER.info("created subscription %s of %s (ordering on, start %s)", name, topic, start.kind)
+            admin.create_subscription(name, topic=topic, start=self._start)
+        _LOGGER.info("created subscription %s of %s (ordering on, start %s)", name, topic, self._start.kind)
         return self._store.settings(name)
 
     def _bind(self, callback: UserRebalanceCallback | None) -> Callable[[list[TopicPartition]], None] | None:
@@ -177,7 +196,7 @@ class OrderedConsumer:
         return messages
 
     def _auto_ack(self) -> None:
-        if self._auto_commit and self._returned:
+        if self._auto_commit and self._auto_store and self._returned:
             for message in self._returned:
                 if not message.settled:
                     message.ack()
@@ -194,17 +213,7 @@ class OrderedConsumer:
             LeaseLostError: (synchronous) an ack was refused: the partition moved to another owner.
         """
         self._require()
-        if message is not None and offsets is not None:
-            raise ValueError("commit takes message or offsets, not both")
-        if message is not None:
-            chosen = [message]
-        elif offsets is not None:
-            limits = {(tp.topic, tp.partition): tp.offset for tp in offsets}
-            chosen = [m for m in self._returned
-                      if m.offset() < limits.get((m.topic(), m.partition()), -1)]
-        else:
-            chosen = list(self._returned)
-        chosen = [m for m in chosen if not m.settled]
+        chosen = self._chosen(message, offsets)
         if asynchronous:
             for m in chosen:
                 m.ack()
@@ -219,6 +228,34 @@ class OrderedConsumer:
                                      f"{answer.result().value}", partition=m.partition(), offset=m.offset())
             done[m.partition()] = max(done.get(m.partition(), 0), m.offset() + 1)
         return [TopicPartition(self._topic, p, o) for p, o in sorted(done.items())]
+
+    def store_offsets(self, message: Message | None = None, offsets: list[TopicPartition] | None = None) -> None:
+        """Mark messages processed, as confluent-kafka's ``store_offsets``: here that acks them (the
+        layer settles message by message and commits the lowest unsettled offset itself).
+        ``message`` alone, or every returned message below each offset of ``offsets``.
+
+        Raises:
+            ValueError: neither or both of ``message`` and ``offsets``.
+        """
+        self._require()
+        if message is None and offsets is None:
+            raise ValueError("store_offsets takes message or offsets")
+        for m in self._chosen(message, offsets):
+            m.ack()
+        self._prune()
+
+    def _chosen(self, message: Message | None, offsets: list[TopicPartition] | None) -> list[Message]:
+        """The unsettled messages that ``message``/``offsets`` name (all returned ones for neither)."""
+        if message is not None and offsets is not None:
+            raise ValueError("pass message or offsets, not both")
+        if message is not None:
+            chosen = [message]
+        elif offsets is not None:
+            limits = {(tp.topic, tp.partition): tp.offset for tp in offsets}
+            chosen = [m for m in self._returned if m.offset() < limits.get((m.topic(), m.partition()), -1)]
+        else:
+            chosen = list(self._returned)
+        return [m for m in chosen if not m.settled]
 
     def _prune(self) -> None:
         self._returned = [m for m in self._returned if not m.settled]
@@ -256,10 +293,6 @@ class OrderedConsumer:
         """Not supported: use ``Admin.seek(subscription, time=...)``, which keeps per-key order."""
         raise UnsupportedOperationError("seek", "a partition seek would break per-key order and acks; "
                                                 "use Admin.seek(subscription, time=...) (GRP-3)")
-
-    def store_offsets(self, message: Message | None = None, offsets: list[TopicPartition] | None = None) -> None:
-        """Not supported: the layer commits the lowest unsettled offset itself; use ``commit``/``ack``."""
-        raise UnsupportedOperationError("store_offsets", "offsets are derived from per-message acks")
 
     def pause(self, partitions: list[TopicPartition]) -> None:
         """Not supported: flow control pauses the fetch itself (SUB-7)."""

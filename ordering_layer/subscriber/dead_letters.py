@@ -18,9 +18,9 @@ import redis
 from confluent_kafka import KafkaError, KafkaException, Producer
 
 from ordering_layer.config import DEAD_LETTER_MAX_BYTES, SubscriptionSettings
+from ordering_layer.kafka_config import connection_settings
 from ordering_layer.record import display_key, encode
 from ordering_layer.state import StateStore
-from ordering_layer.subscriber.client_config import without_consumer_keys
 from ordering_layer.subscriber.partition import Delivery
 from ordering_layer.subscriber.requests import DeadLettered
 
@@ -54,7 +54,7 @@ class DeadLetters:
 
     def __init__(self, kafka_config: Mapping[str, Any], store: StateStore, subscription: str,
                  settings: SubscriptionSettings, report: Callable[[DeadLettered], None]) -> None:
-        self._producer_config = without_consumer_keys(kafka_config)
+        self._producer_config = connection_settings(kafka_config)
         self._store = store
         self._subscription = subscription
         self._settings = settings

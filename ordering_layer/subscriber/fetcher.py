@@ -13,6 +13,7 @@ before a revocation or loss, on this thread); ``consume()`` then serves only the
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import time
@@ -94,6 +95,7 @@ class Fetcher:
         self._ownership = ownership
         self._post = post
         self._rebalance = rebalance
+        self._user_on_commit = config.get("on_commit")
         self.consumer = Consumer({**config, "on_commit": self._on_commit})
         self._requests: queue.SimpleQueue[list[TopicPartition] | SeekPartition] = queue.SimpleQueue()
         self._seeks: dict[int, SeekPartition] = {}  # seeks the consumer could not do yet, by partition
@@ -276,7 +278,8 @@ class Fetcher:
 
     def _on_commit(self, err: Any, partitions: list[TopicPartition]) -> None:
         """A commit reached the group coordinator: only now may Redis forget what lies below it. A
-        refused commit (a rebalance, a coordinator loading) is reported so that it is sent again."""
+        refused commit (a rebalance, a coordinator loading) is reported so that it is sent again;
+        the program's own ``on_commit`` is told, as confluent-kafka tells it."""
         mine = [tp for tp in partitions if tp.topic == self.topic]
         if err is not None:
             failed = tuple(tp.partition for tp in mine)
@@ -287,6 +290,7 @@ class Fetcher:
                     if tp.error is None and tp.offset >= 0]
         if done or failed:
             self._post(Committed(done, failed))
+        _tell(self._user_on_commit and functools.partial(self._user_on_commit, err), partitions, "on_commit")
 
     def _pause(self, partitions: list[TopicPartition], pause: bool) -> None:
         if partitions:

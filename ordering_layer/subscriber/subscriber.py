@@ -10,6 +10,7 @@ from typing import Any
 from ordering_layer import metrics
 from ordering_layer.config import FlowControl, require_bootstrap
 from ordering_layer.errors import ConfigError
+from ordering_layer.kafka_config import read_kafka_config
 from ordering_layer.scheduler.participant import Activation, join_activation
 from ordering_layer.state import StateStore
 from ordering_layer.subscriber.client_config import redis_url_from, verify_credentials
@@ -81,9 +82,9 @@ class Subscriber:
 
     def __init__(self, kafka_config: Mapping[str, Any], *, redis_url: str | None = None,
                  metrics_port: int | None = None) -> None:
-        require_bootstrap(kafka_config)
-        verify_credentials(kafka_config)
-        self._kafka = dict(kafka_config)
+        self._kafka = read_kafka_config(kafka_config)
+        require_bootstrap(self._kafka)
+        verify_credentials(self._kafka)
         self._redis_url = redis_url_from(redis_url)
         self._store = StateStore(self._redis_url, kafka_config=self._kafka)
         # PUB-5: a running subscription takes part in activating scheduled messages; pull mode

@@ -13,7 +13,6 @@ from ordering_layer.subscriber import fetcher
 from ordering_layer.subscriber.client_config import (
     FETCH_QUEUE_BACKOFF_MS,
     consumer_settings,
-    without_consumer_keys,
 )
 from ordering_layer.subscriber.engine import Engine
 
@@ -35,10 +34,13 @@ def test_fetch_queue_backoff_defaults_short_and_the_users_value_wins() -> None:
     assert conf["fetch.queue.backoff.ms"] == 500
 
 
-def test_fetch_and_queue_settings_are_kept_from_producers() -> None:
-    conf = {"bootstrap.servers": "b", "fetch.queue.backoff.ms": 5, "queued.min.messages": 1000,
-            "fetch.wait.max.ms": 10, "linger.ms": 5}
-    assert without_consumer_keys(conf) == {"bootstrap.servers": "b", "linger.ms": 5}
+def test_nested_topic_settings_cannot_move_the_engines_start() -> None:
+    """DRP-2: ``default.topic.config`` is read before the engine sets its own start: a program's
+    ``largest`` there cannot make the engine's consumer skip records it must recover."""
+    conf = consumer_settings({"bootstrap.servers": "b", "default.topic.config": {"auto.offset.reset": "largest"}},
+                             "s")
+    assert "default.topic.config" not in conf
+    assert conf["auto.offset.reset"] == "earliest"
 
 
 def test_the_engine_builds_its_consumer_from_these_settings(monkeypatch: pytest.MonkeyPatch) -> None:

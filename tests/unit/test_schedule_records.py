@@ -9,7 +9,6 @@ import pytest
 from click.testing import CliRunner
 
 from ordering_layer import OrderedProducer
-from ordering_layer.compacted import client_config, producer_config
 from ordering_layer.config import PublisherSettings, from_mapping
 from ordering_layer.errors import ConfigError, RecordFormatError
 from ordering_layer.scheduler.cli import parse_when, render_table, schedule
@@ -54,13 +53,6 @@ def test_settings_are_checked() -> None:
     with pytest.raises(ConfigError, match="unknown"):
         from_mapping(SchedulerSettings, {"leases": 3})
     assert from_mapping(PublisherSettings, {"scheduler": False}).scheduler is False
-
-
-def test_consumer_settings_are_dropped_for_producers() -> None:
-    conf = {"bootstrap.servers": "b", "group.id": "g", "enable.auto.commit": False, "linger.ms": 5}
-    assert producer_config(conf) == {"bootstrap.servers": "b", "linger.ms": 5}
-    assert client_config(conf, ["linger."]) == {"bootstrap.servers": "b", "group.id": "g",
-                                                "enable.auto.commit": False}
 
 
 def test_parse_when() -> None:
