@@ -5,8 +5,8 @@ PY := $(VENV)/bin/python
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup system-deps python-deps core jars demo test test-unit lint bench soak soak-short clean docker-engine images \
-	test-docker compose-check test-redis-cluster test-secure
+.PHONY: setup system-deps python-deps constraints core jars demo test test-unit lint bench soak soak-short clean \
+	docker-engine images test-docker compose-check test-redis-cluster test-secure compat
 
 setup: system-deps python-deps core jars
 
@@ -31,12 +31,22 @@ python-deps: $(VENV)/.installed
 # newer than Debian bookworm's.
 export PATH := $(HOME)/.cargo/bin:$(PATH)
 
-$(VENV)/.installed: pyproject.toml
+# pyproject.toml gives ranges; constraints.txt the exact release of every package the venv gets (the
+# project aside), so that the demo, the tests and CI install the same.
+$(VENV)/.installed: pyproject.toml constraints.txt
 	@command -v cargo >/dev/null || { echo "cargo not found: install Rust >= 1.85 (rustup) to build core/"; exit 1; }
 	@[ -x $(PY) ] || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[spark,test,dev]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[spark,test,dev]'
 	@touch $@
+
+# constraints.txt is pip freeze of a venv that `make test` passed on. To move to other releases within
+# the ranges: install them into the venv (pip install -U ...), run the tests, then `make constraints`.
+constraints:
+	@[ -x $(PY) ] || { echo "no $(PY): run make setup first"; exit 1; }
+	{ echo "# The exact releases make and CI install (pip install -c constraints.txt), within"; \
+	  echo "# pyproject.toml's ranges: pip freeze of the tested venv, the project left out (make constraints)."; \
+	  $(PY) -m pip freeze --exclude-editable; } > constraints.txt
 
 # After a change to core/ the editable install builds the extension again, in place.
 CORE_SOURCES := core/Cargo.toml core/Cargo.lock $(wildcard core/src/*.rs)
@@ -80,6 +90,14 @@ SECURE_TESTS ?= tests/integration/test_subscriber.py tests/integration/test_leas
 
 test-secure: setup
 	ORDERING_LAYER_SECURE=1 $(PY) -m pytest -ra $(SECURE_TESTS)
+
+# pip install . into fresh venvs next to other pinned releases of confluent-kafka (by default the
+# lowest of pyproject.toml's range and another patch release than constraints.txt's), then the
+# interoperability and native fetch tests against each install (tests/compat/check_versions.sh).
+# Not in .ci/run: each release builds the compiled core afresh, minutes apiece on two cores.
+COMPAT_RELEASES ?=
+compat: system-deps
+	tests/compat/check_versions.sh $(COMPAT_RELEASES)
 
 lint: python-deps core
 	$(VENV)/bin/ruff check .
