@@ -6,14 +6,19 @@ numbered; a key whose order the records do not define is flagged ``order_undefin
 writes Parquet in which every key's messages lie in one file, contiguous and sorted by
 ``key_sequence`` (the shape of Pub/Sub's ordered exports).
 
-Run it locally (a ``local[2]`` session with the Kafka source jars fetched by Maven):
+Run it with python (a ``local[2]`` session, or one on the cluster that ``--master`` or
+``$ORDERING_LAYER_SPARK_MASTER`` names, with the Kafka source jars fetched by Maven):
 
     python spark/ordered_export.py --topic orders --out /tmp/orders-parquet
 
-or with spark-submit, passing the same jars and a Python that has ``ordering_layer`` installed:
+or with spark-submit, on a cluster (``--master spark://host:7077``; ``ordering-layer stack up
+--spark-cluster`` starts one here) or locally, passing the same jars (shipped to the executors) and
+a Python that has ``ordering_layer`` installed (the executors run it: on a cluster, at that path on
+every worker; ``--out`` must then be storage that every executor writes to and the driver reads):
 
-    PYSPARK_PYTHON=.venv/bin/python .venv/bin/spark-submit \\
+    PYSPARK_PYTHON=$PWD/.venv/bin/python .venv/bin/spark-submit --master "$ORDERING_LAYER_SPARK_MASTER" \\
         --jars "$(.venv/bin/python spark/ordered_export.py --print-jars)" \\
+        --conf spark.sql.shuffle.partitions=8 \\
         spark/ordered_export.py --topic orders --out /tmp/orders-parquet
 """
 
@@ -51,8 +56,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="partitions the keys are hashed into (default: spark.sql.shuffle.partitions)")
     parser.add_argument("--mode", choices=("errorifexists", "overwrite"), default="errorifexists",
                         help="what to do when --out exists (default: errorifexists)")
-    parser.add_argument("--master", default="local[2]",
-                        help="Spark master when run with python (spark-submit's own --master wins)")
+    parser.add_argument("--master", default=os.environ.get("ORDERING_LAYER_SPARK_MASTER", "local[2]"),
+                        help="Spark master when run with python (default: $ORDERING_LAYER_SPARK_MASTER, else "
+                             "local[2]; spark-submit's own --master wins)")
     parser.add_argument("--print-jars", action="store_true",
                         help="print the Kafka source jars as a comma-separated list (for spark-submit --jars) and exit")
     args = parser.parse_args(argv)
