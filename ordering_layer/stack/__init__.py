@@ -1,4 +1,5 @@
-"""Local Kafka + Redis for the demo, the tests and the benchmarks, behind one backend seam."""
+"""Local Kafka + Redis for the demo, the tests and the benchmarks, behind one backend seam; a Spark
+standalone cluster beside them on request."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from ordering_layer.errors import ConfigError
 from ordering_layer.stack.base import Endpoints, StackBackend
 from ordering_layer.stack.containers import ContainerStack
 from ordering_layer.stack.local import LocalStack
+from ordering_layer.stack.spark_cluster import SparkCluster
 
-__all__ = ["ContainerStack", "Endpoints", "LocalStack", "StackBackend", "get_backend"]
+__all__ = ["ContainerStack", "Endpoints", "LocalStack", "SparkCluster", "StackBackend", "get_backend"]
 
 BACKENDS = ("local", "testcontainers")
 

@@ -185,7 +185,10 @@ class SparkCluster:
         return self.master_url()
 
     def stop(self, *, kill: bool = False) -> None:
-        """Stop the worker (with the executors it started) and the master; SIGKILL when ``kill``."""
+        """Stop the worker (with the executors it started) and the master; SIGKILL when ``kill``.
+        Nothing to do when they were never started here."""
+        if not self._state_file.exists():
+            return
         state = self._load()
         stop(state["worker_pid"], kill=kill, group=True)
         stop(state["master_pid"], kill=kill)

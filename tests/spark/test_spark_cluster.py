@@ -22,10 +22,10 @@ from pyspark.sql import SparkSession
 
 from ordering_layer import Admin
 from ordering_layer.spark import export_ordered, read_ordered, restore_order
-from ordering_layer.stack import Endpoints, LocalStack, StackBackend
+from ordering_layer.stack import Endpoints, LocalStack, SparkCluster, StackBackend
 from ordering_layer.stack.jars import spark_kafka_jars
 from ordering_layer.stack.processes import alive
-from ordering_layer.stack.spark_cluster import SparkCluster, read_master_state, spark_submit
+from ordering_layer.stack.spark_cluster import read_master_state, spark_submit
 from tests.spark.restore_program import as_json
 from tests.spark.workload import Workload
 
@@ -59,6 +59,7 @@ def spark_master(stack: StackBackend | None, tmp_path_factory: pytest.TempPathFa
         spark = stack.status()["spark"]
         try:
             assert stack.endpoints().spark_master == url and spark["running"], spark
+            assert f"export ORDERING_LAYER_SPARK_MASTER={url}" in stack.endpoints().env_lines()
             yield SparkMaster(url, spark["ui"])
         finally:
             stack.stop_spark()
