@@ -123,6 +123,7 @@ pub struct KeyQueue<T> {
     pub ready_stamp: u64,   // 0: not in the ready list
     pub waiting_stamp: u64, // 0: not in the quarantine's waiting list
     pub backing_off: bool,
+    pub moved: bool, // held until its key's records in its old partitions are settled (`moves`)
 }
 
 impl<T> KeyQueue<T> {
@@ -138,6 +139,7 @@ impl<T> KeyQueue<T> {
             ready_stamp: 0,
             waiting_stamp: 0,
             backing_off: false,
+            moved: false,
         }
     }
 

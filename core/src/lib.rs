@@ -14,6 +14,7 @@
 mod fetch;
 mod key_queue;
 mod leases;
+mod moves;
 mod ops;
 mod partition;
 mod runs;
@@ -44,20 +45,24 @@ struct PartitionCore {
 }
 
 impl PartitionCore {
-    /// `items[start:stop]` into the core; `read` gives an item's offset, payload size and key.
+    /// `items[start:stop]` into the core; `read` gives an item's offset, payload size and key, and
+    /// `published` the partition count it was published under (0: unknown) and its append time in
+    /// ms, asked only while keys moved in by an expansion are looked for.
     fn take<'py>(
         &mut self,
         items: &Bound<'py, PyList>,
         start: usize,
         stop: Option<usize>,
         read: impl Fn(&Bound<'py, PyAny>) -> PyResult<(i64, i64, Bound<'py, PyAny>)>,
+        published: impl Fn(&Bound<'py, PyAny>) -> PyResult<(u32, i64)>,
     ) -> PyResult<Vec<i64>> {
         let stop = stop.unwrap_or(usize::MAX).min(items.len());
         let mut skipped = Vec::new();
         for index in start..stop {
             let item = items.get_item(index)?;
             let (offset, size, key) = read(&item)?;
-            if !self.core.add(offset, key_bytes(&key)?, size, item.unbind()) {
+            let publish = if self.core.has_moves() { published(&item)? } else { (0, 0) };
+            if !self.core.add_published(offset, key_bytes(&key)?, size, item.unbind(), publish) {
                 skipped.push(offset);
             }
         }
@@ -127,7 +132,10 @@ const RECORD_SLOTS: usize = 12;
 const RECORD_PARTITION: usize = 0;
 const RECORD_OFFSET: usize = 1;
 const RECORD_KEY: usize = 2;
+const RECORD_METADATA: usize = 5;
 const RECORD_SIZE: usize = 6;
+const RECORD_TIMESTAMP: usize = 7;
+const METADATA_PARTITION_COUNT: usize = 1; // `RecordMetadata.partition_count`
 const RECORD_ATTEMPTS: usize = 8;
 const RECORD_SUSPECT: usize = 10;
 
@@ -259,6 +267,14 @@ impl PartitionCore {
             let offset: i64 = record.getattr(intern!(py, "offset"))?.extract()?;
             let size: i64 = record.getattr(intern!(py, "size"))?.extract()?;
             Ok((offset, size, record.getattr(intern!(py, "key"))?))
+        }, |record| {
+            let (metadata, timestamp) = match layout.filter(|layout| layout.is_instance(record)) {
+                // SAFETY: `record` is an instance of exactly the layout's class.
+                Some(layout) => unsafe { (layout.get(record, RECORD_METADATA), layout.get(record, RECORD_TIMESTAMP)) },
+                None => (record.getattr(intern!(py, "metadata"))?, record.getattr(intern!(py, "timestamp_ms"))?),
+            };
+            let count: Option<u32> = metadata.get_item(METADATA_PARTITION_COUNT)?.extract()?;
+            Ok((count.unwrap_or(0), timestamp.extract()?))
         })
     }
 
@@ -273,6 +289,9 @@ impl PartitionCore {
             let value = message.call_method0(intern!(py, "value"))?;
             let size = if value.is_none() { 0 } else { value.len()? as i64 };
             Ok((offset, size, message.call_method0(intern!(py, "key"))?))
+        }, |message| {
+            let (_, timestamp): (i32, i64) = message.call_method0(intern!(py, "timestamp"))?.extract()?;
+            Ok((0, timestamp))
         })
     }
 
@@ -420,6 +439,29 @@ impl PartitionCore {
     /// Queue an op decided in Python (a lease extension, a commit watermark), in decision order.
     fn push_op(&mut self, kind: char, offset: i64, value: i64) {
         self.core.push_op(kind, offset, value);
+    }
+
+    /// Take the topic's partition-count history, `[(count, since_ms), ...]`, for this partition,
+    /// `partition` (SUB-8): from now on a record of a key that lived in another partition under an
+    /// earlier count holds its key until `clear_moved`. Keys cleared before are held again.
+    fn set_moves(&mut self, partition: u32, counts: Vec<(u32, i64)>) {
+        self.core.set_moves(partition, counts);
+    }
+
+    /// Keys held for a move since the last call: `[(key, count published under), ...]`.
+    fn take_moved<'py>(&mut self, py: Python<'py>) -> Vec<(Bound<'py, PyBytes>, u32)> {
+        self.core.take_moved().into_iter().map(|(key, count)| (PyBytes::new(py, &key), count)).collect()
+    }
+
+    /// Release `key`, held for a move: its records in its old partitions are settled.
+    fn clear_moved(&mut self, key: &[u8]) {
+        self.core.clear_moved(key);
+    }
+
+    /// Keys held for a move now.
+    #[getter]
+    fn moved_holding(&self) -> usize {
+        self.core.moved_holding()
     }
 
     /// The queued ops packed for `apply.lua` (`"<letter>,<offset>,<value>;"` each); empties the queue.

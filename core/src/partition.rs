@@ -43,6 +43,7 @@ use foldhash::{HashMap, HashMapExt, HashSet};
 
 pub use crate::key_queue::{Entry, KeyBytes, QueueKey};
 use crate::key_queue::{KeyQueue, Quarantine, Wake, QUARANTINE_FROM};
+use crate::moves::Moves;
 use crate::ops::{self, OpBuffer};
 use crate::tracker::OffsetTracker;
 
@@ -93,6 +94,7 @@ pub struct PartitionCore<T> {
     quarantine: Quarantine,
     pub ops: OpBuffer,
     spare: Vec<VecDeque<Entry<T>>>, // emptied queues' record buffers, kept for new queues
+    moves: Option<Box<Moves>>,      // keys moved in by a partition expansion (SUB-8), if any
 }
 
 /// Emptied record buffers kept at most (each of at most `SPARE_CAPACITY` entries).
@@ -136,6 +138,7 @@ impl<T> PartitionCore<T> {
             quarantine: Quarantine::default(),
             ops: OpBuffer::default(),
             spare: Vec::new(),
+            moves: None,
         }
     }
 
@@ -217,7 +220,7 @@ impl<T> PartitionCore<T> {
     }
 
     fn mark_ready(&mut self, slot: u32) {
-        if self.slots[slot as usize].as_ref().is_some_and(|q| q.ready_stamp == 0) {
+        if self.slots[slot as usize].as_ref().is_some_and(|q| q.ready_stamp == 0 && !q.moved) {
             self.stamps += 1;
             let stamp = self.stamps;
             self.queue(slot).ready_stamp = stamp;
@@ -232,7 +235,15 @@ impl<T> PartitionCore<T> {
     // -- intake ------------------------------------------------------------------------------------
 
     /// Take a fetched record; false when it is skipped (a duplicate, or settled before a crash).
+    #[cfg(test)]
     pub fn add(&mut self, offset: i64, key: Option<&[u8]>, size: i64, item: T) -> bool {
+        self.add_published(offset, key, size, item, (0, 0))
+    }
+
+    /// `add` a record published under `published.0` partitions (0: unknown) at append time
+    /// `published.1` (ms): read only while the partition has keys moved in (`has_moves`).
+    pub fn add_published(&mut self, offset: i64, key: Option<&[u8]>, size: i64, item: T,
+                         published: (u32, i64)) -> bool {
         if self.tracker.next_offset.is_some_and(|next| offset < next) {
             return false;
         }
@@ -282,12 +293,19 @@ impl<T> PartitionCore<T> {
         };
         let quarantined = suspect && attempts >= QUARANTINE_FROM;
         let slot = self.slot_for(offset, key);
-        let queue = self.queue(slot);
+        let queue = self.slots[slot as usize].as_mut().expect("a live slot");
         queue.records.push_back(Entry {
             offset, size, attempts, suspect, quarantined, released: earlier, in_hash: earlier, token: 0, acked: false,
             item,
         });
-        let idle = queue.outstanding == 0 && !queue.backing_off;
+        if let (Some(moves), QueueKey::Key(key), false) = (self.moves.as_deref_mut(), &queue.qkey, queue.moved) {
+            if let Some(count) = moves.holds(key, published.0, published.1) {
+                queue.moved = true;
+                moves.holding += 1;
+                moves.held.push((key.clone(), count));
+            }
+        }
+        let idle = queue.outstanding == 0 && !queue.backing_off && !queue.moved;
         self.buffered += 1;
         if idle {
             self.mark_ready(slot);
@@ -315,6 +333,64 @@ impl<T> PartitionCore<T> {
 
     /// Ready keys, at most (keys taken out of the ready set since, by a backoff or a settle, are
     /// counted until a release passes them); 0 while the recovery walk holds releases. O(1).
+    /// Take the topic's count history (ascending counts with the time, in ms, from which each was
+    /// in force) for this partition, `partition`: records of keys that lived in another partition
+    /// under an earlier count hold their keys until cleared (SUB-8). Keys cleared under an earlier
+    /// history are held again; keys held now stay held.
+    pub fn set_moves(&mut self, partition: u32, counts: Vec<(u32, i64)>) {
+        let holding = self.moves.as_ref().map_or(0, |moves| moves.holding);
+        self.moves = Moves::new(partition, counts).map(Box::new);
+        if let Some(moves) = self.moves.as_deref_mut() {
+            moves.holding = holding;
+        } else if holding > 0 {
+            let keys: Vec<KeyBytes> = self.slots.iter().flatten().filter(|queue| queue.moved)
+                .filter_map(|queue| match &queue.qkey { QueueKey::Key(key) => Some(key.clone()), _ => None }).collect();
+            for key in keys {
+                self.release_moved(&key);
+            }
+        }
+    }
+
+    /// Whether records are read for moved keys (`add_published`).
+    pub fn has_moves(&self) -> bool {
+        self.moves.is_some()
+    }
+
+    /// The keys held since the last call, with the count their record was published under.
+    pub fn take_moved(&mut self) -> Vec<(KeyBytes, u32)> {
+        self.moves.as_deref_mut().map(|moves| std::mem::take(&mut moves.held)).unwrap_or_default()
+    }
+
+    /// Keys held now for a move.
+    pub fn moved_holding(&self) -> usize {
+        self.moves.as_ref().map_or(0, |moves| moves.holding)
+    }
+
+    /// Every record of `key` published before its moved records in its old partitions is settled:
+    /// release its queue and hold it no more.
+    pub fn clear_moved(&mut self, key: &[u8]) {
+        if let Some(moves) = self.moves.as_deref_mut() {
+            moves.clear(key);
+        }
+        self.release_moved(key);
+    }
+
+    fn release_moved(&mut self, key: &[u8]) {
+        let Some(slot) = self.by_key.get(key).copied() else { return };
+        let queue = self.queue(slot);
+        if !queue.moved {
+            return;
+        }
+        queue.moved = false;
+        let idle = queue.outstanding == 0 && !queue.backing_off;
+        if let Some(moves) = self.moves.as_deref_mut() {
+            moves.holding -= 1;
+        }
+        if idle {
+            self.mark_ready(slot);
+        }
+    }
+
     pub fn ready_len(&self) -> usize {
         if self.walking() { 0 } else { self.ready.len() }
     }
@@ -545,6 +621,11 @@ impl<T> PartitionCore<T> {
             return;
         }
         let queue = self.slots[slot as usize].take().expect("a live slot");
+        if queue.moved {
+            if let Some(moves) = self.moves.as_deref_mut() {
+                moves.holding -= 1;
+            }
+        }
         match &queue.qkey {
             QueueKey::Key(key) => self.by_key.remove(key.as_slice()),
             QueueKey::Offset(offset) => self.by_offset.remove(offset),
@@ -728,6 +809,39 @@ mod tests {
 
     fn no_backoff(_: u32) -> Result<f64, ()> {
         Ok(0.0)
+    }
+
+    #[test]
+    fn a_moved_key_waits_until_cleared_and_unmoved_keys_never_wait() {
+        use crate::moves::tests::partition_for;
+        let keys: Vec<Vec<u8>> = (0..60).map(|k| format!("key-{k}").into_bytes()).collect();
+        let here: Vec<&Vec<u8>> = keys.iter().filter(|key| partition_for(key, 6) == 2).collect();
+        let (moved, stayed): (Vec<&Vec<u8>>, Vec<&Vec<u8>>) = here.iter().partition(|key| partition_for(key, 4) != 2);
+        assert!(!moved.is_empty() && !stayed.is_empty());
+        let mut core = state(true, &[]);
+        core.set_moves(2, vec![(4, 0), (6, 1_000)]);
+        let mut offset = 0;
+        for round in 0..2 {
+            for key in &here {
+                assert!(core.add_published(offset, Some(key), 1, (), (6, 2_000 + round)));
+                offset += 1;
+            }
+        }
+        let out = release(&mut core, 1);
+        assert_eq!(out.len(), stayed.len(), "unmoved keys go out at once, one record each");
+        assert_eq!(core.moved_holding(), moved.len());
+        let held = core.take_moved();
+        assert_eq!(held.len(), moved.len(), "each moved key reported once");
+        assert!(held.iter().all(|(_, count)| *count == 6) && core.take_moved().is_empty());
+        core.clear_moved(moved[0]);
+        assert_eq!(core.moved_holding(), moved.len() - 1);
+        let out = release(&mut core, 1);
+        assert_eq!(out.len(), 1, "the cleared key goes out, the others still wait");
+        assert!(core.add_published(offset, Some(moved[0]), 1, (), (6, 3_000)));
+        assert!(core.take_moved().is_empty(), "a cleared key is not held again");
+        core.set_moves(2, vec![(4, 0)]);
+        assert_eq!(core.moved_holding(), 0, "no history: nothing waits");
+        assert_eq!(release(&mut core, 1).len(), moved.len() - 1);
     }
 
     #[test]

@@ -23,6 +23,11 @@ from ordering_layer.scheduler.settings import REDIS_URL_ENV, redis_url_or_env
 # the user's settings wins.
 FETCH_QUEUE_BACKOFF_MS = 10
 
+# librdkafka's topic.metadata.refresh.interval.ms (default 300,000): partitions added to the topic
+# are consumed only once the consumer's metadata shows them (SUB-8: within 15 s of a growth made by
+# anyone). A value in the user's settings wins.
+METADATA_REFRESH_MS = 5000
+
 
 def consumer_settings(kafka_config: Mapping[str, Any], subscription: str) -> dict[str, Any]:
     """The engine's consumer settings: the user's (read as librdkafka reads them), with the group,
@@ -31,6 +36,7 @@ def consumer_settings(kafka_config: Mapping[str, Any], subscription: str) -> dic
     conf.update({"group.id": subscription, "enable.auto.commit": False, "enable.auto.offset.store": False,
                  "auto.offset.reset": "earliest", "partition.assignment.strategy": "cooperative-sticky"})
     conf.setdefault("fetch.queue.backoff.ms", FETCH_QUEUE_BACKOFF_MS)
+    conf.setdefault("topic.metadata.refresh.interval.ms", METADATA_REFRESH_MS)
     conf.setdefault("logger", logging.getLogger("ordering_layer.kafka.consumer"))
     return conf
 

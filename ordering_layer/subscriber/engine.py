@@ -43,9 +43,19 @@ from ordering_layer.subscriber.inbox import Inbox
 from ordering_layer.subscriber.leases import lease_table
 from ordering_layer.subscriber.message import Message
 from ordering_layer.subscriber.metrics import snapshot
+from ordering_layer.subscriber.moves import MoveGuard
 from ordering_layer.subscriber.ownership import Ownership
 from ordering_layer.subscriber.partitions import Partitions
-from ordering_layer.subscriber.requests import Committed, DeadLettered, Fetched, Pull, Settle, Sought
+from ordering_layer.subscriber.requests import (
+    Committed,
+    CountsChanged,
+    DeadLettered,
+    Fetched,
+    MovesCleared,
+    Pull,
+    Settle,
+    Sought,
+)
 from ordering_layer.subscriber.settlement import Settlement
 from ordering_layer.subscriber.starts import Starts
 from ordering_layer.subscriber.state_writer import StateWriter
@@ -101,8 +111,9 @@ class Engine:
         self._writer = StateWriter(store, subscription, pipelined=store.pipelines)
         self._dead_letters = DeadLetters(kafka_config, store, subscription, settings, self._inbox.put)
         self._pulls = PullWaiters()
+        self._moves = MoveGuard(kafka_config, store, subscription, self.topic, self._inbox.put)
         self._owned = Partitions(store, subscription, settings, suspects=on_messages is not None,
-                                 submit=self._inbox.put)
+                                 submit=self._inbox.put, counts_for=self._moves.counts_for)
         self._partitions = self._owned.owned
         self._closing = False
         self._counts = {"delivered": 0, "acked": 0, "nacked": 0, "redelivered": 0}
@@ -125,6 +136,7 @@ class Engine:
     def start(self) -> None:
         """Join the group and start dispatching."""
         self._dead_letters.refresh_parked()
+        self._moves.start()
         self._worker.start()
         self._fetcher.start()
 
@@ -148,6 +160,7 @@ class Engine:
             self._pulls.close()
             offsets = self._commits.offsets(sync=True)
         self._ownership.close()
+        self._moves.close()
         # The last commit and the group leave wait for the group coordinator with no timeout (45 s
         # with the broker down); the acks are in Redis (the floors), so they may end in the background.
         if not run_bounded(f"ordering-layer-leave-{self.subscription}", lambda: self._leave(offsets), LEAVE_TIMEOUT):
@@ -285,8 +298,14 @@ class Engine:
 
     def _route(self, kind: type, event: Any, now: float) -> None:  # an event that is not a settlement
         if kind is Fetched:
+            self._moves.grow(event.highest_count, self._partitions)
             self._owned.take(event)
+            self._moves.collect(self._partitions)
             self._gate.taken(len(event.records))
+        elif kind is MovesCleared:
+            self._moves.clear(event, self._partitions)
+        elif kind is CountsChanged:
+            self._moves.apply(event.history, self._partitions)
         elif kind is Pull:
             if self._closing:
                 event.future.set_result([])

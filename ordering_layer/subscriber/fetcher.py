@@ -102,8 +102,9 @@ class Fetcher:
         self.generations: dict[int, int] = {}  # fetch thread: bumped on each assign, revoke, loss
         self.paused = False  # the assignment is paused in the consumer
         self.malformed_records = 0  # records whose ol- metadata was ignored (DLQ-4)
-        self.native = open_native_fetch(self.consumer, dict(config), topic, self._malformed_metadata) \
-            if native else None
+        self.highest_count = 0  # the highest ol-partition-count fetched (a growth, SUB-8)
+        self.native = open_native_fetch(self.consumer, dict(config), topic, self._malformed_metadata,
+                                        self._counted) if native else None
         self._worker = Worker(f"ordering-layer-fetch-{subscription}", self.step)
 
     def start(self) -> None:
@@ -182,8 +183,11 @@ class Fetcher:
                 _LOGGER.warning("fetch error on %s: %s", self.subscription, msg.error())
                 continue
             record = to_record(msg)
-            if record.metadata.malformed is not None:
+            metadata = record.metadata
+            if metadata.malformed is not None:
                 self._malformed_metadata(record)
+            if metadata.partition_count is not None and metadata.partition_count > self.highest_count:
+                self.highest_count = metadata.partition_count
             records.append(record)
         # A full batch from consume() may have more of its partitions' records behind it: the native
         # queue, whose records of those partitions are newer, waits for the next turn. While enough
@@ -206,7 +210,10 @@ class Fetcher:
 
     def fetched(self, records: list[Record]) -> Fetched:
         """Fetch thread: tag records just fetched with the assignment generations."""
-        return Fetched(records, dict(self.generations))
+        return Fetched(records, dict(self.generations), self.highest_count)
+
+    def _counted(self, count: int) -> None:
+        self.highest_count = max(self.highest_count, count)
 
     def _malformed_metadata(self, record: Record) -> None:
         """DLQ-4: malformed ``ol-`` headers are ignored; the record is delivered as a plain record."""

@@ -101,21 +101,25 @@ def loaded_librdkafka() -> str | None:
     return None
 
 
-def header_metadata(malformed: Malformed) -> Callable[[HeaderPairs, int, int], tuple[RecordMetadata, Any, bool]]:
+def header_metadata(malformed: Malformed, counted: Callable[[int], None] = lambda count: None,
+                    ) -> Callable[[HeaderPairs, int, int], tuple[RecordMetadata, Any, bool]]:
     """``NativeFetch``'s ``metadata_of``: ``read_headers`` of a record's headers, with malformed
-    metadata reported (DLQ-4) at the record's position."""
+    metadata reported (DLQ-4) at the record's position, and each ``ol-partition-count`` read told to
+    ``counted`` (once per distinct header set: a growth of the topic, SUB-8)."""
 
     def metadata_of(headers: HeaderPairs, partition: int, offset: int) -> tuple[RecordMetadata, Any, bool]:
         metadata, kept, shareable = read_headers(headers)
         if metadata.malformed is not None:
             malformed(Record(partition, offset, None, None, headers, metadata, 0, 0))
+        if metadata.partition_count is not None:
+            counted(metadata.partition_count)
         return metadata, kept, shareable
 
     return metadata_of
 
 
-def open_native_fetch(consumer: Consumer, config: dict[str, Any], topic: str,
-                      malformed: Malformed) -> NativeFetch | None:
+def open_native_fetch(consumer: Consumer, config: dict[str, Any], topic: str, malformed: Malformed,
+                      counted: Callable[[int], None] = lambda count: None) -> NativeFetch | None:
     """A ``NativeFetch`` on ``consumer``, or None when it cannot be used here (logged) or is switched
     off (``ORDERING_LAYER_NATIVE_FETCH=0`` in the environment)."""
     if os.environ.get("ORDERING_LAYER_NATIVE_FETCH", "1") == "0" or unknown_release() is not None:
@@ -127,8 +131,8 @@ def open_native_fetch(consumer: Consumer, config: dict[str, Any], topic: str,
     handle = ctypes.c_void_p.from_address(id(consumer) + _HANDLE_OFFSET).value
     prefix = f"{config.get('client.id', DEFAULT_CLIENT_ID)}#consumer-"
     try:
-        return NativeFetch(consumer, handle or 0, library, prefix, topic, RECORD_LAYOUT, header_metadata(malformed),
-                           read_metadata(None))
+        return NativeFetch(consumer, handle or 0, library, prefix, topic, RECORD_LAYOUT,
+                           header_metadata(malformed, counted), read_metadata(None))
     except RuntimeError as exc:
         _LOGGER.info("fetching through consume(): %s", exc)
         return None

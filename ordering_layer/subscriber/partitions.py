@@ -78,11 +78,14 @@ class Partitions:
         settings: the subscription's settings (ordering on or off; stored again after a Redis loss).
         suspects: callback mode: records charged at a claim are suspects (``OwnedPartition``).
         submit: where the released messages post their acks (the engine's inbox).
+        counts_for: the topic's partition-count history for a partition claimed (``MoveGuard``).
     """
 
     def __init__(self, store: StateStore, subscription: str, settings: SubscriptionSettings, *,
-                 suspects: bool = True, submit: Callable[[Any], None] = unattached) -> None:
+                 suspects: bool = True, submit: Callable[[Any], None] = unattached,
+                 counts_for: Callable[[int], list[tuple[int, int]]] = lambda partition: []) -> None:
         self._store = store
+        self._counts_for = counts_for
         self._submit = submit
         self._suspects = suspects
         self._subscription = subscription
@@ -136,6 +139,9 @@ class Partitions:
             settled_before=claimed.settled, attempts_before=attempts, suspects=self._suspects,
             generation=generation, start_offset=claimed.seek_offset, seek_generation=claimed.seek_generation,
             cascades=claimed.cascades, floor=claimed.floor, topic=self._settings.topic, submit=self._submit)
+        history = self._counts_for(partition)
+        if len(history) > 1:  # keys moved in by a growth wait for their old partitions (SUB-8)
+            state.core.set_moves(partition, history)
         return state
 
     def _restart(self, partition: int, claimed: ClaimedPartition) -> None:

@@ -3,7 +3,8 @@
 Every request is immutable; the coordinator routes them by type. User threads post ``Settle``
 (through ``Message``; a plain ``ack()`` posts the ``Message`` itself, the one request that costs no
 object per ack) and ``Pull``; the fetch thread posts ``Fetched``, ``Committed`` and ``Sought``; the
-dead-letter producer's delivery reports post ``DeadLettered``. ``SeekPartition`` goes the other way,
+dead-letter producer's delivery reports post ``DeadLettered``; the move guard posts ``MovesCleared`` and
+``CountsChanged``. ``SeekPartition`` goes the other way,
 from the coordinator to the fetch thread, queued with the commits.
 """
 
@@ -39,10 +40,27 @@ class Settle(NamedTuple):
 
 class Fetched(NamedTuple):
     """Records as ``consume`` returned them, with each partition's assignment generation then:
-    records of an earlier generation were fetched for an ownership that has ended since."""
+    records of an earlier generation were fetched for an ownership that has ended since; and the
+    highest ``ol-partition-count`` the fetch has seen (a growth of the topic, SUB-8)."""
 
     records: list[Record]
     generations: dict[int, int]
+    highest_count: int = 0
+
+
+class MovesCleared(NamedTuple):
+    """Keys held for a move in ``partition`` (owned under ``epoch``) whose records in their old
+    partitions are settled (SUB-8)."""
+
+    partition: int
+    epoch: int
+    keys: list[bytes]
+
+
+class CountsChanged(NamedTuple):
+    """The topic's partition-count history grew (SUB-8): ascending (count, from ms)."""
+
+    history: list[tuple[int, int]]
 
 
 class Pull(NamedTuple):

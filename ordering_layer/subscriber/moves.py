@@ -1,0 +1,300 @@
+"""Order across a partition expansion (SUB-8): the topic's count history, and the keys it moved.
+
+After a topic grows, a key's records under the new count land in its new partition q while those it
+got before sit in its old partition p, possibly at another subscriber. The compiled core holds a
+moved key's queue in q (``PartitionCore.set_moves``); this guard gives the cores the history, and
+clears a held key once every record of it published under an earlier count in each of its old
+partitions is settled (acked or dead-lettered), whoever owns those partitions, or none does.
+
+The history (``state.counts``) is read when the engine starts, and grows when the guard learns of a
+growth: a partition claimed beyond the known count, a fetched record stamped with a higher count,
+or the topic's metadata read every ``METADATA_INTERVAL`` seconds (a growth made by Kafka's own
+tools, with no record yet). The check runs on the guard's own thread, so the coordinator never
+waits for it: for each old partition of the held keys it reads the partition from the commit point
+(its group's committed offset, or the floor an owner wrote to Redis when higher) to its end, with a
+consumer of its own that never joins the group, and asks Redis which of the held keys' records there
+are settled. Keys whose old records are all settled go back to the coordinator (``MovesCleared``).
+A Redis that lost its state only makes records look unsettled: the keys wait for the redeliveries.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import redis
+from confluent_kafka import Consumer, KafkaException, TopicPartition
+
+from ordering_layer.errors import OrderingLayerError
+from ordering_layer.kafka_config import connection_settings
+from ordering_layer.publisher.partitioner import murmur2
+from ordering_layer.record import read_metadata
+from ordering_layer.state import StateStore
+from ordering_layer.state.counts import History, PartitionCounts, normalised
+from ordering_layer.subscriber.owned_partition import OwnedPartition
+from ordering_layer.subscriber.requests import CountsChanged, MovesCleared
+from ordering_layer.worker import Worker
+
+_LOGGER = logging.getLogger(__name__)
+
+METADATA_INTERVAL = 2.0  # seconds between reads of the topic's partition count
+CHECK_INTERVAL = 0.05  # seconds between checks while keys are held
+_KAFKA_TIMEOUT = 10.0
+_SCAN_BATCH = 1000
+
+Owned = Mapping[int, OwnedPartition]
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def count_at(history: History, published: int | None, timestamp_ms: int) -> int:
+    """The count a record was published under: its header, else the count in force at its append time."""
+    if published:
+        return published
+    in_force = [count for count, since in history if since <= timestamp_ms]
+    return in_force[-1] if in_force else history[0][0]
+
+
+def old_partitions(key: bytes, partition: int, count: int, history: History) -> set[int]:
+    """The partitions other than ``partition`` where ``key`` lived under the counts before ``count``."""
+    hashed = murmur2(key) & 0x7FFFFFFF
+    return {hashed % earlier for earlier, _ in history if earlier < count} - {partition}
+
+
+class MoveGuard:
+    """The count history of one engine's topic and the check of its moved keys.
+
+    Args:
+        kafka_config: the subscriber's Kafka settings (its clients take the connection settings).
+        store: the Redis state store (settled offsets, floors; the history's hash).
+        subscription: the subscription (its group's committed offsets are read, never committed).
+        topic: the subscription's topic.
+        post: where cleared keys and a grown history go (the engine's inbox).
+    """
+
+    def __init__(self, kafka_config: Mapping[str, Any], store: StateStore, subscription: str, topic: str,
+                 post: Callable[[Any], None]) -> None:
+        self._kafka = connection_settings(kafka_config)
+        self._store = store
+        self._history_store: PartitionCounts | None = None
+        self.subscription = subscription
+        self.topic = topic
+        self._post = post
+        self._lock = threading.Lock()
+        self._work = threading.Event()
+        self.history: History = []
+        self._held: dict[tuple[int, int], dict[bytes, int]] = {}  # (partition, epoch) -> key -> count
+        self._consumer: Consumer | None = None
+        self._next_metadata = 0.0
+        self._worker = Worker(f"ordering-layer-moves-{subscription}", self._step)
+
+    # -- coordinator side ------------------------------------------------------------------------
+    def start(self) -> None:
+        """Read the history (the guard's thread records the topic's count when it is new) and start
+        the guard's thread."""
+        try:
+            self.history = self._counts.history(self.topic)
+        except (redis.RedisError, OrderingLayerError) as exc:
+            _LOGGER.warning("%s: the partition-count history of %s not read (%s); reading it again", self.subscription,
+                            self.topic, exc)
+        self._worker.start()
+
+    def close(self) -> None:
+        """Stop the thread and close the guard's Kafka clients."""
+        self._worker.stop()
+        self._work.set()
+        if self._consumer is not None:
+            self._consumer.close()
+        if self._history_store is not None:
+            self._history_store.close()
+
+    def counts_for(self, partition: int) -> History:
+        """The history a newly claimed ``partition`` takes (a partition beyond the known count is a
+        growth, recorded first)."""
+        with self._lock:
+            history = self.history
+        if history and partition >= history[-1][0]:
+            history = self.grow(partition + 1)
+        return history
+
+    def grow(self, count: int, owned: Owned | None = None) -> History:
+        """The topic has at least ``count`` partitions: record it, and give the owned partitions the
+        history (a no-op for a count known already)."""
+        with self._lock:
+            known = self.history
+        if not known or count <= known[-1][0]:
+            return known
+        history = self._record(count)
+        if owned is not None:
+            self.apply(history, owned)
+        else:
+            with self._lock:
+                self.history = history
+        return history
+
+    def apply(self, history: History, owned: Owned) -> None:
+        """Give every owned partition's core a grown history."""
+        with self._lock:
+            if len(history) <= len(self.history):
+                return
+            self.history = history
+        if len(history) > 1:
+            for partition, state in owned.items():
+                state.core.set_moves(partition, history)
+
+    def collect(self, owned: Owned) -> None:
+        """Take the keys the cores held for a move since the last call, for the guard's thread."""
+        if len(self.history) < 2:
+            return
+        taken = {(partition, state.epoch): state.core.take_moved() for partition, state in owned.items()}
+        with self._lock:
+            current = set(taken)
+            for gone in [entry for entry in self._held if entry not in current]:
+                del self._held[gone]  # revoked, lost or claimed again: its holds are gone with it
+            for entry, keys in taken.items():
+                if keys:
+                    self._held.setdefault(entry, {}).update(keys)
+            if not any(self._held.values()):
+                return
+        self._work.set()
+
+    @staticmethod
+    def clear(event: MovesCleared, owned: Owned) -> None:
+        """Release the cleared keys of a partition still owned under the same epoch."""
+        state = owned.get(event.partition)
+        if state is not None and state.epoch == event.epoch:
+            for key in event.keys:
+                state.core.clear_moved(key)
+
+    def holding(self) -> int:
+        """Keys held for a move and not cleared yet, all partitions."""
+        with self._lock:
+            return sum(len(keys) for keys in self._held.values())
+
+    # -- the guard's thread ----------------------------------------------------------------------
+    @property
+    def _counts(self) -> PartitionCounts:
+        if self._history_store is None:
+            self._history_store = PartitionCounts(self._store.client, self._kafka)
+        return self._history_store
+
+    def _record(self, count: int) -> History:
+        try:
+            return self._counts.record(self.topic, count, now_ms())
+        except (redis.RedisError, OrderingLayerError) as exc:
+            # Holds must not wait for Redis: the count is kept here and recorded at the next growth seen.
+            _LOGGER.warning("%s: recording %d partitions of %s failed (%s)", self.subscription, count, self.topic,
+                            exc)
+            with self._lock:
+                return normalised([*self.history, (count, now_ms())])
+
+    def _step(self) -> float:
+        with self._lock:
+            waiting = any(self._held.values())
+        self._work.wait(CHECK_INTERVAL if waiting else METADATA_INTERVAL / 4)
+        self._work.clear()
+        if time.monotonic() >= self._next_metadata:
+            self._next_metadata = time.monotonic() + METADATA_INTERVAL
+            self._read_count()
+        self._check()
+        return 0.0
+
+    def _scanner(self) -> Consumer:
+        if self._consumer is None:
+            self._consumer = Consumer({
+                **self._kafka, "group.id": self.subscription, "client.id": f"ordering-layer-moves-{uuid.uuid4().hex}",
+                "enable.auto.commit": False, "enable.partition.eof": False,
+                "logger": logging.getLogger("ordering_layer.kafka.moves")})
+        return self._consumer
+
+    def _read_count(self) -> None:
+        try:
+            metadata = self._scanner().list_topics(self.topic, timeout=_KAFKA_TIMEOUT).topics.get(self.topic)
+        except KafkaException as exc:
+            _LOGGER.debug("%s: reading the partition count of %s failed: %s", self.subscription, self.topic, exc)
+            return
+        if metadata is None or metadata.error is not None:
+            return
+        with self._lock:
+            known = self.history[-1][0] if self.history else 0
+        if len(metadata.partitions) > known:
+            history = self._record(len(metadata.partitions))
+            if known:
+                self._post(CountsChanged(history))
+            else:
+                with self._lock:
+                    self.history = history
+
+    def _check(self) -> None:
+        with self._lock:
+            held = {entry: dict(keys) for entry, keys in self._held.items() if keys}
+            history = self.history
+        if not held or len(history) < 2:
+            return
+        needed: dict[int, dict[bytes, int]] = {}  # old partition -> key -> count its records precede
+        for (partition, _), keys in held.items():
+            for key, count in keys.items():
+                for old in old_partitions(key, partition, count, history):
+                    wanted = needed.setdefault(old, {})
+                    wanted[key] = max(count, wanted.get(key, 0))
+        waiting: set[bytes] = set()
+        for old, keys in needed.items():
+            try:
+                waiting |= self._unsettled(old, keys, history)
+            except (KafkaException, redis.RedisError) as exc:
+                _LOGGER.info("%s: partition %d not read for moved keys (%s); trying again", self.subscription, old, exc)
+                waiting |= set(keys)
+        for (partition, epoch), keys in held.items():
+            cleared = [key for key in keys if key not in waiting]
+            if not cleared:
+                continue
+            with self._lock:
+                entry = self._held.get((partition, epoch))
+                for key in cleared:
+                    if entry is not None:
+                        entry.pop(key, None)
+            self._post(MovesCleared(partition, epoch, cleared))
+
+    def _unsettled(self, partition: int, keys: dict[bytes, int], history: History) -> set[bytes]:
+        """Those of ``keys`` with a record in ``partition``, published under a count below the one
+        the key waits for, that is not settled."""
+        consumer = self._scanner()
+        part = TopicPartition(self.topic, partition)
+        low, high = consumer.get_watermark_offsets(part, timeout=_KAFKA_TIMEOUT)
+        (committed,) = consumer.committed([part], timeout=_KAFKA_TIMEOUT)
+        start_committed = committed.offset if committed.offset >= 0 else low
+        start, settled_list = self._store.settled_from(self.subscription, {partition: start_committed})[partition]
+        start = max(start, low)
+        if start >= high:
+            return set()
+        settled = set(settled_list)
+        waiting: set[bytes] = set()
+        consumer.assign([TopicPartition(self.topic, partition, start)])
+        try:
+            deadline = time.monotonic() + 10 * _KAFKA_TIMEOUT
+            position = start
+            while position < high:
+                if time.monotonic() > deadline:
+                    raise KafkaException(f"partition {partition} not read to offset {high} in time")
+                for record in consumer.consume(_SCAN_BATCH, 1.0):
+                    offset, key = record.offset(), record.key()
+                    if record.error() is not None or offset is None:
+                        continue
+                    position = max(position, offset + 1)
+                    if key is None or key not in keys or offset in settled or offset >= high:
+                        continue
+                    published = read_metadata(record.headers()).partition_count  # type: ignore[arg-type]
+                    if count_at(history, published, record.timestamp()[1]) < keys[key]:
+                        waiting.add(key)
+                # Past transaction markers and compacted gaps the consumer's position leads the records.
+                (at,) = consumer.position([part])
+                position = max(position, at.offset)
+        finally:
+            consumer.unassign()
+        return waiting
