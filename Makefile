@@ -94,7 +94,8 @@ test-secure: setup
 # pip install . into fresh venvs next to other pinned releases of confluent-kafka (by default the
 # lowest of pyproject.toml's range and another patch release than constraints.txt's), then the
 # interoperability and native fetch tests against each install (tests/compat/check_versions.sh).
-# Not in .ci/run: each release builds the compiled core afresh, minutes apiece on two cores.
+# Each release builds the compiled core afresh (one cargo target dir for all); about 2 minutes in all
+# here, so .ci/run runs it too.
 COMPAT_RELEASES ?=
 compat: system-deps
 	tests/compat/check_versions.sh $(COMPAT_RELEASES)
