@@ -37,6 +37,7 @@ from ordering_layer.seek.runner import Progress, SeekResult, SeekRunner
 from ordering_layer.seek.snapshots import Snapshot, SnapshotBook, check_name
 from ordering_layer.seek.targets import snapshot_targets
 from ordering_layer.state import StateStore
+from ordering_layer.state.counts import PartitionCounts
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -90,6 +91,7 @@ class Admin:
         self._config = conf
         self.redis_url = redis_url
         self._store: StateStore | None = None
+        self._counts: PartitionCounts | None = None
         self._snapshots = SnapshotBook(conf, snapshot_topic)
 
     @property
@@ -134,6 +136,7 @@ class Admin:
                 return settings
             raise SubscriptionExistsError(name)
         self._commit_start(name, topic, described.partitions, start)
+        self.record_partition_count(topic, described.partitions)
         return settings
 
     def _commit_start(self, group: str, topic: str, partitions: int, start: StartPosition) -> None:
@@ -378,14 +381,43 @@ class Admin:
         return TopicDescription(name, len(topic.partitions), replication, config, led)
 
     def add_partitions(self, name: str, total: int) -> TopicDescription:
-        """Raise a topic's partition count to ``total`` (keys may move; PUB-6 keeps order defined)."""
+        """Raise a topic's partition count to ``total``. Most keys move to another partition; with a
+        Redis (``redis_url``) the growth is recorded in the topic's partition-count history first, so
+        that running subscribers hold each moved key's new records until its old ones are settled
+        (SUB-8). Subscribers notice a growth made without it too, a few seconds later.
+
+        Raises:
+            TopicError: the broker refused (for example ``total`` is not above the current count).
+        """
+        if self.redis_url:
+            self.record_partition_count(name, self.describe_topic(name).partitions)
+        growing = int(time.time() * 1000)
         futures = self._admin.create_partitions([NewPartitions(name, total)],
                                                 operation_timeout=_TIMEOUT, request_timeout=_TIMEOUT)
         try:
             futures[name].result(timeout=_TIMEOUT)
         except KafkaException as exc:
             raise TopicError(f"adding partitions to {name!r} failed: {exc.args[0]}", topic=name) from exc
+        if self.redis_url:
+            self.record_partition_count(name, total, since_ms=growing)
         return self._await_topic(name, total)
+
+    def partition_counts(self, name: str) -> list[tuple[int, int]]:
+        """The topic's partition-count history (SUB-8): ascending (count, in force from, ms since
+        the epoch; the first from 0); empty when none was recorded. Needs ``redis_url``."""
+        return self.counts.history(name)
+
+    def record_partition_count(self, name: str, count: int, *, since_ms: int | None = None) -> list[tuple[int, int]]:
+        """Record that topic ``name`` has ``count`` partitions (from ``since_ms``, default now; a
+        count known already keeps its time); returns the history. Needs ``redis_url``."""
+        return self.counts.record(name, count, int(time.time() * 1000) if since_ms is None else since_ms)
+
+    @property
+    def counts(self) -> PartitionCounts:
+        """The partition-count histories of topics (``state.counts``; needs ``redis_url``)."""
+        if self._counts is None:
+            self._counts = PartitionCounts(self.store.client, self._config)
+        return self._counts
 
     def delete_topic(self, name: str) -> None:
         """Delete a topic (ignores a topic that does not exist)."""

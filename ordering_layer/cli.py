@@ -210,6 +210,23 @@ def topic_create(name: str, partitions: int, servers: ServerOptions) -> None:
     click.echo(f"created {described.name}: {described.partitions} partitions, {described.timestamp_type}")
 
 
+@topic.command("expand")
+@click.argument("name")
+@click.option("--partitions", type=click.IntRange(min=2), required=True, help="The new partition count.")
+@_server_options
+def topic_expand(name: str, partitions: int, servers: ServerOptions) -> None:
+    """Add partitions to topic NAME, recording the growth so that running subscribers keep each moved
+    key in order (SUB-8)."""
+    try:
+        admin = _admin(servers)
+        described = admin.add_partitions(name, partitions)
+        history = admin.partition_counts(name)
+    except OrderingLayerError as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(f"{described.name}: {described.partitions} partitions (history: "
+               f"{', '.join(str(count) for count, _ in history)})")
+
+
 @topic.command("describe")
 @click.argument("name")
 @_server_options

@@ -91,7 +91,8 @@ class PublisherSettings:
             larger ones are refused before sending (PUB-4). Keep it at or below the topic's
             ``max.message.bytes``.
         metadata_max_age: seconds a topic's partition count is cached before it is read again;
-            the count routes ordering keys and is stamped into every record (PUB-6).
+            the count routes ordering keys and is stamped into every record (PUB-6). When it grew,
+            the records in flight are acknowledged before the new count routes any (SUB-8).
         scheduler: take part in activating due scheduled messages while running (PUB-5; needs a
             Redis URL, and ``$ORDERING_LAYER_SCHEDULER=0`` switches it off too).
         schedule_topic: the compacted topic of scheduled messages that ``schedule`` writes to and
@@ -99,7 +100,7 @@ class PublisherSettings:
     """
 
     max_message_bytes: int = 1_000_000
-    metadata_max_age: float = 30.0
+    metadata_max_age: float = 5.0
     scheduler: bool = True
     schedule_topic: str = DEFAULT_SCHEDULE_TOPIC
 

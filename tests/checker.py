@@ -63,6 +63,11 @@ class DeliveryChecker:
             self.events.append(Event(key, index, message_id, subscriber, attempt, action,
                                      time.time() if at is None else at))
 
+    def knows(self, message_id: str) -> bool:
+        """Whether ``message_id`` was declared (``expect``)."""
+        with self._lock:
+            return message_id in self._index
+
     def subscriber_died(self, subscriber: str, at: float | None = None) -> None:
         """A subscriber was killed at ``at``: from then on its outstanding messages are not held."""
         with self._lock:

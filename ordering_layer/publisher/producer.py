@@ -64,6 +64,7 @@ ProduceHeaders = Mapping[str, HeaderValue] | Sequence[tuple[str, HeaderValue]]
 _ENFORCED = {"enable.idempotence": True, "acks": "all"}
 _ACKS_ALL = {"all", "-1"}
 _ACKS = ("acks", "request.required.acks")  # one setting, two names
+_GROWTH_DRAIN = 5.0  # seconds a publish waits, after a growth, for the records in flight to be acknowledged
 _INLINE_POLL_MASK = 255  # the publishing thread serves delivery reports every 256 sends
 _new_future = object.__new__
 _new_tuple = tuple.__new__
@@ -549,6 +550,13 @@ class OrderedProducer:
             reason = described.error.str() if described is not None and described.error else "no partitions"
             raise TopicError(f"topic {topic!r} is not available: {reason}", topic=topic)
         count = len(described.partitions)
+        if cached is not None and count != cached.partitions and self._producer.flush(_GROWTH_DRAIN) > 0:
+            # SUB-8: the topic grew and a key routed by the new count may land in another partition;
+            # its records in flight to the old one must be appended first. Until they are all
+            # acknowledged the old count stays in force (read again soon).
+            stale = cached._replace(expires=time.monotonic() + _GROWTH_DRAIN)
+            self._topics[topic] = stale
+            return stale
         count_header = (HEADER_PARTITION_COUNT, str(count).encode())
         header_bytes = len(count_header[0]) + len(count_header[1]) + _HEADER_OVERHEAD + _RECORD_OVERHEAD
         fresh = _Topic(count, time.monotonic() + self.settings.metadata_max_age, count_header, header_bytes)

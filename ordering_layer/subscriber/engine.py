@@ -114,7 +114,7 @@ class Engine:
         self._moves = MoveGuard(kafka_config, store, subscription, self.topic, self._inbox.put)
         self._owned = Partitions(store, subscription, settings, suspects=on_messages is not None,
                                  submit=self._inbox.put, counts_for=self._moves.counts_for)
-        self._partitions = self._owned.owned
+        self._partitions = self._moves.owned = self._owned.owned
         self._closing = False
         self._counts = {"delivered": 0, "acked": 0, "nacked": 0, "redelivered": 0}
         self._settlement = Settlement(subscription, settings, self._partitions, self._leases, self._writer,
@@ -298,14 +298,14 @@ class Engine:
 
     def _route(self, kind: type, event: Any, now: float) -> None:  # an event that is not a settlement
         if kind is Fetched:
-            self._moves.grow(event.highest_count, self._partitions)
+            self._moves.grow(event.highest_count)
             self._owned.take(event)
-            self._moves.collect(self._partitions)
+            self._moves.collect()
             self._gate.taken(len(event.records))
         elif kind is MovesCleared:
-            self._moves.clear(event, self._partitions)
+            self._moves.clear(event)
         elif kind is CountsChanged:
-            self._moves.apply(event.history, self._partitions)
+            self._moves.apply(event.history)
         elif kind is Pull:
             if self._closing:
                 event.future.set_result([])

@@ -89,6 +89,7 @@ class MoveGuard:
         self._lock = threading.Lock()
         self._work = threading.Event()
         self.history: History = []
+        self.owned: Owned = {}  # the engine's owned partitions (set by the engine; its lock held to use them)
         self._held: dict[tuple[int, int], dict[bytes, int]] = {}  # (partition, epoch) -> key -> count
         self._consumer: Consumer | None = None
         self._next_metadata = 0.0
@@ -123,7 +124,7 @@ class MoveGuard:
             history = self.grow(partition + 1)
         return history
 
-    def grow(self, count: int, owned: Owned | None = None) -> History:
+    def grow(self, count: int) -> History:
         """The topic has at least ``count`` partitions: record it, and give the owned partitions the
         history (a no-op for a count known already)."""
         with self._lock:
@@ -131,28 +132,24 @@ class MoveGuard:
         if not known or count <= known[-1][0]:
             return known
         history = self._record(count)
-        if owned is not None:
-            self.apply(history, owned)
-        else:
-            with self._lock:
-                self.history = history
+        self.apply(history)
         return history
 
-    def apply(self, history: History, owned: Owned) -> None:
+    def apply(self, history: History) -> None:
         """Give every owned partition's core a grown history."""
         with self._lock:
             if len(history) <= len(self.history):
                 return
             self.history = history
         if len(history) > 1:
-            for partition, state in owned.items():
+            for partition, state in self.owned.items():
                 state.core.set_moves(partition, history)
 
-    def collect(self, owned: Owned) -> None:
+    def collect(self) -> None:
         """Take the keys the cores held for a move since the last call, for the guard's thread."""
         if len(self.history) < 2:
             return
-        taken = {(partition, state.epoch): state.core.take_moved() for partition, state in owned.items()}
+        taken = {(partition, state.epoch): state.core.take_moved() for partition, state in self.owned.items()}
         with self._lock:
             current = set(taken)
             for gone in [entry for entry in self._held if entry not in current]:
@@ -164,10 +161,9 @@ class MoveGuard:
                 return
         self._work.set()
 
-    @staticmethod
-    def clear(event: MovesCleared, owned: Owned) -> None:
+    def clear(self, event: MovesCleared) -> None:
         """Release the cleared keys of a partition still owned under the same epoch."""
-        state = owned.get(event.partition)
+        state = self.owned.get(event.partition)
         if state is not None and state.epoch == event.epoch:
             for key in event.keys:
                 state.core.clear_moved(key)

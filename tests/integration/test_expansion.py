@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
+from confluent_kafka.admin import AdminClient, NewPartitions  # type: ignore[attr-defined]
 
-from ordering_layer import Admin, Message, OrderedProducer, Subscriber
+from ordering_layer import Admin, Message, OrderedProducer, RetryPolicy, Subscriber
+from ordering_layer.publisher.partitioner import partition_for
+from ordering_layer.record import sequence_number
+from ordering_layer.state.client import redis_client
 from tests.checker import DeliveryChecker, wait_until
-from tests.integration.conftest import recording_callback
+from tests.integration.conftest import recording_callback as declared_callback
+from tests.kafka_helpers import read_topic
 
 pytestmark = pytest.mark.integration
 
@@ -24,6 +32,19 @@ def publish_round(kafka_config: dict[str, Any], topic: str, keys: list[str], per
                    for n in range(per_key) for key in keys]
         for key, future in futures:
             ids[key].append(future.result(timeout=60).message_id)
+
+
+def recording(checker: DeliveryChecker, subscriber: str,
+              handler: Callable[[Message], str] | None = None) -> Callable[[Message], None]:
+    """``recording_callback`` for messages published while the subscriber runs: a message whose id
+    is not declared yet (its publish has not returned) waits in its handler until it is."""
+    record = declared_callback(checker, subscriber, handler)
+
+    def callback(message: Message) -> None:
+        wait_until(lambda: checker.knows(message.message_id), 60, f"{message.message_id} declared")
+        record(message)
+
+    return callback
 
 
 def slow_ack(delay: float) -> Callable[[Message], str]:
@@ -50,12 +71,201 @@ def test_order_holds_when_the_topic_grows_under_a_running_subscriber(
         checker.expect(key, ids[key])
     first = Subscriber(kafka_config, redis_url=endpoints.redis_url)
     second = Subscriber(kafka_config, redis_url=endpoints.redis_url)
-    with first.subscribe(name, recording_callback(checker, "s1", slow_ack(0.04)), max_workers=10):
+    with first.subscribe(name, recording(checker, "s1", slow_ack(0.04)), max_workers=10):
         wait_until(lambda: checker.acked_count() >= 400, 60, "the first subscriber under way")
         admin.add_partitions(topic, 6)
         publish_round(kafka_config, topic, keys, 40, 1, ids)
         for key in keys:
             checker.expect(key, ids[key])
-        with second.subscribe(name, recording_callback(checker, "s2", slow_ack(0.04)), max_workers=10):
+        with second.subscribe(name, recording(checker, "s2", slow_ack(0.04)), max_workers=10):
             wait_until(lambda: checker.acked_count() == checker.total(), 240, "every message acked")
+    assert checker.verify() == []
+
+
+def moved(key: str, before: int, after: int) -> bool:
+    return partition_for(key.encode(), before) != partition_for(key.encode(), after)
+
+
+def expect_all(checker: DeliveryChecker, ids: dict[str, list[str]]) -> None:
+    for key, message_ids in ids.items():
+        checker.expect(key, message_ids)
+
+
+def test_only_the_moved_key_whose_old_record_is_unsettled_waits(
+        admin: Admin, kafka_config: dict[str, Any], endpoints: Any,
+        subscription: Callable[..., tuple[str, str]]) -> None:
+    """SUB-8, SUB-2: while one moved key's old record is held by its handler, that key's records
+    under the new count wait; every other key, moved or not, goes on (a moved key whose old records
+    are settled is not held by it); once the old record is acked the key follows in order."""
+    topic, name = subscription(partitions=2)
+    keys = [f"key-{k}" for k in range(40)]
+    stuck = next(key for key in keys if moved(key, 2, 4))
+    ids: dict[str, list[str]] = {key: [] for key in keys}
+    publish_round(kafka_config, topic, keys, 5, 0, ids)
+    checker = DeliveryChecker()
+    expect_all(checker, ids)
+    release = threading.Event()
+    first_of_stuck = ids[stuck][0]
+
+    def handler(message: Message) -> str:
+        if message.message_id == first_of_stuck:
+            release.wait(120)
+        return "ack"
+
+    with Subscriber(kafka_config, redis_url=endpoints.redis_url).subscribe(
+            name, recording(checker, "s1", handler), max_workers=4):
+        wait_until(lambda: checker.acked_count() == len(keys) * 5 - 5, 60, "every other old message acked")
+        admin.add_partitions(topic, 4)
+        publish_round(kafka_config, topic, keys, 5, 1, ids)
+        expect_all(checker, ids)
+        wait_until(lambda: checker.acked_count() == len(keys) * 10 - 10, 60, "every other key's new messages acked")
+        assert [e.index for e in checker.deliveries(stuck)] == [0], "the stuck key's new records wait"
+        assert any(moved(key, 2, 4) for key in keys if key != stuck), "other moved keys went on"
+        release.set()
+        wait_until(lambda: checker.acked_count() == checker.total(), 60, "the stuck key finished")
+    assert checker.verify() == []
+
+
+def test_a_growth_made_with_kafkas_own_tools_is_consumed_within_15_s(
+        kafka_config: dict[str, Any], endpoints: Any, subscription: Callable[..., tuple[str, str]]) -> None:
+    """SUB-8: partitions added behind the layer's back (a plain AdminClient, as kafka-topics.sh does)
+    are consumed by a running subscriber within 15 s, and keys keep their order across the growth."""
+    topic, name = subscription(partitions=2)
+    keys = [f"key-{k}" for k in range(30)]
+    ids: dict[str, list[str]] = {key: [] for key in keys}
+    publish_round(kafka_config, topic, keys, 3, 0, ids)
+    checker = DeliveryChecker()
+    expect_all(checker, ids)
+    with Subscriber(kafka_config, redis_url=endpoints.redis_url).subscribe(
+            name, recording(checker, "s1"), max_workers=4):
+        wait_until(lambda: checker.acked_count() == checker.total(), 60, "the old messages acked")
+        plain = AdminClient({**kafka_config})
+        plain.create_partitions([NewPartitions(topic, 6)])[topic].result(30)
+        grown = time.time()
+        publish_round(kafka_config, topic, keys, 3, 1, ids)
+        expect_all(checker, ids)
+        wait_until(lambda: checker.acked_count() == checker.total(), 60, "the new messages acked")
+    assert checker.verify() == []
+    in_new = [e.at for e in checker.deliveries() if int(e.message_id) >> 48 >= 2]
+    assert in_new, "records in the new partitions"
+    assert min(in_new) - grown <= 15.0, f"new partitions consumed {min(in_new) - grown:.1f} s after the growth"
+
+
+def test_two_growths_in_a_row(admin: Admin, kafka_config: dict[str, Any], endpoints: Any,
+                              subscription: Callable[..., tuple[str, str]]) -> None:
+    """SUB-8: 2 -> 3 -> 6 partitions while a slow subscriber works: a key can have records in three
+    partitions, and each record waits for those of every earlier count."""
+    topic, name = subscription(partitions=2)
+    keys = [f"key-{k}" for k in range(40)]
+    ids: dict[str, list[str]] = {key: [] for key in keys}
+    publish_round(kafka_config, topic, keys, 10, 0, ids)
+    checker = DeliveryChecker()
+    expect_all(checker, ids)
+    with Subscriber(kafka_config, redis_url=endpoints.redis_url).subscribe(
+            name, recording(checker, "s1", slow_ack(0.02)), max_workers=4):
+        admin.add_partitions(topic, 3)
+        publish_round(kafka_config, topic, keys, 5, 1, ids)
+        admin.add_partitions(topic, 6)
+        publish_round(kafka_config, topic, keys, 5, 2, ids)
+        expect_all(checker, ids)
+        wait_until(lambda: checker.acked_count() == checker.total(), 120, "every message acked")
+    assert checker.verify() == []
+    assert admin.partition_counts(topic)[-2:][0][0] == 3 and admin.partition_counts(topic)[-1][0] == 6
+
+
+def test_a_moved_key_backed_off_in_its_old_partition_waits_for_its_redelivery(
+        admin: Admin, kafka_config: dict[str, Any], endpoints: Any,
+        subscription: Callable[..., tuple[str, str]]) -> None:
+    """SUB-8, DLQ-1, SUB-4: a moved key whose old record is nacked and backed off (1 s), twice,
+    has its new records held until the redelivery is acked; the cascade stays in the old partition."""
+    topic, name = subscription(partitions=2, retry_policy=RetryPolicy(minimum_backoff=1, maximum_backoff=1))
+    keys = [f"key-{k}" for k in range(20)]
+    ids: dict[str, list[str]] = {key: [] for key in keys}
+    publish_round(kafka_config, topic, keys, 3, 0, ids)
+    nacked = {key: ids[key][-1] for key in keys if moved(key, 2, 4)}
+    checker = DeliveryChecker()
+    expect_all(checker, ids)
+    growth_done = threading.Event()
+
+    def handler(message: Message) -> str:
+        if message.message_id in nacked.values() and message.delivery_attempt < 3:
+            growth_done.wait(60)
+            return "nack"
+        return "ack"
+
+    with Subscriber(kafka_config, redis_url=endpoints.redis_url).subscribe(
+            name, recording(checker, "s1", handler), max_workers=4):
+        admin.add_partitions(topic, 4)
+        publish_round(kafka_config, topic, keys, 3, 1, ids)
+        expect_all(checker, ids)
+        growth_done.set()
+        wait_until(lambda: checker.acked_count() == checker.total(), 90, "every message acked")
+    assert checker.verify() == []
+    for key, message_id in nacked.items():
+        attempts = [e.attempt for e in checker.deliveries(key) if e.message_id == message_id]
+        assert attempts == [1, 2, 3]
+
+
+def test_a_flushall_while_a_moved_key_is_held_loses_no_order(
+        admin: Admin, kafka_config: dict[str, Any], endpoints: Any, restartable: Any,
+        subscription: Callable[..., tuple[str, str]]) -> None:
+    """SUB-8, SUB-3: Redis loses everything (FLUSHALL) while a moved key's new records wait: the
+    history comes back from its durable copy, the old records are redelivered, and the key's new
+    records still come after them."""
+    topic, name = subscription(partitions=2)
+    keys = [f"key-{k}" for k in range(20)]
+    stuck = next(key for key in keys if moved(key, 2, 4))
+    ids: dict[str, list[str]] = {key: [] for key in keys}
+    publish_round(kafka_config, topic, keys, 3, 0, ids)
+    checker = DeliveryChecker()
+    expect_all(checker, ids)
+    release = threading.Event()
+
+    def handler(message: Message) -> str:
+        if message.message_id == ids[stuck][0] and message.delivery_attempt == 1:
+            release.wait(60)
+        return "ack"
+
+    with Subscriber(kafka_config, redis_url=endpoints.redis_url).subscribe(
+            name, recording(checker, "s1", handler), max_workers=4):
+        wait_until(lambda: checker.acked_count() == checker.total() - 3, 60, "every other old message acked")
+        admin.add_partitions(topic, 4)
+        publish_round(kafka_config, topic, keys, 3, 1, ids)
+        expect_all(checker, ids)
+        wait_until(lambda: checker.acked_count() == checker.total() - 6, 60, "every other new message acked")
+        redis_client(endpoints.redis_url).flushall()
+        release.set()
+        wait_until(lambda: checker.acked_count() == checker.total(), 90, "every message acked")
+    assert checker.verify(one_outstanding=False) == []
+    assert admin.partition_counts(topic)[-1][0] == 4
+
+
+def test_records_of_another_producer_on_both_sides_of_a_growth(
+        admin: Admin, kafka_config: dict[str, Any], endpoints: Any,
+        subscription: Callable[..., tuple[str, str]]) -> None:
+    """SUB-8, PUB-7: records kcat writes (murmur2 partitioner, no layer headers) before and after a
+    growth are held by their append times: each key's records after the growth are delivered after
+    its records before it, by a subscriber that starts once both are written."""
+    topic, name = subscription(partitions=2)
+    kcat = shutil.which("kcat")
+    assert kcat is not None, "make setup installs Debian's kcat"
+    keys = [f"key-{k}" for k in range(30)]
+
+    def write(round_: int) -> None:
+        lines = "".join(f"{key}:{key}:{round_}:{n}\n" for n in range(4) for key in keys)
+        subprocess.run([kcat, "-P", "-b", kafka_config["bootstrap.servers"], "-t", topic, "-K:", "-z", "none",
+                        "-X", "partitioner=murmur2_random"], input=lines, text=True, check=True, timeout=60)
+
+    write(0)
+    admin.add_partitions(topic, 4)
+    write(1)
+    records = sorted(read_topic(kafka_config, topic, len(keys) * 8), key=lambda r: r.timestamp()[1])
+    ids: dict[str, list[str]] = {key: [] for key in keys}
+    for record in sorted(records, key=lambda r: (r.value().split(b":")[1], r.value().split(b":")[2])):
+        ids[record.key().decode()].append(str(sequence_number(record.partition(), record.offset())))
+    checker = DeliveryChecker()
+    expect_all(checker, ids)
+    with Subscriber(kafka_config, redis_url=endpoints.redis_url).subscribe(
+            name, recording(checker, "s1", slow_ack(0.005)), max_workers=8):
+        wait_until(lambda: checker.acked_count() == checker.total(), 60, "every message acked")
     assert checker.verify() == []
