@@ -26,6 +26,7 @@ from ordering_layer.offsets import PartitionOffsets, partition_offsets
 from ordering_layer.publisher.partitioner import murmur2
 from ordering_layer.record import display_key
 from ordering_layer.state import StateStore
+from ordering_layer.state.counts import moves_key
 from ordering_layer.state.store import FLOOR_MEMBER, offset_fields, partition_keys
 
 _LOGGER = logging.getLogger(__name__)
@@ -44,7 +45,8 @@ class PartitionDescription:
     is false (the leased messages lie more than ``SCAN_LIMIT`` records past the first unsettled one).
     ``parked_keys`` counts the subscription's parked keys that the layer's partitioner routes here.
     ``pending_seek`` is the generation of a seek (GRP-3) recorded for the partition that no owner has
-    applied yet (0: none).
+    applied yet (0: none). ``moved_keys_held`` counts the keys a growth of the topic moved into the
+    partition whose new messages wait for their old partitions (SUB-8), as its owner last reported.
     """
 
     partition: int
@@ -61,6 +63,7 @@ class PartitionDescription:
     held_keys_complete: bool
     parked_keys: int
     pending_seek: int = 0
+    moved_keys_held: int = 0
 
 
 @dataclass(frozen=True)
@@ -147,6 +150,7 @@ def describe_subscription(admin: AdminClient, kafka_config: Mapping[str, Any], s
         consumer.close()
     owners, group_state = _owners(admin, name, topic, timeout)
     parked = sorted(store.parked_keys(name))
+    moved = {int(p): int(n) for p, n in store.client.hgetall(moves_key(name)).items()}
     parked_in = [(murmur2(key) & 0x7FFFFFFF) % count for key in parked]
     now_ms = time.time() * 1000
     rows = []
@@ -162,7 +166,8 @@ def describe_subscription(admin: AdminClient, kafka_config: Mapping[str, Any], s
             outstanding=len(state.leased), oldest_unacked_age=age,
             held_keys=len(scan.keys) if scan else 0, held_keys_complete=scan.done if scan else True,
             parked_keys=parked_in.count(row.partition),
-            pending_seek=seeks[row.partition].generation if seeks[row.partition].pending else 0))
+            pending_seek=seeks[row.partition].generation if seeks[row.partition].pending else 0,
+            moved_keys_held=moved.get(row.partition, 0)))
     return SubscriptionDescription(name, settings, group_state, tuple(rows), tuple(display_key(k) for k in parked))
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from ordering_layer.describe import PartitionDescription, SubscriptionDescription
 
 COLUMNS = ("partition", "owner", "epoch", "committed", "log end", "backlog", "outstanding", "oldest unacked",
-           "held keys", "parked keys", "seek")
+           "held keys", "parked keys", "moved keys held", "seek")
 
 
 def _age(seconds: float | None) -> str:
@@ -28,7 +28,7 @@ def _cells(row: PartitionDescription) -> tuple[str, ...]:
             "-" if row.committed is None else str(row.committed), str(row.log_end), str(row.backlog),
             str(row.outstanding), _age(row.oldest_unacked_age),
             str(row.held_keys) if row.held_keys_complete else f">={row.held_keys}", str(row.parked_keys),
-            f"pending #{row.pending_seek}" if row.pending_seek else "-")
+            str(row.moved_keys_held), f"pending #{row.pending_seek}" if row.pending_seek else "-")
 
 
 def render_description(described: SubscriptionDescription) -> str:

@@ -116,6 +116,27 @@ def offset_reset(config: Mapping[str, Any], default: str = "latest") -> Literal[
                       f"{config.get('auto.offset.reset')!r}", setting="auto.offset.reset")
 
 
+# Consumer settings of which the layer honours only some values: the values, and why no other.
+CONSUMER_HONOURS: dict[str, tuple[tuple[str, ...], str]] = {
+    "enable.partition.eof": (_FALSE, "the layer delivers messages, not partition ends"),
+    "partition.assignment.strategy": (("cooperative-sticky",), "ownership moves key by key only with "
+                                                               "incremental (cooperative) rebalancing"),
+    "group.protocol": (("classic",), "the subscriber runs the classic group protocol"),
+}
+
+
+def refuse_unhonoured(config: Mapping[str, Any], honours: Mapping[str, tuple[tuple[str, ...], str]],
+                      client: str) -> None:
+    """Refuse a setting of ``honours`` whose value ``client`` cannot honour.
+
+    Raises:
+        ConfigError: ``setting`` names it.
+    """
+    for name, (values, reason) in honours.items():
+        if name in config and str(config[name]).strip().lower() not in values:
+            raise ConfigError(f"{name}={config[name]!r} cannot be honoured by {client}: {reason}", setting=name)
+
+
 def is_connection_setting(name: str) -> bool:
     """Whether every Kafka client takes ``name``: broker addresses, TLS, SASL, sockets, logging."""
     return name in _CONNECTION_NAMES or name.startswith(_CONNECTION_PREFIXES)

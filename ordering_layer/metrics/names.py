@@ -32,6 +32,8 @@ PARTITION_GAUGES: Final = {
     "outstanding": ("partition_outstanding_messages", "Messages of the partition outstanding at this process."),
     "buffered": ("partition_buffered_records", "Records fetched and waiting for release (held behind their key)."),
     "held_keys": ("partition_held_keys", "Ordering keys of the partition with a message outstanding."),
+    "moved_keys_held": ("partition_moved_keys_held",
+                        "Keys moved into the partition by a growth, waiting for their old partitions (SUB-8)."),
     "oldest_unacked_seconds": ("partition_oldest_unacked_age_seconds",
                                "Age of the partition's oldest unacked message at this process."),
 }

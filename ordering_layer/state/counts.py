@@ -35,6 +35,12 @@ def counts_key(topic: str) -> str:
     return f"ol:counts:{{{topic}}}"
 
 
+def moves_key(subscription: str) -> str:
+    """The Redis hash of a subscription's keys held for a move (SUB-8): partition -> keys held, as
+    its owner last reported them (expires unless refreshed)."""
+    return f"ol:moves:{{{subscription}}}"
+
+
 def encode_history(history: History) -> bytes:
     """The durable copy's record value."""
     return json.dumps([[count, since] for count, since in history]).encode()

@@ -33,7 +33,7 @@ from ordering_layer.errors import (
     SubscriptionNotFoundError,
     UnsupportedOperationError,
 )
-from ordering_layer.kafka_config import flag, offset_reset, read_kafka_config
+from ordering_layer.kafka_config import CONSUMER_HONOURS, flag, offset_reset, read_kafka_config, refuse_unhonoured
 from ordering_layer.scheduler.participant import join_activation
 from ordering_layer.state import StateStore
 from ordering_layer.subscriber.client_config import redis_url_from, verify_credentials
@@ -46,22 +46,6 @@ _WAIT_STEP = 1.0  # an endless poll waits in steps of this many seconds
 _MAX_MESSAGES = 1_000_000  # confluent-kafka's limit for consume(num_messages)
 _PER_KEY = "per-key order and per-message acks need the group protocol to own partitions"
 UserRebalanceCallback = Callable[[Any, list[TopicPartition]], None]
-
-
-# Settings whose value the layer cannot honour, with the values it can and the reason.
-_HONOURED: dict[str, tuple[tuple[str, ...], str]] = {
-    "enable.partition.eof": (("false", "f", "0"), "the layer delivers messages, not partition ends"),
-    "partition.assignment.strategy": (("cooperative-sticky",), "ownership moves key by key only with "
-                                                               "incremental (cooperative) rebalancing"),
-    "group.protocol": (("classic",), "the subscriber runs the classic group protocol"),
-}
-
-
-def _refuse_unhonoured(conf: Mapping[str, Any]) -> None:
-    for name, (values, reason) in _HONOURED.items():
-        if name in conf and str(conf[name]).strip().lower() not in values:
-            raise ConfigError(f"{name}={conf[name]!r} cannot be honoured by OrderedConsumer: {reason}",
-                              setting=name)
 
 
 class OrderedConsumer:
@@ -89,7 +73,7 @@ class OrderedConsumer:
         require_bootstrap(conf)
         if not conf.get("group.id"):
             raise ConfigError("OrderedConsumer needs 'group.id' (the subscription name)", setting="group.id")
-        _refuse_unhonoured(conf)
+        refuse_unhonoured(conf, CONSUMER_HONOURS, "OrderedConsumer")
         self._auto_commit = flag(conf, "enable.auto.commit", True)
         self._auto_store = flag(conf, "enable.auto.offset.store", True)
         self._start = StartPosition.LATEST if offset_reset(conf) == "latest" else StartPosition.TRIM_HORIZON

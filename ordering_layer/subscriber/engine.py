@@ -14,8 +14,8 @@ answer wakes the coordinator, which meanwhile takes acks and releases more. Comm
 fetch thread as queued requests. The components hold no references to each other; the rules live
 in modules handed the components they act on: ``dispatch`` (release, hand-out), ``settlement``
 (acks, nacks, deadlines, lapses, dead-letter reports, start notes), ``starts`` (attempt counts of
-deliveries started, ACK-6, DLQ-3), ``commits`` (commit points and seeks, GRP-3) and ``ownership``
-(claims, revocations, flushes and their fencing verdicts).
+deliveries started, ACK-6, DLQ-3), ``commits`` (commit points and seeks, GRP-3), ``ownership``
+(claims, revocations, flushes and their fencing verdicts) and ``moves`` (keys a growth moved, SUB-8).
 """
 
 from __future__ import annotations
@@ -43,19 +43,10 @@ from ordering_layer.subscriber.inbox import Inbox
 from ordering_layer.subscriber.leases import lease_table
 from ordering_layer.subscriber.message import Message
 from ordering_layer.subscriber.metrics import snapshot
-from ordering_layer.subscriber.moves import MoveGuard
+from ordering_layer.subscriber.moves import MOVE_EVENTS, MoveGuard
 from ordering_layer.subscriber.ownership import Ownership
 from ordering_layer.subscriber.partitions import Partitions
-from ordering_layer.subscriber.requests import (
-    Committed,
-    CountsChanged,
-    DeadLettered,
-    Fetched,
-    MovesCleared,
-    Pull,
-    Settle,
-    Sought,
-)
+from ordering_layer.subscriber.requests import Committed, DeadLettered, Fetched, Pull, Settle, Sought
 from ordering_layer.subscriber.settlement import Settlement
 from ordering_layer.subscriber.starts import Starts
 from ordering_layer.subscriber.state_writer import StateWriter
@@ -80,13 +71,11 @@ class Engine:
         subscription: subscription name (the Kafka consumer group).
         settings: the subscription's stored settings.
         flow_control: limits on outstanding messages and bytes (SUB-7).
-        on_messages: callback mode: receives each released batch (one message per key at a time);
-            None for pull mode, where ``pull`` releases on demand.
-        rebalance: user callbacks told of assignments, revocations and losses (after the engine
-            has claimed, resp. before it lets go), on the fetch thread.
-        watch: callback mode: called by the coordinator at each step with the time, returns when it
-            wants to be called again (None: at the next step); the callback pool wakes workers for
-            messages that wait (``CallbackPool.watch``).
+        on_messages: callback mode: gets each released batch; None: pull mode (``pull`` releases).
+        rebalance: user callbacks of assignments (after the claims), revocations (before the engine
+            lets go) and losses, run on the fetch thread.
+        watch: callback mode: called at each coordinator step with the time, returns when to be
+            called again (None: next step); the pool wakes workers for waiting messages with it.
         track_leases: watch, extend and expire lease deadlines (ACK-1, ACK-2); off only for comparisons.
     """
 
@@ -298,14 +287,10 @@ class Engine:
 
     def _route(self, kind: type, event: Any, now: float) -> None:  # an event that is not a settlement
         if kind is Fetched:
-            self._moves.grow(event.highest_count)
-            self._owned.take(event)
-            self._moves.collect()
+            self._moves.take(event, self._owned.take)
             self._gate.taken(len(event.records))
-        elif kind is MovesCleared:
-            self._moves.clear(event)
-        elif kind is CountsChanged:
-            self._moves.apply(event.history)
+        elif kind in MOVE_EVENTS:
+            self._moves.route(event)
         elif kind is Pull:
             if self._closing:
                 event.future.set_result([])

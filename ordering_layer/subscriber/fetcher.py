@@ -183,11 +183,9 @@ class Fetcher:
                 _LOGGER.warning("fetch error on %s: %s", self.subscription, msg.error())
                 continue
             record = to_record(msg)
-            metadata = record.metadata
-            if metadata.malformed is not None:
+            if record.metadata.malformed is not None:
                 self._malformed_metadata(record)
-            if metadata.partition_count is not None and metadata.partition_count > self.highest_count:
-                self.highest_count = metadata.partition_count
+            self._counted(record.metadata.partition_count or 0)
             records.append(record)
         # A full batch from consume() may have more of its partitions' records behind it: the native
         # queue, whose records of those partitions are newer, waits for the next turn. While enough

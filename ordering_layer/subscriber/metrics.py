@@ -21,12 +21,14 @@ def snapshot(counts: Mapping[str, int], partitions: Mapping[int, OwnedPartition]
     Keys: ``delivered``, ``acked``, ``nacked``, ``redelivered`` (attempt > 1), ``dead_lettered``,
     ``lease_extensions``, ``lease_lapses``, ``malformed_records``; ``outstanding``, ``held_keys``
     (keys with something outstanding or backing off); ``partitions``: {partition: {"outstanding",
-    "buffered", "held_keys", "oldest_unacked_seconds"}}; ``ack_latency_seconds`` and
+    "buffered", "held_keys", "moved_keys_held" (keys moved in by a growth and waiting, SUB-8),
+    "oldest_unacked_seconds"}}; ``ack_latency_seconds`` and
     ``redis_flush_seconds``: the observations made since the previous call (drained).
     """
     per: dict[int, dict[str, Any]] = {
         number: {"outstanding": 0, "buffered": state.buffered, "held_keys": state.held_keys(),
-                 "oldest_unacked_seconds": 0.0} for number, state in partitions.items()}
+                 "moved_keys_held": state.core.moved_holding, "oldest_unacked_seconds": 0.0}
+        for number, state in partitions.items()}
     for number, (outstanding, oldest) in leases.per_partition(now).items():
         entry = per.get(number)
         if entry is not None:

@@ -10,11 +10,8 @@ The history (``state.counts``) is read when the engine starts, and grows when th
 growth: a partition claimed beyond the known count, a fetched record stamped with a higher count,
 or the topic's metadata read every ``METADATA_INTERVAL`` seconds (a growth made by Kafka's own
 tools, with no record yet). The check runs on the guard's own thread, so the coordinator never
-waits for it: for each old partition of the held keys it reads the partition from the commit point
-(its group's committed offset, or the floor an owner wrote to Redis when higher) to its end, with a
-consumer of its own that never joins the group, and asks Redis which of the held keys' records there
-are settled. Keys whose old records are all settled go back to the coordinator (``MovesCleared``).
-A Redis that lost its state only makes records look unsettled: the keys wait for the redeliveries.
+waits for it: it reads the held keys' old partitions (``OldPartitions``) and sends the keys whose
+old records are all settled back to the coordinator (``MovesCleared``).
 """
 
 from __future__ import annotations
@@ -22,21 +19,19 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import redis
-from confluent_kafka import Consumer, KafkaException, TopicPartition
+from confluent_kafka import KafkaException
 
 from ordering_layer.errors import OrderingLayerError
 from ordering_layer.kafka_config import connection_settings
-from ordering_layer.publisher.partitioner import murmur2
-from ordering_layer.record import read_metadata
 from ordering_layer.state import StateStore
-from ordering_layer.state.counts import History, PartitionCounts, normalised
+from ordering_layer.state.counts import History, PartitionCounts, moves_key, normalised
+from ordering_layer.subscriber.old_partitions import OldPartitions, old_partitions
 from ordering_layer.subscriber.owned_partition import OwnedPartition
-from ordering_layer.subscriber.requests import CountsChanged, MovesCleared
+from ordering_layer.subscriber.requests import CountsChanged, Fetched, MovesCleared
 from ordering_layer.worker import Worker
 
 _LOGGER = logging.getLogger(__name__)
@@ -44,27 +39,13 @@ _LOGGER = logging.getLogger(__name__)
 METADATA_INTERVAL = 2.0  # seconds between reads of the topic's partition count
 CHECK_INTERVAL = 0.05  # seconds between checks while keys are held
 _KAFKA_TIMEOUT = 10.0
-_SCAN_BATCH = 1000
 
 Owned = Mapping[int, OwnedPartition]
+MOVE_EVENTS = (MovesCleared, CountsChanged)  # what the guard's thread posts, for ``MoveGuard.route``
 
 
 def now_ms() -> int:
     return int(time.time() * 1000)
-
-
-def count_at(history: History, published: int | None, timestamp_ms: int) -> int:
-    """The count a record was published under: its header, else the count in force at its append time."""
-    if published:
-        return published
-    in_force = [count for count, since in history if since <= timestamp_ms]
-    return in_force[-1] if in_force else history[0][0]
-
-
-def old_partitions(key: bytes, partition: int, count: int, history: History) -> set[int]:
-    """The partitions other than ``partition`` where ``key`` lived under the counts before ``count``."""
-    hashed = murmur2(key) & 0x7FFFFFFF
-    return {hashed % earlier for earlier, _ in history if earlier < count} - {partition}
 
 
 class MoveGuard:
@@ -91,8 +72,10 @@ class MoveGuard:
         self.history: History = []
         self.owned: Owned = {}  # the engine's owned partitions (set by the engine; its lock held to use them)
         self._held: dict[tuple[int, int], dict[bytes, int]] = {}  # (partition, epoch) -> key -> count
-        self._consumer: Consumer | None = None
+        self._old = OldPartitions(self._kafka, store, subscription, topic)
         self._next_metadata = 0.0
+        self._reported: dict[int, int] = {}
+        self._report_due = 0.0
         self._worker = Worker(f"ordering-layer-moves-{subscription}", self._step)
 
     # -- coordinator side ------------------------------------------------------------------------
@@ -110,8 +93,7 @@ class MoveGuard:
         """Stop the thread and close the guard's Kafka clients."""
         self._worker.stop()
         self._work.set()
-        if self._consumer is not None:
-            self._consumer.close()
+        self._old.close()
         if self._history_store is not None:
             self._history_store.close()
 
@@ -145,6 +127,13 @@ class MoveGuard:
             for partition, state in self.owned.items():
                 state.core.set_moves(partition, history)
 
+    def take(self, fetched: Fetched, take: Callable[[Fetched], None]) -> None:
+        """Hand a fetched batch to the partitions (``take``) under the history its counts tell of
+        (a growth first), then collect the keys the cores held for it."""
+        self.grow(fetched.highest_count)
+        take(fetched)
+        self.collect()
+
     def collect(self) -> None:
         """Take the keys the cores held for a move since the last call, for the guard's thread."""
         if len(self.history) < 2:
@@ -161,8 +150,12 @@ class MoveGuard:
                 return
         self._work.set()
 
-    def clear(self, event: MovesCleared) -> None:
-        """Release the cleared keys of a partition still owned under the same epoch."""
+    def route(self, event: MovesCleared | CountsChanged) -> None:
+        """Apply what the guard's thread posted: a grown history, or cleared keys (released in a
+        partition still owned under the same epoch)."""
+        if isinstance(event, CountsChanged):
+            self.apply(event.history)
+            return
         state = self.owned.get(event.partition)
         if state is not None and state.epoch == event.epoch:
             for key in event.keys:
@@ -199,19 +192,36 @@ class MoveGuard:
             self._next_metadata = time.monotonic() + METADATA_INTERVAL
             self._read_count()
         self._check()
+        self._report()
         return 0.0
 
-    def _scanner(self) -> Consumer:
-        if self._consumer is None:
-            self._consumer = Consumer({
-                **self._kafka, "group.id": self.subscription, "client.id": f"ordering-layer-moves-{uuid.uuid4().hex}",
-                "enable.auto.commit": False, "enable.partition.eof": False,
-                "logger": logging.getLogger("ordering_layer.kafka.moves")})
-        return self._consumer
+    def _report(self) -> None:
+        """Tell Redis how many keys each owned partition holds for a move (``describe``): on each
+        change, and every ``METADATA_INTERVAL`` while any are held (the hash expires otherwise)."""
+        with self._lock:
+            holding = {partition: len(keys) for (partition, _), keys in self._held.items()}
+        if holding == self._reported and not (any(holding.values()) and time.monotonic() >= self._report_due):
+            return
+        key = moves_key(self.subscription)
+        try:
+            pipe = self._store.client.pipeline(transaction=False)
+            gone = [str(p) for p, n in self._reported.items() if n and not holding.get(p)]
+            if gone:
+                pipe.hdel(key, *gone)
+            now: dict[str | bytes, int] = {str(p): n for p, n in holding.items() if n}
+            if now:
+                pipe.hset(key, mapping=now)
+                pipe.expire(key, int(10 * METADATA_INTERVAL))
+            pipe.execute()
+        except redis.RedisError as exc:
+            _LOGGER.debug("%s: keys held for a move not reported: %s", self.subscription, exc)
+            return
+        self._reported = holding
+        self._report_due = time.monotonic() + METADATA_INTERVAL
 
     def _read_count(self) -> None:
         try:
-            metadata = self._scanner().list_topics(self.topic, timeout=_KAFKA_TIMEOUT).topics.get(self.topic)
+            metadata = self._old.consumer().list_topics(self.topic, timeout=_KAFKA_TIMEOUT).topics.get(self.topic)
         except KafkaException as exc:
             _LOGGER.debug("%s: reading the partition count of %s failed: %s", self.subscription, self.topic, exc)
             return
@@ -242,7 +252,7 @@ class MoveGuard:
         waiting: set[bytes] = set()
         for old, keys in needed.items():
             try:
-                waiting |= self._unsettled(old, keys, history)
+                waiting |= self._old.unsettled(old, keys, history)
             except (KafkaException, redis.RedisError) as exc:
                 _LOGGER.info("%s: partition %d not read for moved keys (%s); trying again", self.subscription, old, exc)
                 waiting |= set(keys)
@@ -257,40 +267,3 @@ class MoveGuard:
                         entry.pop(key, None)
             self._post(MovesCleared(partition, epoch, cleared))
 
-    def _unsettled(self, partition: int, keys: dict[bytes, int], history: History) -> set[bytes]:
-        """Those of ``keys`` with a record in ``partition``, published under a count below the one
-        the key waits for, that is not settled."""
-        consumer = self._scanner()
-        part = TopicPartition(self.topic, partition)
-        low, high = consumer.get_watermark_offsets(part, timeout=_KAFKA_TIMEOUT)
-        (committed,) = consumer.committed([part], timeout=_KAFKA_TIMEOUT)
-        start_committed = committed.offset if committed.offset >= 0 else low
-        start, settled_list = self._store.settled_from(self.subscription, {partition: start_committed})[partition]
-        start = max(start, low)
-        if start >= high:
-            return set()
-        settled = set(settled_list)
-        waiting: set[bytes] = set()
-        consumer.assign([TopicPartition(self.topic, partition, start)])
-        try:
-            deadline = time.monotonic() + 10 * _KAFKA_TIMEOUT
-            position = start
-            while position < high:
-                if time.monotonic() > deadline:
-                    raise KafkaException(f"partition {partition} not read to offset {high} in time")
-                for record in consumer.consume(_SCAN_BATCH, 1.0):
-                    offset, key = record.offset(), record.key()
-                    if record.error() is not None or offset is None:
-                        continue
-                    position = max(position, offset + 1)
-                    if key is None or key not in keys or offset in settled or offset >= high:
-                        continue
-                    published = read_metadata(record.headers()).partition_count  # type: ignore[arg-type]
-                    if count_at(history, published, record.timestamp()[1]) < keys[key]:
-                        waiting.add(key)
-                # Past transaction markers and compacted gaps the consumer's position leads the records.
-                (at,) = consumer.position([part])
-                position = max(position, at.offset)
-        finally:
-            consumer.unassign()
-        return waiting

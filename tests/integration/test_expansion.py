@@ -7,6 +7,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,6 +19,7 @@ from ordering_layer.record import sequence_number
 from ordering_layer.state.client import redis_client
 from tests.checker import DeliveryChecker, wait_until
 from tests.integration.conftest import recording_callback as declared_callback
+from tests.integration.test_chaos import WorkerProcess, read_events, settled_ids
 from tests.kafka_helpers import read_topic
 
 pytestmark = pytest.mark.integration
@@ -121,6 +123,9 @@ def test_only_the_moved_key_whose_old_record_is_unsettled_waits(
         wait_until(lambda: checker.acked_count() == len(keys) * 10 - 10, 60, "every other key's new messages acked")
         assert [e.index for e in checker.deliveries(stuck)] == [0], "the stuck key's new records wait"
         assert any(moved(key, 2, 4) for key in keys if key != stuck), "other moved keys went on"
+        home = partition_for(stuck.encode(), 4)
+        wait_until(lambda: [row.moved_keys_held for row in admin.describe_subscription(name).partitions
+                            if row.partition == home] == [1], 30, "describe shows the moved key held")
         release.set()
         wait_until(lambda: checker.acked_count() == checker.total(), 60, "the stuck key finished")
     assert checker.verify() == []
@@ -269,3 +274,45 @@ def test_records_of_another_producer_on_both_sides_of_a_growth(
             name, recording(checker, "s1", slow_ack(0.005)), max_workers=8):
         wait_until(lambda: checker.acked_count() == checker.total(), 60, "every message acked")
     assert checker.verify() == []
+
+
+def test_kill_9_of_the_old_partitions_owner_while_moved_keys_wait(
+        tmp_path: Path, admin: Admin, kafka_config: dict[str, Any], endpoints: Any,
+        subscription: Callable[..., tuple[str, str]]) -> None:
+    """SUB-8, SUB-3, SUB-5: subscriber process A holds the first message of every key (its handlers
+    do not return) when the topic grows and more is published; B joins and gets some partitions, so
+    moved keys wait at B for their old records held at A; A is killed with SIGKILL. B takes over, the
+    old records go out again, and each key's new records come after them: nothing lost, no key out
+    of order."""
+    topic, name = subscription(partitions=2)
+    keys = [f"key-{k}" for k in range(20)]
+    ids: dict[str, list[str]] = {key: [] for key in keys}
+    publish_round(kafka_config, topic, keys, 3, 0, ids)
+    checker = DeliveryChecker()
+    expect_all(checker, ids)
+    log_a, log_b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a = WorkerProcess("A", endpoints, name, log_a, "--hold-unless-key", "none", "--workers", "32")
+    b: WorkerProcess | None = None
+    try:
+        wait_until(lambda: len({e["key"] for e in read_events(log_a) if e["action"] == "deliver"}) == len(keys), 60,
+                   "A to hold the first message of every key")
+        admin.add_partitions(topic, 4)
+        publish_round(kafka_config, topic, keys, 3, 1, ids)
+        expect_all(checker, ids)
+        b = WorkerProcess("B", endpoints, name, log_b, "--delay-ms", "2")
+        wait_until(lambda: admin.describe_subscription(name).group_state == "STABLE"
+                   and len({row.owner for row in admin.describe_subscription(name).partitions}) == 2, 60,
+                   "A and B to share the partitions")
+        killed_at = a.kill()
+        checker.subscriber_died("A", killed_at)
+        wait_until(lambda: len(settled_ids(read_events(log_a, log_b), "A")) == checker.total(), 120,
+                   "every message acked")
+    finally:
+        a.stop()
+        if b is not None:
+            b.stop()
+    events = read_events(log_a, log_b)
+    for event in events:
+        checker.record(event["id"], event["sub"], event["attempt"], event["action"], at=event["at"])
+    assert checker.verify() == []
+    assert any(e["sub"] == "B" and e["attempt"] > 1 for e in events), "B delivered A's held records again"

@@ -37,7 +37,8 @@ def test_table_has_one_aligned_row_per_partition() -> None:
     described = SubscriptionDescription(
         "sub", SubscriptionSettings(topic="orders", dead_letter_policy=DeadLetterPolicy("dlq", mode="park_key")),
         "STABLE", (row(0), row(1, owner=None, owner_host=None, epoch=None, committed=None, oldest_unacked_age=None,
-                                held_keys=7, held_keys_complete=False, parked_keys=1, pending_seek=4)),
+                                held_keys=7, held_keys_complete=False, parked_keys=1, pending_seek=4,
+                                moved_keys_held=3)),
         ("poison",))
     text = render_description(described)
     lines = text.splitlines()
@@ -46,9 +47,10 @@ def test_table_has_one_aligned_row_per_partition() -> None:
     assert lines[2] == "backlog 10  outstanding 4  parked keys 1 (poison)"
     table = lines[4:]
     assert table[0].split("  ")[0] == COLUMNS[0]
-    assert table[1].split() == ["0", "rdkafka@10.0.0.1", "3", "10", "15", "5", "2", "3.2s", "2", "0", "-"]
-    assert table[2].split() == ["1", "-", "-", "-", "15", "5", "2", "-", ">=7", "1", "pending", "#4"]
+    assert table[1].split() == ["0", "rdkafka@10.0.0.1", "3", "10", "15", "5", "2", "3.2s", "2", "0", "0", "-"]
+    assert table[2].split() == ["1", "-", "-", "-", "15", "5", "2", "-", ">=7", "1", "3", "pending", "#4"]
     end_of_column = table[0].index("log end") + len("log end")
     assert table[1].index(" 15 ") + 3 == end_of_column == table[2].index(" 15 ") + 3  # numbers right-aligned
     assert described.to_json()["partitions"][1]["held_keys_complete"] is False
     assert described.to_json()["partitions"][1]["pending_seek"] == 4
+    assert described.to_json()["partitions"][1]["moved_keys_held"] == 3

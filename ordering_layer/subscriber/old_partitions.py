@@ -1,0 +1,117 @@
+"""What a moved key left in its old partitions (SUB-8): read from Kafka and Redis, by anyone.
+
+A key held for a move waits until every record of it published under an earlier count in its old
+partitions is settled. ``OldPartitions`` answers that for a set of keys without the old partitions'
+owners (which may be other processes, dead, or none yet): it reads a partition from its commit
+point (the group's committed offset, or the floor an owner wrote to Redis when higher) to its end
+with a consumer of its own that never joins the group, and looks the keys' records up in the
+partition's settled set in Redis. A Redis that lost its state makes records look unsettled: keys
+then wait for their redeliveries, never less.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+from confluent_kafka import Consumer, KafkaException, TopicPartition
+
+from ordering_layer.publisher.partitioner import murmur2
+from ordering_layer.record import read_metadata
+from ordering_layer.state import StateStore
+from ordering_layer.state.counts import History
+
+_KAFKA_TIMEOUT = 10.0
+_SCAN_BATCH = 1000
+
+
+def count_at(history: History, published: int | None, timestamp_ms: int) -> int:
+    """The count a record was published under: its header, else the count in force at its append time."""
+    if published:
+        return published
+    in_force = [count for count, since in history if since <= timestamp_ms]
+    return in_force[-1] if in_force else history[0][0]
+
+
+def old_partitions(key: bytes, partition: int, count: int, history: History) -> set[int]:
+    """The partitions other than ``partition`` where ``key`` lived under the counts before ``count``."""
+    hashed = murmur2(key) & 0x7FFFFFFF
+    return {hashed % earlier for earlier, _ in history if earlier < count} - {partition}
+
+
+class OldPartitions:
+    """Reads old partitions of one subscription's topic for unsettled records of given keys.
+
+    Args:
+        kafka_config: connection settings of the cluster (the reader's consumer takes them).
+        store: the Redis state store (settled sets and floors).
+        subscription: the subscription (its group's committed offsets are read, never committed).
+        topic: the subscription's topic.
+    """
+
+    def __init__(self, kafka_config: Mapping[str, Any], store: StateStore, subscription: str, topic: str) -> None:
+        self._kafka = kafka_config
+        self._store = store
+        self.subscription = subscription
+        self.topic = topic
+        self._consumer: Consumer | None = None
+
+    def consumer(self) -> Consumer:
+        """The reader's consumer (made on first use); also serves metadata queries."""
+        if self._consumer is None:
+            self._consumer = Consumer({
+                **self._kafka, "group.id": self.subscription, "client.id": f"ordering-layer-moves-{uuid.uuid4().hex}",
+                "enable.auto.commit": False, "enable.partition.eof": False,
+                "logger": logging.getLogger("ordering_layer.kafka.moves")})
+        return self._consumer
+
+    def close(self) -> None:
+        """Close the consumer."""
+        if self._consumer is not None:
+            self._consumer.close()
+
+    def unsettled(self, partition: int, keys: Mapping[bytes, int], history: History) -> set[bytes]:
+        """Those of ``keys`` that have a record in ``partition``, published under a count below the
+        one the key waits for (its value in ``keys``), that is not settled.
+
+        Raises:
+            KafkaException: the partition could not be read to its end in time.
+            redis.RedisError: Redis did not answer.
+        """
+        consumer = self.consumer()
+        part = TopicPartition(self.topic, partition)
+        low, high = consumer.get_watermark_offsets(part, timeout=_KAFKA_TIMEOUT)
+        (committed,) = consumer.committed([part], timeout=_KAFKA_TIMEOUT)
+        start_committed = committed.offset if committed.offset >= 0 else low
+        start, settled_list = self._store.settled_from(self.subscription, {partition: start_committed})[partition]
+        start = max(start, low)
+        if start >= high:
+            return set()
+        settled = set(settled_list)
+        waiting: set[bytes] = set()
+        consumer.assign([TopicPartition(self.topic, partition, start)])
+        try:
+            deadline = time.monotonic() + 10 * _KAFKA_TIMEOUT
+            position = start
+            while position < high:
+                if time.monotonic() > deadline:
+                    raise KafkaException(f"partition {partition} not read to offset {high} in time")
+                for record in consumer.consume(_SCAN_BATCH, 1.0):
+                    offset, key = record.offset(), record.key()
+                    if record.error() is not None or offset is None:
+                        continue
+                    position = max(position, offset + 1)
+                    if key is None or key not in keys or offset in settled or offset >= high:
+                        continue
+                    published = read_metadata(record.headers()).partition_count  # type: ignore[arg-type]
+                    if count_at(history, published, record.timestamp()[1]) < keys[key]:
+                        waiting.add(key)
+                # Past transaction markers and compacted gaps the consumer's position leads the records.
+                (at,) = consumer.position([part])
+                position = max(position, at.offset)
+        finally:
+            consumer.unassign()
+        return waiting
