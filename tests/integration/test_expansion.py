@@ -7,13 +7,14 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 from confluent_kafka.admin import AdminClient, NewPartitions  # type: ignore[attr-defined]
 
-from ordering_layer import Admin, Message, OrderedProducer, RetryPolicy, Subscriber
+from ordering_layer import Admin, DeadLetterPolicy, Message, OrderedProducer, RetryPolicy, Subscriber
 from ordering_layer.publisher.partitioner import partition_for
 from ordering_layer.record import sequence_number
 from ordering_layer.state.client import redis_client
@@ -316,3 +317,71 @@ def test_kill_9_of_the_old_partitions_owner_while_moved_keys_wait(
         checker.record(event["id"], event["sub"], event["attempt"], event["action"], at=event["at"])
     assert checker.verify() == []
     assert any(e["sub"] == "B" and e["attempt"] > 1 for e in events), "B delivered A's held records again"
+
+
+def test_a_seek_back_across_the_growth_replays_each_moved_key_in_order(
+        admin: Admin, kafka_config: dict[str, Any], endpoints: Any,
+        subscription: Callable[..., tuple[str, str]]) -> None:
+    """SUB-8, GRP-3: a running subscriber is sought back to before a growth: every message counts as
+    unacked again, and each moved key's replay goes out in publish order, its messages of before the
+    growth (in the old partition) before those of after (in the new one)."""
+    topic, name = subscription(partitions=2)
+    keys = [f"key-{k}" for k in range(20)]
+    before = datetime.now(UTC) - timedelta(seconds=1)
+    ids: dict[str, list[str]] = {key: [] for key in keys}
+    publish_round(kafka_config, topic, keys, 3, 0, ids)
+    admin.add_partitions(topic, 4)
+    publish_round(kafka_config, topic, keys, 3, 1, ids)
+    lock = threading.Lock()
+    deliveries: list[tuple[str, int]] = []  # ordering key, position in the key's publish order
+
+    def callback(message: Message) -> None:
+        _, round_, n = message.data.decode().split(":")
+        with lock:
+            deliveries.append((message.ordering_key or "", int(round_) * 3 + int(n)))
+        message.ack()
+
+    with Subscriber(kafka_config, redis_url=endpoints.redis_url).subscribe(name, callback, max_workers=4):
+        wait_until(lambda: len(deliveries) == len(keys) * 6, 60, "every message delivered once")
+        admin.seek(name, time=before)
+        wait_until(lambda: len(deliveries) == len(keys) * 12, 60, "every message replayed")
+    for key in keys:
+        positions = [position for delivered_key, position in deliveries if delivered_key == key]
+        assert positions == list(range(6)) * 2, (key, moved(key, 2, 4), positions)
+
+
+def test_a_parked_moved_key_follows_its_dead_letter_in_order(
+        admin: Admin, kafka_config: dict[str, Any], endpoints: Any,
+        subscription: Callable[..., tuple[str, str]], unique_name: Callable[[str], str]) -> None:
+    """SUB-8, DLQ-2 park_key: a moved key's old message is dead-lettered and the key parked; its
+    later messages of both sides of the growth follow it into the dead-letter topic in publish order
+    (the new ones only after the old ones are settled there), while every other key flows."""
+    dlq = unique_name("dlq")
+    topic, name = subscription(partitions=2, dead_letter_policy=DeadLetterPolicy(
+        dlq, max_delivery_attempts=5, mode="park_key"))
+    keys = [f"key-{k}" for k in range(12)]
+    poisoned = next(key for key in keys if moved(key, 2, 4))
+    ids: dict[str, list[str]] = {key: [] for key in keys}
+    publish_round(kafka_config, topic, keys, 3, 0, ids)
+    checker = DeliveryChecker()
+    expect_all(checker, ids)
+    grown = threading.Event()
+
+    def handler(message: Message) -> str:
+        if message.message_id == ids[poisoned][0]:
+            grown.wait(60)
+            return "nack"
+        return "ack"
+
+    with Subscriber(kafka_config, redis_url=endpoints.redis_url).subscribe(
+            name, recording(checker, "s1", handler), max_workers=4):
+        admin.add_partitions(topic, 4)
+        publish_round(kafka_config, topic, keys, 3, 1, ids)
+        expect_all(checker, ids)
+        grown.set()
+        wait_until(lambda: len(admin.list_dead_letters(name)) == 6, 60, "the poisoned key's messages dead-lettered")
+        wait_until(lambda: checker.acked_count() == (len(keys) - 1) * 6, 60, "every other key acked")
+    letters = admin.list_dead_letters(name)
+    assert [d.message_id for d in letters] == ids[poisoned]
+    assert [d.reason for d in letters] == ["MAX_DELIVERY_ATTEMPTS"] + ["PARKED_KEY"] * 5
+    assert checker.verify(require_all_settled=False) == []
