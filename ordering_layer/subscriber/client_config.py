@@ -25,8 +25,9 @@ FETCH_QUEUE_BACKOFF_MS = 10
 
 # librdkafka's topic.metadata.refresh.interval.ms (default 300,000): partitions added to the topic
 # are consumed only once the consumer's metadata shows them (SUB-8: within 15 s of a growth made by
-# anyone). A value in the user's settings wins.
-METADATA_REFRESH_MS = 5000
+# anyone; a moved key's new messages cannot go out before). A metadata request every 2 s per
+# consumer; a value in the user's settings wins.
+METADATA_REFRESH_MS = 2000
 
 
 def consumer_settings(kafka_config: Mapping[str, Any], subscription: str) -> dict[str, Any]:

@@ -242,6 +242,7 @@ class MoveGuard:
             held = {entry: dict(keys) for entry, keys in self._held.items() if keys}
             history = self.history
         if not held or len(history) < 2:
+            self._old.forget()
             return
         needed: dict[int, dict[bytes, int]] = {}  # old partition -> key -> count its records precede
         for (partition, _), keys in held.items():

@@ -4,9 +4,9 @@ A key held for a move waits until every record of it published under an earlier 
 partitions is settled. ``OldPartitions`` answers that for a set of keys without the old partitions'
 owners (which may be other processes, dead, or none yet): it reads a partition from its commit
 point (the group's committed offset, or the floor an owner wrote to Redis when higher) to its end
-with a consumer of its own that never joins the group, and looks the keys' records up in the
-partition's settled set in Redis. A Redis that lost its state makes records look unsettled: keys
-then wait for their redeliveries, never less.
+with a consumer of its own that never joins the group, once, then only what is appended, and looks
+the keys' records up in the partition's settled set in Redis. A Redis that lost its state makes
+records look unsettled: keys then wait for their redeliveries, never less.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import logging
 import time
 import uuid
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from confluent_kafka import Consumer, KafkaException, TopicPartition
@@ -23,6 +24,7 @@ from ordering_layer.publisher.partitioner import murmur2
 from ordering_layer.record import read_metadata
 from ordering_layer.state import StateStore
 from ordering_layer.state.counts import History
+from ordering_layer.state.store import FLOOR_MEMBER, partition_keys
 
 _KAFKA_TIMEOUT = 10.0
 _SCAN_BATCH = 1000
@@ -58,6 +60,7 @@ class OldPartitions:
         self.subscription = subscription
         self.topic = topic
         self._consumer: Consumer | None = None
+        self._reads: dict[int, _Read] = {}
 
     def consumer(self) -> Consumer:
         """The reader's consumer (made on first use); also serves metadata queries."""
@@ -77,6 +80,12 @@ class OldPartitions:
         """Those of ``keys`` that have a record in ``partition``, published under a count below the
         one the key waits for (its value in ``keys``), that is not settled.
 
+        What was read stays known (``_Read``): a later call reads only the records appended since,
+        and asks Redis about the unsettled offsets it found. The partition is read again from its
+        commit point when keys are new to it, the history grew, or the partition's owner epoch
+        changed (a new owner, a seek, a Redis that lost its state: settled offsets may be unsettled
+        again).
+
         Raises:
             KafkaException: the partition could not be read to its end in time.
             redis.RedisError: Redis did not answer.
@@ -85,33 +94,74 @@ class OldPartitions:
         part = TopicPartition(self.topic, partition)
         low, high = consumer.get_watermark_offsets(part, timeout=_KAFKA_TIMEOUT)
         (committed,) = consumer.committed([part], timeout=_KAFKA_TIMEOUT)
-        start_committed = committed.offset if committed.offset >= 0 else low
-        start, settled_list = self._store.settled_from(self.subscription, {partition: start_committed})[partition]
-        start = max(start, low)
-        if start >= high:
-            return set()
-        settled = set(settled_list)
-        waiting: set[bytes] = set()
-        consumer.assign([TopicPartition(self.topic, partition, start)])
+        epoch_key, settled_key = partition_keys(self.subscription, partition)[:2]
+        epoch_raw, floor_raw = self._store.client.get(epoch_key), self._store.client.zscore(settled_key, FLOOR_MEMBER)
+        start = max(committed.offset if committed.offset >= 0 else low, low,
+                    int(floor_raw) if floor_raw is not None else -1)
+        epoch = int(epoch_raw or 0)
+        read = self._reads.get(partition)
+        if read is None or read.epoch != epoch or read.history != history or start < read.start \
+                or not keys.keys() <= read.keys:
+            read = self._reads[partition] = _Read(epoch, history, start, start, frozenset(keys) | (
+                read.keys if read is not None and read.epoch == epoch else frozenset()), {})
+        if read.end < high:
+            self._read(consumer, part, read, high)
+        read.start = start
+        for key, offsets in list(read.pending.items()):
+            for offset in [o for o in offsets if o < start]:
+                del offsets[offset]
+            if not offsets:
+                del read.pending[key]
+        asked = [(key, offset) for key in keys for offset, count in read.pending.get(key, {}).items()
+                 if count < keys[key]]
+        if asked:
+            scores = self._store.client.execute_command(
+                "ZMSCORE", settled_key, *(str(offset) for _, offset in asked))
+            for (key, offset), score in zip(asked, scores, strict=True):
+                if score is not None:
+                    del read.pending[key][offset]
+        return {key for key in keys if any(count < keys[key] for count in read.pending.get(key, {}).values())}
+
+    def forget(self) -> None:
+        """Drop what was read (nothing is waited for any more)."""
+        self._reads.clear()
+
+    def _read(self, consumer: Consumer, part: TopicPartition, read: _Read, high: int) -> None:
+        """Read ``part`` from ``read.end`` to ``high``, noting the offsets and counts of the keys'
+        records there."""
+        consumer.assign([TopicPartition(part.topic, part.partition, read.end)])
         try:
             deadline = time.monotonic() + 10 * _KAFKA_TIMEOUT
-            position = start
+            position = read.end
             while position < high:
                 if time.monotonic() > deadline:
-                    raise KafkaException(f"partition {partition} not read to offset {high} in time")
+                    raise KafkaException(f"partition {part.partition} not read to offset {high} in time")
                 for record in consumer.consume(_SCAN_BATCH, 1.0):
                     offset, key = record.offset(), record.key()
                     if record.error() is not None or offset is None:
                         continue
                     position = max(position, offset + 1)
-                    if key is None or key not in keys or offset in settled or offset >= high:
+                    if key is None or key not in read.keys or offset >= high:
                         continue
                     published = read_metadata(record.headers()).partition_count  # type: ignore[arg-type]
-                    if count_at(history, published, record.timestamp()[1]) < keys[key]:
-                        waiting.add(key)
+                    read.pending.setdefault(key, {})[offset] = count_at(read.history, published,
+                                                                        record.timestamp()[1])
                 # Past transaction markers and compacted gaps the consumer's position leads the records.
                 (at,) = consumer.position([part])
                 position = max(position, at.offset)
         finally:
             consumer.unassign()
-        return waiting
+        read.end = high
+
+
+@dataclass
+class _Read:
+    """What was read of one old partition: from ``start`` (the commit point then) to ``end``, the
+    records of ``keys`` not known settled (key -> offset -> count published under)."""
+
+    epoch: int
+    history: History
+    start: int
+    end: int
+    keys: frozenset[bytes]
+    pending: dict[bytes, dict[int, int]]
