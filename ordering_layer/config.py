@@ -97,12 +97,16 @@ class PublisherSettings:
             Redis URL, and ``$ORDERING_LAYER_SCHEDULER=0`` switches it off too).
         schedule_topic: the compacted topic of scheduled messages that ``schedule`` writes to and
             activation reads.
+        tracing: an OpenTelemetry span per publish, its W3C trace context in the record's headers
+            (``ordering_layer.tracing``; needs ``opentelemetry-api``). None: on when
+            ``$ORDERING_LAYER_TRACING`` is ``1`` (or a ``tracer_provider`` is given to the producer).
     """
 
     max_message_bytes: int = 1_000_000
     metadata_max_age: float = 5.0
     scheduler: bool = True
     schedule_topic: str = DEFAULT_SCHEDULE_TOPIC
+    tracing: bool | None = None
 
     def __post_init__(self) -> None:
         if self.max_message_bytes <= 0:

@@ -4,6 +4,8 @@ Every record is idempotent with ``acks=all`` and routed by its ordering key with
 partitioner against a cached partition count. The record is plain Kafka: key = ordering key, value =
 payload, headers = attributes plus ``ol-partition-count`` (and ``ol-message-id`` only for a
 caller-chosen id). A final delivery failure of a key pauses that key (PUB-2) until ``resume_publish``.
+With tracing on (``ordering_layer.tracing``) each send goes through a publish span that adds the
+trace context to the headers; with it off the send path is untouched.
 """
 
 from __future__ import annotations
@@ -51,9 +53,12 @@ from ordering_layer.record import (
 from ordering_layer.scheduler.participant import join_activation
 from ordering_layer.scheduler.records import CancelResult
 from ordering_layer.scheduler.settings import SchedulerSettings, redis_url_or_env
+from ordering_layer.tracing import PublishTracing, tracer
 from ordering_layer.worker import Worker
 
 if TYPE_CHECKING:
+    from opentelemetry.trace import TracerProvider
+
     from ordering_layer.scheduler.book import ScheduleBook
 
 _LOGGER = logging.getLogger(__name__)
@@ -247,21 +252,28 @@ class OrderedProducer:
             ``settings={"scheduler": False}`` (PUB-5).
         metrics_port: serve Prometheus metrics (publish latency, paused keys) on this port
             (``ordering_layer.metrics``); None: no endpoint.
+        tracer_provider: the OpenTelemetry provider of the publish spans (default: the global one);
+            giving one switches tracing on unless ``settings`` say ``tracing=False``
+            (``ordering_layer.tracing``).
 
     Raises:
-        ConfigError: missing bootstrap, an unknown layer or Kafka setting, or a setting that
-            would break ordering.
+        ConfigError: missing bootstrap, an unknown layer or Kafka setting, a setting that
+            would break ordering, or tracing asked for without ``opentelemetry-api``.
         AuthenticationError: Kafka refused the credentials or the TLS handshake (``server="kafka"``),
             found by a short metadata request before the producer is made (``auth.verify_kafka``).
     """
 
     def __init__(self, config: Mapping[str, Any] | None = None, /, *,
                  settings: PublisherSettings | Mapping[str, Any] | None = None, redis_url: str | None = None,
-                 metrics_port: int | None = None, **kwargs: Any) -> None:
+                 metrics_port: int | None = None, tracer_provider: TracerProvider | None = None,
+                 **kwargs: Any) -> None:
         conf = read_kafka_config(config, kwargs)
         require_bootstrap(conf)
         verify_kafka(conf)
         self.settings = from_mapping(PublisherSettings, settings)
+        # Decided once: with tracing off publish and produce call _send directly.
+        publish_tracer = tracer(self.settings.tracing, tracer_provider)
+        self._tracing = None if publish_tracer is None else PublishTracing(publish_tracer)
         if not flag(conf, "enable.idempotence", True):
             raise ConfigError("OrderedProducer needs enable.idempotence=true for in-key order (PUB-1)",
                               setting="enable.idempotence")
@@ -313,7 +325,8 @@ class OrderedProducer:
         ``ol-partition-count``. ``message_id`` (optional, at most 256 bytes) is kept in an
         ``ol-message-id`` header for duplicate detection; without it the message id is the
         decimal sequence number. The future cannot be cancelled: the record is with the Kafka
-        client once ``publish`` returns.
+        client once ``publish`` returns. With tracing on the headers also carry the publish span's
+        trace context (``traceparent``; ``ordering_layer.tracing``).
 
         Raises:
             OrderingKeyPausedError: the key is paused after an earlier failure (PUB-2).
@@ -322,6 +335,8 @@ class OrderedProducer:
             TopicError: the topic does not exist.
         """
         headers = attribute_headers(attributes) if attributes else None
+        if self._tracing is not None:
+            return self._tracing.send(self._send, topic, data, ordering_key, headers, message_id, None, -1, 0)
         return self._send(topic, data, ordering_key, headers, message_id, None, -1, 0)
 
     # -- scheduled messages (PUB-5) ----------------------------------------------------------------
@@ -365,13 +380,18 @@ class OrderedProducer:
                 headers: ProduceHeaders | None = None) -> None:
         """``confluent_kafka.Producer.produce``, argument for argument; ``key`` is the ordering key.
 
-        ``headers`` pass through byte for byte (names starting with ``ol-`` are refused);
+        ``headers`` pass through byte for byte (names starting with ``ol-`` are refused; with
+        tracing on, ``traceparent`` and the propagator's other headers are the publish span's);
         ``on_delivery(err, msg)`` (or ``callback``) is called with confluent-kafka's ``Message``.
         ``partition`` routes the record there instead of by key (per-key order then rests on the
         caller's routing). ``timestamp`` passes through, though topics the layer creates keep the
         broker's append time. Raises like ``publish``; a null value is an empty payload.
         """
         data = value.encode() if isinstance(value, str) else (value or b"")
+        if self._tracing is not None:
+            self._tracing.send(self._send, topic, data, key, produce_headers(headers) or None, None,
+                               on_delivery or callback, partition, timestamp)
+            return
         self._send(topic, data, key, produce_headers(headers) or None, None, on_delivery or callback,
                    partition, timestamp)
 

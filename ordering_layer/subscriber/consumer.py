@@ -20,7 +20,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from confluent_kafka import TopicPartition
 
@@ -39,6 +39,10 @@ from ordering_layer.state import StateStore
 from ordering_layer.subscriber.client_config import redis_url_from, verify_credentials
 from ordering_layer.subscriber.engine import Engine, RebalanceHooks
 from ordering_layer.subscriber.message import AckResponse, Message
+from ordering_layer.tracing import DeliveryTracing, tracer
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import TracerProvider
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -58,16 +62,22 @@ class OrderedConsumer:
         flow_control: limits on outstanding messages (SUB-7).
         metrics_port: serve Prometheus metrics of this consumer's subscription on this port
             (``ordering_layer.metrics``); None: no endpoint.
+        tracing: an OpenTelemetry span per message returned, from ``poll``/``consume`` to its ack or
+            nack (``ordering_layer.tracing``). None: on when ``$ORDERING_LAYER_TRACING`` is ``1`` (a
+            drop-in program's switch) or a ``tracer_provider`` is given.
+        tracer_provider: the provider of the delivery spans (default: the global one).
 
     Raises:
         ConfigError: missing bootstrap, group or Redis URL; a setting that cannot be read or honoured
-            (``setting`` names it); the metrics port cannot be bound.
+            (``setting`` names it); the metrics port cannot be bound; tracing asked for without
+            ``opentelemetry-api``.
         AuthenticationError: Kafka (``server="kafka"``) or Redis (``server="redis"``) refused the
             credentials or the TLS handshake.
     """
 
     def __init__(self, config: Mapping[str, Any] | None = None, /, *, redis_url: str | None = None,
                  flow_control: FlowControl | None = None, metrics_port: int | None = None,
+                 tracing: bool | None = None, tracer_provider: TracerProvider | None = None,
                  **kwargs: Any) -> None:
         conf = read_kafka_config(config, kwargs)
         require_bootstrap(conf)
@@ -84,6 +94,8 @@ class OrderedConsumer:
         self._activation = join_activation(conf, self._redis_url)  # PUB-5
         self._flow_control = flow_control or FlowControl()
         self._engine: Engine | None = None
+        self._tracer = tracer(tracing, tracer_provider)  # decided once; None: off
+        self._tracing: DeliveryTracing | None = None  # of the current subscription, with tracing on
         self._topic = ""
         self._returned: list[Message] = []  # returned by poll/consume, not yet settled through us
         self._closed = False
@@ -120,6 +132,8 @@ class OrderedConsumer:
         self._engine = Engine(self._config, self._store, name, settings, flow_control=self._flow_control,
                               on_messages=None, rebalance=hooks)
         self._topic = topic
+        if self._tracer is not None:
+            self._tracing = DeliveryTracing(self._tracer, name)
         self._engine.start()
         if self._metrics_port is not None:
             metrics.register(self._engine, kafka_config=self._config)
@@ -142,9 +156,12 @@ class OrderedConsumer:
         """Leave the group (what was returned and auto-committed is acked first)."""
         self._auto_ack()
         engine, self._engine = self._engine, None
+        tracing, self._tracing = self._tracing, None
         if engine is not None:
             engine.close()
             metrics.unregister(engine)
+        if tracing is not None:
+            tracing.close()
 
     # -- receiving ---------------------------------------------------------------------------------
     def poll(self, timeout: float | None = None) -> Message | None:
@@ -177,6 +194,8 @@ class OrderedConsumer:
         # and never commits would otherwise keep every message it was ever returned.
         self._prune()
         self._returned.extend(messages)
+        if self._tracing is not None:
+            self._tracing.deliver_all(messages)
         return messages
 
     def _auto_ack(self) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ordering_layer import metrics
 from ordering_layer.config import FlowControl, require_bootstrap
@@ -17,6 +17,10 @@ from ordering_layer.subscriber.client_config import redis_url_from, verify_crede
 from ordering_layer.subscriber.engine import Engine
 from ordering_layer.subscriber.handoff import CallbackPool
 from ordering_layer.subscriber.message import Message, ack_all
+from ordering_layer.tracing import DeliveryTracing, tracer
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import TracerProvider
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -24,10 +28,12 @@ _LOGGER = logging.getLogger(__name__)
 class StreamingPullFuture:
     """Handle of a callback subscription: ``cancel()`` stops it, ``result()`` waits for the end."""
 
-    def __init__(self, engine: Engine, pool: CallbackPool, activation: Activation) -> None:
+    def __init__(self, engine: Engine, pool: CallbackPool, activation: Activation,
+                 tracing: DeliveryTracing | None = None) -> None:
         self.engine = engine
         self._pool = pool
         self._activation = activation
+        self._tracing = tracing
         self._done = threading.Event()
         self._lock = threading.Lock()
 
@@ -40,6 +46,8 @@ class StreamingPullFuture:
             metrics.unregister(self.engine)
             self._pool.shutdown()
             self._activation.close()
+            if self._tracing is not None:
+                self._tracing.close()
             self._done.set()
             return True
 
@@ -72,16 +80,21 @@ class Subscriber:
         redis_url: the Redis holding the subscriptions' state (default ``$ORDERING_LAYER_REDIS_URL``).
         metrics_port: serve Prometheus metrics of this subscriber's subscriptions on this port
             (``ordering_layer.metrics``); None: no endpoint.
+        tracing: an OpenTelemetry span per delivery, child of the publish span named by the
+            record's trace headers (``ordering_layer.tracing``; needs ``opentelemetry-api``). None:
+            on when ``$ORDERING_LAYER_TRACING`` is ``1`` or a ``tracer_provider`` is given.
+        tracer_provider: the provider of the delivery spans (default: the global one).
 
     Raises:
-        ConfigError: ``bootstrap.servers`` or the Redis URL is missing, or the metrics port cannot
-            be bound.
+        ConfigError: ``bootstrap.servers`` or the Redis URL is missing, the metrics port cannot
+            be bound, or tracing is asked for without ``opentelemetry-api``.
         AuthenticationError: Kafka (``server="kafka"``) or Redis (``server="redis"``) refused the
             credentials or the TLS handshake.
     """
 
     def __init__(self, kafka_config: Mapping[str, Any], *, redis_url: str | None = None,
-                 metrics_port: int | None = None) -> None:
+                 metrics_port: int | None = None, tracing: bool | None = None,
+                 tracer_provider: TracerProvider | None = None) -> None:
         self._kafka = read_kafka_config(kafka_config)
         require_bootstrap(self._kafka)
         verify_credentials(self._kafka)
@@ -92,6 +105,9 @@ class Subscriber:
         self._pull_activation: Activation | None = None
         self._pull_engines: dict[str, Engine] = {}
         self._last_pull: dict[str, list[Message]] = {}
+        # Decided once: with tracing off callbacks and pulled messages are handed out as they are.
+        self._tracer = tracer(tracing, tracer_provider)
+        self._pull_tracing: dict[str, DeliveryTracing] = {}
         self._lock = threading.Lock()
         self._metrics_port = metrics_port
         if metrics_port is not None:
@@ -103,13 +119,16 @@ class Subscriber:
         """Deliver the subscription's messages to ``callback`` on a pool of ``max_workers`` threads.
 
         With ordering, one message per key is outstanding at a time (SUB-1); keys are independent
-        (SUB-2). A callback that raises nacks its message. ``track_leases=False`` turns lease
+        (SUB-2). A callback that raises nacks its message. With tracing on each callback runs in its
+        delivery's span (``ordering_layer.tracing``). ``track_leases=False`` turns lease
         deadlines off (no expiry, no extension, no lease writes): for benchmarks only.
 
         Raises:
             SubscriptionNotFoundError: the subscription was never created.
         """
         settings = self._store.settings(subscription)
+        tracing = None if self._tracer is None else DeliveryTracing(self._tracer, subscription)
+        handler = callback if tracing is None else tracing.wrap(callback)
 
         def run(message: Message) -> None:
             # ACK-6: the start counts the attempt (written first for a suspect, noted under a
@@ -117,7 +136,7 @@ class Subscriber:
             if (message.record.suspect or engine.notes_starts) and not engine.begin(message):
                 return
             try:
-                callback(message)
+                handler(message)
             except Exception as exc:  # noqa: BLE001 - user code; its failure is a nack
                 _LOGGER.warning("callback failed on %r: %r; nacking", message, exc)
                 message.nack(error=repr(exc))
@@ -130,7 +149,7 @@ class Subscriber:
         engine.start()
         if self._metrics_port is not None:
             metrics.register(engine, kafka_config=self._kafka)
-        return StreamingPullFuture(engine, pool, join_activation(self._kafka, self._redis_url))
+        return StreamingPullFuture(engine, pool, join_activation(self._kafka, self._redis_url), tracing)
 
     def pull(self, subscription: str, max_messages: int = 100, timeout: float = 1.0, *,
              commit_on_get: bool = False, flow_control: FlowControl | None = None) -> list[Message]:
@@ -149,6 +168,8 @@ class Subscriber:
                                 flow_control=flow_control or FlowControl(), on_messages=None)
                 engine.start()
                 self._pull_engines[subscription] = engine
+                if self._tracer is not None:
+                    self._pull_tracing[subscription] = DeliveryTracing(self._tracer, subscription)
                 if self._metrics_port is not None:
                     metrics.register(engine, kafka_config=self._kafka)
                 if self._pull_activation is None:
@@ -157,6 +178,10 @@ class Subscriber:
         if commit_on_get:
             self.acknowledge(previous)
         messages = engine.pull(max_messages, timeout)
+        if self._tracer is not None:
+            tracing = self._pull_tracing.get(subscription)  # None once close() took it
+            if tracing is not None:
+                tracing.deliver_all(messages)
         with self._lock:
             self._last_pull[subscription] = messages
         return messages
@@ -172,11 +197,14 @@ class Subscriber:
         with self._lock:
             engines, self._pull_engines = list(self._pull_engines.values()), {}
             activation, self._pull_activation = self._pull_activation, None
+            tracings, self._pull_tracing = list(self._pull_tracing.values()), {}
         if activation is not None:
             activation.close()
         for engine in engines:
             engine.close(timeout)
             metrics.unregister(engine)
+        for tracing in tracings:
+            tracing.close()
 
     def __enter__(self) -> Subscriber:
         return self
