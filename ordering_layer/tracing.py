@@ -361,7 +361,7 @@ class _Settling:
 
     def _answered(self, future: Future[AckResponse]) -> None:
         span = self._span
-        if span is not None:
+        if span is not None and future.exception() is None:
             span.set_attribute(ACK_RESPONSE, future.result().value)
         self.end(None)
 

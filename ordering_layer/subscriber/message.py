@@ -79,7 +79,8 @@ class Message(Delivery):
 
     @property
     def attributes(self) -> dict[str, str]:
-        """The record's headers outside ``ol-`` whose values are UTF-8 text."""
+        """The record's headers outside ``ol-`` whose values are UTF-8 text (trace context headers
+        such as ``traceparent`` included, see ``ordering_layer.tracing``)."""
         return attributes_of(self.record.headers)
 
     @property
