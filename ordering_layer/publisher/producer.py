@@ -5,7 +5,7 @@ partitioner against a cached partition count. The record is plain Kafka: key = o
 payload, headers = attributes plus ``ol-partition-count`` (and ``ol-message-id`` only for a
 caller-chosen id). A final delivery failure of a key pauses that key (PUB-2) until ``resume_publish``.
 With tracing on (``ordering_layer.tracing``) each send goes through a publish span that adds the
-trace context to the headers; with it off the send path is untouched.
+trace context to the headers; with it off ``publish`` and ``produce`` call ``_send`` directly.
 """
 
 from __future__ import annotations
