@@ -12,7 +12,8 @@ short ``max_lease_duration``:
    while: one subscriber process is killed with SIGKILL every few seconds and restarted; the
    busiest partition leader is killed with SIGKILL and restarted (twice in the full plan); Redis is
    killed and restarted; the publisher's broker connections are cut (``ss -K`` destroys its TCP
-   connections, again as they reconnect, for a few seconds); Redis is FLUSHALL'd.
+   connections, again as they reconnect, for a few seconds); Redis is FLUSHALL'd; the topic grows
+   (twice in the full plan, once in the short one: moved keys must keep their order, SUB-8).
 3. *Drain*: every message settled (committed offsets at the end offsets), the subscribers stopped,
    the dead-letter topic read (``Admin.list_dead_letters``), its prober messages reported to the
    checker as settled, and ``prober --mode check --from-events`` judges every record.
@@ -21,6 +22,7 @@ short ``max_lease_duration``:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import sys
@@ -69,6 +71,7 @@ class SoakPlan:
     publish_rate: float  # chaos-phase messages per second: publishing spans the faults
     fault_window: float  # the scheduled faults are spread over this many seconds
     broker_kills: int = 2
+    growths: tuple[int, ...] = ()  # partition counts the topic grows to during the faults (SUB-8)
     broker_down: float = 8.0
     kill_every: tuple[float, float] = (3.0, 5.0)
     cut_seconds: float = 5.0
@@ -82,9 +85,10 @@ class SoakPlan:
     seed: int = 12
 
 
-FULL = SoakPlan("full", messages=100_000, calm_messages=10_000, keys=1000, publish_rate=600, fault_window=150)
+FULL = SoakPlan("full", messages=100_000, calm_messages=10_000, keys=1000, publish_rate=600, fault_window=150,
+                growths=(18, 24))
 SHORT = SoakPlan("short", messages=20_000, calm_messages=2_000, keys=500, publish_rate=300, fault_window=50,
-                 broker_kills=1, broker_down=5.0, cut_seconds=3.0, settle_timeout=300)
+                 broker_kills=1, broker_down=5.0, cut_seconds=3.0, settle_timeout=300, growths=(16,))
 
 
 def wait_for(check: Callable[[], bool], timeout: float, interval: float = 0.5) -> bool:
@@ -115,6 +119,7 @@ class Soak:
         self.topic, self.subscription, self.dlq = name, f"{name}-sub", f"{name}-dlq"
         self.admin = Admin({"bootstrap.servers": self.endpoints.bootstrap}, redis_url=self.endpoints.redis_url)
         self.figures: dict[str, Any] = {"plan": asdict(plan), "workdir": str(workdir)}
+        self.partitions = plan.partitions
         self.tally = AckTally(self.events)
 
     # -- phases -------------------------------------------------------------------------------------
@@ -161,7 +166,7 @@ class Soak:
         return proc, summary
 
     def _offsets(self) -> tuple[int, int]:
-        return committed_and_end(self.endpoints, self.subscription, self.topic, self.plan.partitions)
+        return committed_and_end(self.endpoints, self.subscription, self.topic, self.partitions)
 
     def _calm(self) -> None:
         """Publish the calm share with no fault and time its consumption (from the first ack on)."""
@@ -197,6 +202,8 @@ class Soak:
             (0.30, lambda: restart_redis(self.stack, self.faults, self.timeline)),
             (0.45, lambda: self._cut(proc.pid)),
             (0.80, self._flushall)]
+        for index, count in enumerate(plan.growths):
+            steps.append((0.20 + 0.40 * index, functools.partial(self._grow, count)))
         victims: list[int] = []
         for index in range(plan.broker_kills):
             steps.append((0.10 + 0.50 * index, lambda: victims.append(kill_and_restart_broker(
@@ -218,6 +225,12 @@ class Soak:
                                  "throughput_per_s": round(acked / seconds, 1),
                                  "publish": parse_json_file(summary).get("publish", {}),
                                  "brokers_killed": victims}
+
+    def _grow(self, count: int) -> None:
+        """Add partitions while publishing and consuming (SUB-8: moved keys keep their order)."""
+        self.admin.add_partitions(self.topic, count)
+        self.partitions = count
+        self.timeline.note(f"topic grown to {count} partitions")
 
     def _cut(self, pid: int) -> None:
         self.figures["connections_cut"] = cut_connections(pid, broker_ports(self.endpoints), self.plan.cut_seconds,

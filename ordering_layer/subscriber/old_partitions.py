@@ -14,13 +14,13 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from array import array
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 
-from ordering_layer.publisher.partitioner import murmur2
+from ordering_layer.publisher.partitioner import murmur2, partition_for
 from ordering_layer.record import read_metadata
 from ordering_layer.state import StateStore
 from ordering_layer.state.counts import History
@@ -28,6 +28,7 @@ from ordering_layer.state.store import FLOOR_MEMBER, partition_keys
 
 _KAFKA_TIMEOUT = 10.0
 _SCAN_BATCH = 1000
+_ASK_ROUNDS = 64  # ZMSCORE round trips per old partition and check, at most
 
 
 def count_at(history: History, published: int | None, timestamp_ms: int) -> int:
@@ -80,11 +81,12 @@ class OldPartitions:
         """Those of ``keys`` that have a record in ``partition``, published under a count below the
         one the key waits for (its value in ``keys``), that is not settled.
 
-        What was read stays known (``_Read``): a later call reads only the records appended since,
-        and asks Redis about the unsettled offsets it found. The partition is read again from its
-        commit point when keys are new to it, the history grew, or the partition's owner epoch
-        changed (a new owner, a seek, a Redis that lost its state: settled offsets may be unsettled
-        again).
+        What was read stays known (``_Read``: every key's offsets from the commit point on): a later
+        call reads only the records appended since, and asks Redis about the first offset of each
+        key not known settled (the key waits while it is unsettled; once settled, the next one).
+        The partition is read again from its commit point when the history grew, the commit point
+        went back, or the partition's owner epoch changed (a new owner, a seek, a Redis that lost
+        its state: settled offsets may be unsettled again).
 
         Raises:
             KafkaException: the partition could not be read to its end in time.
@@ -100,35 +102,34 @@ class OldPartitions:
                     int(floor_raw) if floor_raw is not None else -1)
         epoch = int(epoch_raw or 0)
         read = self._reads.get(partition)
-        if read is None or read.epoch != epoch or read.history != history or start < read.start \
-                or not keys.keys() <= read.keys:
-            read = self._reads[partition] = _Read(epoch, history, start, start, frozenset(keys) | (
-                read.keys if read is not None and read.epoch == epoch else frozenset()), {})
+        if read is None or read.epoch != epoch or read.history != history or start < read.start:
+            read = self._reads[partition] = _Read(epoch, history, start, start)
         if read.end < high:
             self._read(consumer, part, read, high)
         read.start = start
-        for key, offsets in list(read.pending.items()):
-            for offset in [o for o in offsets if o < start]:
-                del offsets[offset]
-            if not offsets:
-                del read.pending[key]
-        asked = [(key, offset) for key in keys for offset, count in read.pending.get(key, {}).items()
-                 if count < keys[key]]
-        if asked:
+        waiting: set[bytes] = set()
+        for _ in range(_ASK_ROUNDS):
+            heads = {key: head for key in keys if key not in waiting
+                     and (head := read.head(key, keys[key])) is not None}
+            if not heads:
+                break
             scores = self._store.client.execute_command(
-                "ZMSCORE", settled_key, *(str(offset) for _, offset in asked))
-            for (key, offset), score in zip(asked, scores, strict=True):
-                if score is not None:
-                    del read.pending[key][offset]
-        return {key for key in keys if any(count < keys[key] for count in read.pending.get(key, {}).values())}
+                "ZMSCORE", settled_key, *(str(offset) for offset in heads.values()))
+            for (key, offset), score in zip(heads.items(), scores, strict=True):
+                if score is None:
+                    waiting.add(key)
+                else:
+                    read.settled(key, offset)
+        return waiting | {key for key in keys if key not in waiting and read.head(key, keys[key]) is not None}
 
     def forget(self) -> None:
         """Drop what was read (nothing is waited for any more)."""
         self._reads.clear()
 
     def _read(self, consumer: Consumer, part: TopicPartition, read: _Read, high: int) -> None:
-        """Read ``part`` from ``read.end`` to ``high``, noting the offsets and counts of the keys'
-        records there."""
+        """Read ``part`` from ``read.end`` to ``high``, noting the offset and count of every record
+        of a key that a later count routes elsewhere (only such a key can wait for this partition)."""
+        later, here = [count for count, _ in read.history[1:]], part.partition
         consumer.assign([TopicPartition(part.topic, part.partition, read.end)])
         try:
             deadline = time.monotonic() + 10 * _KAFKA_TIMEOUT
@@ -141,11 +142,11 @@ class OldPartitions:
                     if record.error() is not None or offset is None:
                         continue
                     position = max(position, offset + 1)
-                    if key is None or key not in read.keys or offset >= high:
+                    if key is None or offset >= high or all(partition_for(key, c) == here for c in later):
                         continue
-                    published = read_metadata(record.headers()).partition_count  # type: ignore[arg-type]
-                    read.pending.setdefault(key, {})[offset] = count_at(read.history, published,
-                                                                        record.timestamp()[1])
+                    headers = record.headers()
+                    published = read_metadata(headers).partition_count if headers else None  # type: ignore[arg-type]
+                    read.add(key, offset, count_at(read.history, published, record.timestamp()[1]))
                 # Past transaction markers and compacted gaps the consumer's position leads the records.
                 (at,) = consumer.position([part])
                 position = max(position, at.offset)
@@ -154,14 +155,40 @@ class OldPartitions:
         read.end = high
 
 
-@dataclass
 class _Read:
-    """What was read of one old partition: from ``start`` (the commit point then) to ``end``, the
-    records of ``keys`` not known settled (key -> offset -> count published under)."""
+    """What was read of one old partition, from ``start`` (its commit point then) to ``end``: every
+    key's record offsets and the counts they were published under, in offset order, and where the
+    ones not known settled begin."""
 
-    epoch: int
-    history: History
-    start: int
-    end: int
-    keys: frozenset[bytes]
-    pending: dict[bytes, dict[int, int]]
+    __slots__ = ("counts", "done", "end", "epoch", "first", "history", "offsets", "start")
+
+    def __init__(self, epoch: int, history: History, start: int, end: int) -> None:
+        self.epoch, self.history, self.start, self.end = epoch, history, start, end
+        self.offsets: dict[bytes, array[int]] = {}
+        self.counts: dict[bytes, array[int]] = {}
+        self.first: dict[bytes, int] = {}  # key -> index of its first offset not known settled
+        self.done: dict[bytes, set[int]] = {}  # key -> offsets past ``first`` known settled
+
+    def add(self, key: bytes, offset: int, count: int) -> None:
+        if key not in self.offsets:
+            self.offsets[key], self.counts[key], self.first[key] = array("q"), array("q"), 0
+        self.offsets[key].append(offset)
+        self.counts[key].append(count)
+
+    def head(self, key: bytes, below: int) -> int | None:
+        """The key's first offset, published under a count below ``below``, not known settled (an
+        offset below the commit point is settled); None when there is none."""
+        offsets = self.offsets.get(key)
+        if offsets is None:
+            return None
+        counts, index, done = self.counts[key], self.first[key], self.done.get(key, ())
+        while index < len(offsets) and (offsets[index] < self.start or offsets[index] in done):
+            index += 1
+        self.first[key] = index
+        while index < len(offsets) and (counts[index] >= below or offsets[index] in done):
+            index += 1
+        return offsets[index] if index < len(offsets) else None
+
+    def settled(self, key: bytes, offset: int) -> None:
+        """Redis says ``offset``, one of the key's offsets, is settled."""
+        self.done.setdefault(key, set()).add(offset)
