@@ -72,6 +72,7 @@ class MoveGuard:
         self.history: History = []
         self.owned: Owned = {}  # the engine's owned partitions (set by the engine; its lock held to use them)
         self._held: dict[tuple[int, int], dict[bytes, int]] = {}  # (partition, epoch) -> key -> count
+        self._warm: set[int] = set()  # old partitions read ahead after a growth, until nothing there can hold a key
         self._old = OldPartitions(self._kafka, store, subscription, topic)
         self._next_metadata = 0.0
         self._reported: dict[int, int] = {}
@@ -122,7 +123,12 @@ class MoveGuard:
         with self._lock:
             if len(history) <= len(self.history):
                 return
+            if self.history:
+                # Read the old partitions from now on, before any moved key is held: their backlog
+                # is indexed by the time the new partitions are fetched.
+                self._warm |= set(range(self.history[-1][0]))
             self.history = history
+        self._work.set()
         if len(history) > 1:
             for partition, state in self.owned.items():
                 state.core.set_moves(partition, history)
@@ -185,12 +191,13 @@ class MoveGuard:
 
     def _step(self) -> float:
         with self._lock:
-            waiting = any(self._held.values())
+            waiting = any(self._held.values()) or bool(self._warm)
         self._work.wait(CHECK_INTERVAL if waiting else METADATA_INTERVAL / 4)
         self._work.clear()
         if time.monotonic() >= self._next_metadata:
             self._next_metadata = time.monotonic() + METADATA_INTERVAL
             self._read_count()
+        self._report()  # keys held since the last step, before a check that may read for long
         self._check()
         self._report()
         return 0.0
@@ -240,23 +247,29 @@ class MoveGuard:
     def _check(self) -> None:
         with self._lock:
             held = {entry: dict(keys) for entry, keys in self._held.items() if keys}
-            history = self.history
-        if not held or len(history) < 2:
-            self._old.forget()
+            history, warm = self.history, set(self._warm)
+        if len(history) < 2:
             return
-        needed: dict[int, dict[bytes, int]] = {}  # old partition -> key -> count its records precede
+        needed: dict[int, dict[bytes, int]] = {partition: {} for partition in warm}  # key -> count it precedes
         for (partition, _), keys in held.items():
             for key, count in keys.items():
                 for old in old_partitions(key, partition, count, history):
                     wanted = needed.setdefault(old, {})
                     wanted[key] = max(count, wanted.get(key, 0))
+        if not needed:
+            self._old.forget()
+            return
         waiting: set[bytes] = set()
-        for old, keys in needed.items():
-            try:
-                waiting |= self._old.unsettled(old, keys, history)
-            except (KafkaException, redis.RedisError) as exc:
-                _LOGGER.info("%s: partition %d not read for moved keys (%s); trying again", self.subscription, old, exc)
-                waiting |= set(keys)
+        try:
+            self._old.refresh(set(needed), history)
+            for old, keys in needed.items():
+                waiting |= self._old.unsettled(old, keys)
+                if old in warm and not self._old.pending(old):
+                    with self._lock:
+                        self._warm.discard(old)  # every record a moved key could wait for there is settled
+        except (KafkaException, redis.RedisError) as exc:
+            _LOGGER.info("%s: old partitions not read for moved keys (%s); trying again", self.subscription, exc)
+            return
         for (partition, epoch), keys in held.items():
             cleared = [key for key in keys if key not in waiting]
             if not cleared:

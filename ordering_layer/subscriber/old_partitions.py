@@ -28,6 +28,7 @@ from ordering_layer.state.store import FLOOR_MEMBER, partition_keys
 
 _KAFKA_TIMEOUT = 10.0
 _SCAN_BATCH = 1000
+_SKIP_AT_LEAST = 5000  # records below the floor a read jumps over rather than reading them
 _ASK_ROUNDS = 64  # ZMSCORE round trips per old partition and check, at most
 
 
@@ -61,52 +62,90 @@ class OldPartitions:
         self.subscription = subscription
         self.topic = topic
         self._consumer: Consumer | None = None
+        self._reader: Consumer | None = None
         self._reads: dict[int, _Read] = {}
+        self._assigned: set[int] = set()
+
+    def _client(self) -> Consumer:
+        return Consumer({
+            **self._kafka, "group.id": self.subscription, "client.id": f"ordering-layer-moves-{uuid.uuid4().hex}",
+            "enable.auto.commit": False, "enable.partition.eof": False,
+            "logger": logging.getLogger("ordering_layer.kafka.moves")})
 
     def consumer(self) -> Consumer:
-        """The reader's consumer (made on first use); also serves metadata queries."""
+        """The consumer of queries (metadata, watermarks, committed offsets; never assigned: librdkafka's
+        watermark query can hang on a consumer that is fetching), made on first use."""
         if self._consumer is None:
-            self._consumer = Consumer({
-                **self._kafka, "group.id": self.subscription, "client.id": f"ordering-layer-moves-{uuid.uuid4().hex}",
-                "enable.auto.commit": False, "enable.partition.eof": False,
-                "logger": logging.getLogger("ordering_layer.kafka.moves")})
+            self._consumer = self._client()
         return self._consumer
 
+    def reader(self) -> Consumer:
+        """The consumer that reads the old partitions (assigned to them while they are read)."""
+        if self._reader is None:
+            self._reader = self._client()
+        return self._reader
+
     def close(self) -> None:
-        """Close the consumer."""
-        if self._consumer is not None:
-            self._consumer.close()
+        """Close the consumers."""
+        for consumer in (self._consumer, self._reader):
+            if consumer is not None:
+                consumer.close()
 
-    def unsettled(self, partition: int, keys: Mapping[bytes, int], history: History) -> set[bytes]:
-        """Those of ``keys`` that have a record in ``partition``, published under a count below the
-        one the key waits for (its value in ``keys``), that is not settled.
+    def forget(self) -> None:
+        """Drop everything read and the assignment (nothing is waited for any more)."""
+        self._reads.clear()
+        if self._assigned:
+            self._assigned = set()
+            self.reader().unassign()
 
-        What was read stays known (``_Read``: every key's offsets from the commit point on): a later
-        call reads only the records appended since, and asks Redis about the first offset of each
-        key not known settled (the key waits while it is unsettled; once settled, the next one).
-        The partition is read again from its commit point when the history grew, the commit point
-        went back, or the partition's owner epoch changed (a new owner, a seek, a Redis that lost
-        its state: settled offsets may be unsettled again).
+    def refresh(self, partitions: set[int], history: History) -> None:
+        """Bring what is known of ``partitions`` up to their ends now (and forget the others).
+
+        The reader stays assigned to them and reads only what was appended since its last call.
+        A partition is read again from its commit point (the group's committed offset, or the floor
+        an owner wrote to Redis when higher) when it is new here, the history grew, or its owner
+        epoch changed (a new owner, a seek, a Redis that lost its state: settled offsets may be
+        unsettled again).
 
         Raises:
-            KafkaException: the partition could not be read to its end in time.
+            KafkaException: the partitions could not be read to their ends in time.
             redis.RedisError: Redis did not answer.
         """
         consumer = self.consumer()
-        part = TopicPartition(self.topic, partition)
-        low, high = consumer.get_watermark_offsets(part, timeout=_KAFKA_TIMEOUT)
-        (committed,) = consumer.committed([part], timeout=_KAFKA_TIMEOUT)
-        epoch_key, settled_key = partition_keys(self.subscription, partition)[:2]
-        epoch_raw, floor_raw = self._store.client.get(epoch_key), self._store.client.zscore(settled_key, FLOOR_MEMBER)
-        start = max(committed.offset if committed.offset >= 0 else low, low,
-                    int(floor_raw) if floor_raw is not None else -1)
-        epoch = int(epoch_raw or 0)
-        read = self._reads.get(partition)
-        if read is None or read.epoch != epoch or read.history != history or start < read.start:
-            read = self._reads[partition] = _Read(epoch, history, start, start)
-        if read.end < high:
-            self._read(consumer, part, read, high)
-        read.start = start
+        for partition in [p for p in self._reads if p not in partitions]:
+            del self._reads[partition]
+        restarted = False
+        highs: dict[int, int] = {}
+        for partition in sorted(partitions):
+            part = TopicPartition(self.topic, partition)
+            low, highs[partition] = consumer.get_watermark_offsets(part, timeout=_KAFKA_TIMEOUT)
+            epoch, floor = int(self._store.client.get(partition_keys(self.subscription, partition)[0]) or 0), \
+                self._floor(partition)
+            read = self._reads.get(partition)
+            if read is None or read.epoch != epoch or read.history != history:
+                (committed,) = consumer.committed([part], timeout=_KAFKA_TIMEOUT)
+                start = max(committed.offset if committed.offset >= 0 else low, low, floor)
+                self._reads[partition] = _Read(epoch, history, start, start)
+                restarted = True
+            else:
+                read.start = max(read.start, floor)
+        reader = self.reader()
+        if restarted or set(self._reads) != self._assigned:
+            reader.assign([TopicPartition(self.topic, p, read.end) for p, read in self._reads.items()])
+            self._assigned = set(self._reads)
+        self._read(reader, highs)
+
+    def unsettled(self, partition: int, keys: Mapping[bytes, int]) -> set[bytes]:
+        """Those of ``keys`` that have a record in ``partition`` (read up to its end by ``refresh``),
+        published under a count below the one the key waits for (its value in ``keys``), that is
+        not settled. Redis is asked about the first offset of each key not known settled (the key
+        waits while it is unsettled; once settled, about the next one).
+
+        Raises:
+            redis.RedisError: Redis did not answer.
+        """
+        read = self._reads[partition]
+        settled_key = partition_keys(self.subscription, partition)[1]
         waiting: set[bytes] = set()
         for _ in range(_ASK_ROUNDS):
             heads = {key: head for key in keys if key not in waiting
@@ -122,37 +161,55 @@ class OldPartitions:
                     read.settled(key, offset)
         return waiting | {key for key in keys if key not in waiting and read.head(key, keys[key]) is not None}
 
-    def forget(self) -> None:
-        """Drop what was read (nothing is waited for any more)."""
-        self._reads.clear()
+    def pending(self, partition: int) -> bool:
+        """Whether a record read in ``partition`` of a key that moved away is not known settled."""
+        read = self._reads.get(partition)
+        return read is None or any(read.head(key, 1 << 31) is not None for key in read.offsets)
 
-    def _read(self, consumer: Consumer, part: TopicPartition, read: _Read, high: int) -> None:
-        """Read ``part`` from ``read.end`` to ``high``, noting the offset and count of every record
-        of a key that a later count routes elsewhere (only such a key can wait for this partition)."""
-        later, here = [count for count, _ in read.history[1:]], part.partition
-        consumer.assign([TopicPartition(part.topic, part.partition, read.end)])
-        try:
-            deadline = time.monotonic() + 10 * _KAFKA_TIMEOUT
-            position = read.end
-            while position < high:
-                if time.monotonic() > deadline:
-                    raise KafkaException(f"partition {part.partition} not read to offset {high} in time")
-                for record in consumer.consume(_SCAN_BATCH, 1.0):
-                    offset, key = record.offset(), record.key()
-                    if record.error() is not None or offset is None:
+    def _floor(self, partition: int) -> int:
+        """The floor an owner of ``partition`` wrote to Redis (-1: none): every offset below it is settled."""
+        raw = self._store.client.zscore(partition_keys(self.subscription, partition)[1], FLOOR_MEMBER)
+        return int(raw) if raw is not None else -1
+
+    def _read(self, consumer: Consumer, highs: Mapping[int, int]) -> None:
+        """Read the assigned partitions up to ``highs``, noting the offset and count of every record
+        of a key that a later count routes elsewhere (only such a key can wait for these partitions)."""
+        reads = self._reads
+        behind = {p for p, read in reads.items() if read.end < highs[p]}
+        deadline = time.monotonic() + 10 * _KAFKA_TIMEOUT
+        while behind:
+            if time.monotonic() > deadline:
+                raise KafkaException(f"partitions {sorted(behind)} not read to their ends in time")
+            # Most records are of keys that stay: they cost one key() and one dict look-up.
+            for record in consumer.consume(_SCAN_BATCH, 0.2):
+                key, partition = record.key(), record.partition()
+                if key is None or partition not in reads:
+                    continue
+                read = reads[partition]
+                moves = read.moving.get(key)
+                if moves is None:
+                    moves = read.moving[key] = any(partition_for(key, count) != partition
+                                                   for count, _ in read.history[1:])
+                offset = record.offset()
+                if not moves or offset is None or offset >= highs[partition] or record.error() is not None:
+                    continue
+                headers = record.headers()
+                published = read_metadata(headers).partition_count if headers else None  # type: ignore[arg-type]
+                read.add(key, offset, count_at(read.history, published, record.timestamp()[1]))
+            # The consumer's positions: past the records taken, transaction markers and compacted gaps.
+            for at in consumer.position([TopicPartition(self.topic, p) for p in behind]):
+                read = reads[at.partition]
+                read.end = max(read.end, at.offset)
+                # Below the floor everything is settled: a read that the subscribers drain faster than
+                # it goes jumps to the floor instead of reading settled records.
+                floor = self._floor(at.partition)
+                if floor > read.end + _SKIP_AT_LEAST and floor < highs[at.partition]:
+                    try:
+                        consumer.seek(TopicPartition(self.topic, at.partition, floor))
+                    except KafkaException:
                         continue
-                    position = max(position, offset + 1)
-                    if key is None or offset >= high or all(partition_for(key, c) == here for c in later):
-                        continue
-                    headers = record.headers()
-                    published = read_metadata(headers).partition_count if headers else None  # type: ignore[arg-type]
-                    read.add(key, offset, count_at(read.history, published, record.timestamp()[1]))
-                # Past transaction markers and compacted gaps the consumer's position leads the records.
-                (at,) = consumer.position([part])
-                position = max(position, at.offset)
-        finally:
-            consumer.unassign()
-        read.end = high
+                    read.end = read.start = max(read.start, floor)
+            behind = {p for p in behind if reads[p].end < highs[p]}
 
 
 class _Read:
@@ -160,7 +217,7 @@ class _Read:
     key's record offsets and the counts they were published under, in offset order, and where the
     ones not known settled begin."""
 
-    __slots__ = ("counts", "done", "end", "epoch", "first", "history", "offsets", "start")
+    __slots__ = ("counts", "done", "end", "epoch", "first", "history", "moving", "offsets", "start")
 
     def __init__(self, epoch: int, history: History, start: int, end: int) -> None:
         self.epoch, self.history, self.start, self.end = epoch, history, start, end
@@ -168,6 +225,7 @@ class _Read:
         self.counts: dict[bytes, array[int]] = {}
         self.first: dict[bytes, int] = {}  # key -> index of its first offset not known settled
         self.done: dict[bytes, set[int]] = {}  # key -> offsets past ``first`` known settled
+        self.moving: dict[bytes, bool] = {}  # key -> a later count routes it elsewhere
 
     def add(self, key: bytes, offset: int, count: int) -> None:
         if key not in self.offsets:
