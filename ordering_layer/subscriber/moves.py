@@ -32,12 +32,13 @@ from ordering_layer.state.counts import History, PartitionCounts, moves_key, nor
 from ordering_layer.subscriber.old_partitions import OldPartitions, old_partitions
 from ordering_layer.subscriber.owned_partition import OwnedPartition
 from ordering_layer.subscriber.requests import CountsChanged, Fetched, MovesCleared
-from ordering_layer.worker import Worker
+from ordering_layer.worker import Worker, run_bounded
 
 _LOGGER = logging.getLogger(__name__)
 
 METADATA_INTERVAL = 2.0  # seconds between reads of the topic's partition count
 CHECK_INTERVAL = 0.05  # seconds between checks while keys are held
+CLOSE_WAIT = 1.0  # seconds close waits for the guard's thread and clients
 RECENT_GROWTH = 600.0  # seconds after a growth that a subscriber starting reads the old partitions
 _KAFKA_TIMEOUT = 10.0
 
@@ -94,12 +95,20 @@ class MoveGuard:
         self._worker.start()
 
     def close(self) -> None:
-        """Stop the thread and close the guard's Kafka clients."""
-        self._worker.stop()
+        """Stop the thread and close the guard's Kafka clients, waiting ``CLOSE_WAIT`` seconds at most
+        (with the brokers down a metadata read or a client's close waits much longer; the rest goes
+        on in the background)."""
         self._work.set()
-        self._old.close()
-        if self._history_store is not None:
-            self._history_store.close()
+        self._worker.stop(CLOSE_WAIT)
+
+        def close_clients() -> None:
+            self._worker.stop()
+            self._old.close()
+            if self._history_store is not None:
+                self._history_store.close()
+
+        if not run_bounded(f"ordering-layer-moves-close-{self.subscription}", close_clients, CLOSE_WAIT):
+            _LOGGER.info("%s: the move guard's Kafka clients close in the background", self.subscription)
 
     def counts_for(self, partition: int) -> History:
         """The history a newly claimed ``partition`` takes (a partition beyond the known count is a
