@@ -28,8 +28,6 @@ from ordering_layer.subscriber.requests import Committed, SeekPartition
 _LOGGER = logging.getLogger(__name__)
 
 COMMIT_INTERVAL = 1.0  # seconds between asynchronous commits (and looks for a seek)
-# While keys moved by a partition expansion wait for their old partitions' commit points (SUB-8).
-MOVING_COMMIT_INTERVAL = 0.1
 
 
 class Commits:
@@ -46,12 +44,11 @@ class Commits:
         self._topic = topic
         self._subscription = subscription
         self.last = 0.0  # monotonic time the commit points were last taken
-        self.interval = COMMIT_INTERVAL
         self._seek_seen: int | None = None  # the seek generation announced when last looked
 
     def due(self, now: float) -> bool:
         """The commit interval has passed since the commit points were last taken."""
-        return now - self.last >= self.interval
+        return now - self.last >= COMMIT_INTERVAL
 
     def offsets(self, *, sync: bool, only: list[int] | None = None) -> list[TopicPartition]:
         """The commit points to commit (see ``Partitions.commit_offsets``); starts a new interval."""

@@ -33,7 +33,7 @@ from confluent_kafka import Consumer, TopicPartition
 from ordering_layer.config import FlowControl, SubscriptionSettings
 from ordering_layer.state import StateStore
 from ordering_layer.subscriber.client_config import consumer_settings
-from ordering_layer.subscriber.commits import COMMIT_INTERVAL, MOVING_COMMIT_INTERVAL, Commits
+from ordering_layer.subscriber.commits import Commits
 from ordering_layer.subscriber.dead_letters import DeadLetters
 from ordering_layer.subscriber.dispatch import Dispatcher
 from ordering_layer.subscriber.fetcher import Fetcher, RebalanceHooks
@@ -248,7 +248,6 @@ class Engine:
             ownership.start(now)
             self._pulls.expire(now)
             commits = self._commits
-            commits.interval = MOVING_COMMIT_INTERVAL if self._moves.moving else COMMIT_INTERVAL
             if commits.due(now):
                 offsets = commits.offsets(sync=False)
                 if offsets:

@@ -39,7 +39,6 @@ _LOGGER = logging.getLogger(__name__)
 METADATA_INTERVAL = 2.0  # seconds between reads of the topic's partition count
 CHECK_INTERVAL = 0.05  # seconds between checks while keys are held
 CLOSE_WAIT = 1.0  # seconds close waits for the guard's thread and clients
-RECENT_GROWTH = 600.0  # seconds after a growth that a subscriber starting reads the old partitions
 _KAFKA_TIMEOUT = 10.0
 
 Owned = Mapping[int, OwnedPartition]
@@ -87,8 +86,6 @@ class MoveGuard:
         the guard's thread."""
         try:
             self.history = self._counts.history(self.topic)
-            if len(self.history) > 1 and now_ms() - self.history[-1][1] < RECENT_GROWTH * 1000:
-                self._warm = set(range(self.history[-2][0]))  # moved keys may still wait
         except (redis.RedisError, OrderingLayerError) as exc:
             _LOGGER.warning("%s: the partition-count history of %s not read (%s); reading it again", self.subscription,
                             self.topic, exc)
@@ -178,12 +175,6 @@ class MoveGuard:
         if state is not None and state.epoch == event.epoch:
             for key in event.keys:
                 state.core.clear_moved(key)
-
-    @property
-    def moving(self) -> bool:
-        """Keys moved by a growth wait, or may (old partitions are read): commit points should reach
-        Kafka promptly, since the waits end on them."""
-        return bool(self._warm) or any(self._held.values())
 
     def holding(self) -> int:
         """Keys held for a move and not cleared yet, all partitions."""

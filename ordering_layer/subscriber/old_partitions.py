@@ -1,17 +1,12 @@
-"""What a moved key left in its old partitions (SUB-8): read from Kafka, by anyone.
+"""What a moved key left in its old partitions (SUB-8): read from Kafka and Redis, by anyone.
 
-A key held for a move waits until its old partitions can hold nothing of it published under an
-earlier count: until each old partition's commit point in Kafka (the group's committed offset, the
-lowest offset not settled there) has passed every such record of the key. Kafka's commit point is
-durable: a record below it is never delivered again, whatever happens to Redis, so a moved key's
-new messages never go out before an old one that could still come again (SUB-4 across partitions).
-Acks alone are not enough: a Redis that lost them (a crash, a FLUSHALL) would have the old records
-redelivered after the new ones.
-
-``OldPartitions`` answers this without the old partitions' owners (which may be other processes,
-dead, or none yet): it reads each partition from its commit point to its end with a consumer of its
-own that never joins the group, once, then only what is appended, keeping the offsets of the keys
-that moved away; a key waits while one of them is at or above the commit point.
+A key held for a move waits until every record of it published under an earlier count in its old
+partitions is settled. ``OldPartitions`` answers that for a set of keys without the old partitions'
+owners (which may be other processes, dead, or none yet): it reads a partition from its commit
+point (the group's committed offset, or the floor an owner wrote to Redis when higher) to its end
+with a consumer of its own that never joins the group, once, then only what is appended, and looks
+the keys' records up in the partition's settled set in Redis. A Redis that lost its state makes
+records look unsettled: keys then wait for their redeliveries, never less.
 """
 
 from __future__ import annotations
@@ -29,11 +24,12 @@ from ordering_layer.publisher.partitioner import murmur2, partition_for
 from ordering_layer.record import read_metadata
 from ordering_layer.state import StateStore
 from ordering_layer.state.counts import History
-from ordering_layer.state.store import partition_keys
+from ordering_layer.state.store import FLOOR_MEMBER, partition_keys
 
 _KAFKA_TIMEOUT = 10.0
 _SCAN_BATCH = 1000
-_SKIP_AT_LEAST = 5000  # records below the commit point a read jumps over rather than reading them
+_SKIP_AT_LEAST = 5000  # records below the floor a read jumps over rather than reading them
+_ASK_ROUNDS = 64  # ZMSCORE round trips per old partition and check, at most
 
 
 def count_at(history: History, published: int | None, timestamp_ms: int) -> int:
@@ -103,13 +99,13 @@ class OldPartitions:
             self.reader().unassign()
 
     def refresh(self, partitions: set[int], history: History) -> None:
-        """Bring what is known of ``partitions`` up to their ends and their commit points now (and
-        forget the others).
+        """Bring what is known of ``partitions`` up to their ends now (and forget the others).
 
-        The reader stays assigned to them and reads only what was appended since its last call; a
-        read that the subscribers outrun jumps to the commit point. A partition is read again from
-        its commit point when it is new here, the history grew, its commit point went back (a seek)
-        or its owner epoch changed.
+        The reader stays assigned to them and reads only what was appended since its last call.
+        A partition is read again from its commit point (the group's committed offset, or the floor
+        an owner wrote to Redis when higher) when it is new here, the history grew, or its owner
+        epoch changed (a new owner, a seek, a Redis that lost its state: settled offsets may be
+        unsettled again).
 
         Raises:
             KafkaException: the partitions could not be read to their ends in time.
@@ -120,19 +116,19 @@ class OldPartitions:
             del self._reads[partition]
         restarted = False
         highs: dict[int, int] = {}
-        parts = [TopicPartition(self.topic, p) for p in sorted(partitions)]
-        committed = {tp.partition: tp.offset for tp in consumer.committed(parts, timeout=_KAFKA_TIMEOUT)}
-        for part in parts:
-            partition = part.partition
+        for partition in sorted(partitions):
+            part = TopicPartition(self.topic, partition)
             low, highs[partition] = consumer.get_watermark_offsets(part, timeout=_KAFKA_TIMEOUT)
-            epoch = int(self._store.client.get(partition_keys(self.subscription, partition)[0]) or 0)
-            start = max(committed[partition], low)
+            epoch, floor = int(self._store.client.get(partition_keys(self.subscription, partition)[0]) or 0), \
+                self._floor(partition)
             read = self._reads.get(partition)
-            if read is None or read.epoch != epoch or read.history != history or start < read.start:
+            if read is None or read.epoch != epoch or read.history != history:
+                (committed,) = consumer.committed([part], timeout=_KAFKA_TIMEOUT)
+                start = max(committed.offset if committed.offset >= 0 else low, low, floor)
                 self._reads[partition] = _Read(epoch, history, start, start)
                 restarted = True
             else:
-                read.start = start
+                read.start = max(read.start, floor)
         reader = self.reader()
         if restarted or set(self._reads) != self._assigned:
             reader.assign([TopicPartition(self.topic, p, read.end) for p, read in self._reads.items()])
@@ -140,16 +136,40 @@ class OldPartitions:
         self._read(reader, highs)
 
     def unsettled(self, partition: int, keys: Mapping[bytes, int]) -> set[bytes]:
-        """Those of ``keys`` with a record in ``partition`` (read up to its end by ``refresh``),
-        published under a count below the one the key waits for (its value in ``keys``), at or
-        above the partition's commit point in Kafka."""
+        """Those of ``keys`` that have a record in ``partition`` (read up to its end by ``refresh``),
+        published under a count below the one the key waits for (its value in ``keys``), that is
+        not settled. Redis is asked about the first offset of each key not known settled (the key
+        waits while it is unsettled; once settled, about the next one).
+
+        Raises:
+            redis.RedisError: Redis did not answer.
+        """
         read = self._reads[partition]
-        return {key for key in keys if read.head(key, keys[key]) is not None}
+        settled_key = partition_keys(self.subscription, partition)[1]
+        waiting: set[bytes] = set()
+        for _ in range(_ASK_ROUNDS):
+            heads = {key: head for key in keys if key not in waiting
+                     and (head := read.head(key, keys[key])) is not None}
+            if not heads:
+                break
+            scores = self._store.client.execute_command(
+                "ZMSCORE", settled_key, *(str(offset) for offset in heads.values()))
+            for (key, offset), score in zip(heads.items(), scores, strict=True):
+                if score is None:
+                    waiting.add(key)
+                else:
+                    read.settled(key, offset)
+        return waiting | {key for key in keys if key not in waiting and read.head(key, keys[key]) is not None}
 
     def pending(self, partition: int) -> bool:
-        """Whether a record read in ``partition`` of a key that moved away is at or above its commit point."""
+        """Whether a record read in ``partition`` of a key that moved away is not known settled."""
         read = self._reads.get(partition)
         return read is None or any(read.head(key, 1 << 31) is not None for key in read.offsets)
+
+    def _floor(self, partition: int) -> int:
+        """The floor an owner of ``partition`` wrote to Redis (-1: none): every offset below it is settled."""
+        raw = self._store.client.zscore(partition_keys(self.subscription, partition)[1], FLOOR_MEMBER)
+        return int(raw) if raw is not None else -1
 
     def _read(self, consumer: Consumer, highs: Mapping[int, int]) -> None:
         """Read the assigned partitions up to ``highs``, noting the offset and count of every record
@@ -180,14 +200,15 @@ class OldPartitions:
             for at in consumer.position([TopicPartition(self.topic, p) for p in behind]):
                 read = reads[at.partition]
                 read.end = max(read.end, at.offset)
-                # Below the commit point everything is settled for good: a read that the subscribers
-                # drain faster than it goes jumps there instead of reading settled records.
-                if read.start > read.end + _SKIP_AT_LEAST and read.start < highs[at.partition]:
+                # Below the floor everything is settled: a read that the subscribers drain faster than
+                # it goes jumps to the floor instead of reading settled records.
+                floor = self._floor(at.partition)
+                if floor > read.end + _SKIP_AT_LEAST and floor < highs[at.partition]:
                     try:
-                        consumer.seek(TopicPartition(self.topic, at.partition, read.start))
+                        consumer.seek(TopicPartition(self.topic, at.partition, floor))
                     except KafkaException:
                         continue
-                    read.end = read.start
+                    read.end = read.start = max(read.start, floor)
             behind = {p for p in behind if reads[p].end < highs[p]}
 
 
@@ -196,13 +217,14 @@ class _Read:
     key's record offsets and the counts they were published under, in offset order, and where the
     ones not known settled begin."""
 
-    __slots__ = ("counts", "end", "epoch", "first", "history", "moving", "offsets", "start")
+    __slots__ = ("counts", "done", "end", "epoch", "first", "history", "moving", "offsets", "start")
 
     def __init__(self, epoch: int, history: History, start: int, end: int) -> None:
         self.epoch, self.history, self.start, self.end = epoch, history, start, end
         self.offsets: dict[bytes, array[int]] = {}
         self.counts: dict[bytes, array[int]] = {}
-        self.first: dict[bytes, int] = {}  # key -> index of its first offset at or above ``start``
+        self.first: dict[bytes, int] = {}  # key -> index of its first offset not known settled
+        self.done: dict[bytes, set[int]] = {}  # key -> offsets past ``first`` known settled
         self.moving: dict[bytes, bool] = {}  # key -> a later count routes it elsewhere
 
     def add(self, key: bytes, offset: int, count: int) -> None:
@@ -212,15 +234,19 @@ class _Read:
         self.counts[key].append(count)
 
     def head(self, key: bytes, below: int) -> int | None:
-        """The key's first offset at or above the commit point published under a count below
-        ``below``; None when there is none."""
+        """The key's first offset, published under a count below ``below``, not known settled (an
+        offset below the commit point is settled); None when there is none."""
         offsets = self.offsets.get(key)
         if offsets is None:
             return None
-        counts, index = self.counts[key], self.first[key]
-        while index < len(offsets) and offsets[index] < self.start:
+        counts, index, done = self.counts[key], self.first[key], self.done.get(key, ())
+        while index < len(offsets) and (offsets[index] < self.start or offsets[index] in done):
             index += 1
         self.first[key] = index
-        while index < len(offsets) and counts[index] >= below:
+        while index < len(offsets) and (counts[index] >= below or offsets[index] in done):
             index += 1
         return offsets[index] if index < len(offsets) else None
+
+    def settled(self, key: bytes, offset: int) -> None:
+        """Redis says ``offset``, one of the key's offsets, is settled."""
+        self.done.setdefault(key, set()).add(offset)

@@ -110,11 +110,9 @@ def expect_all(checker: DeliveryChecker, ids: dict[str, list[str]]) -> None:
 def test_a_moved_key_waits_for_its_old_partitions_commit_point_and_no_other_key_waits_for_it(
         admin: Admin, kafka_config: dict[str, Any], endpoints: Any,
         subscription: Callable[..., tuple[str, str]]) -> None:
-    """SUB-8, SUB-2: while a moved key's first old record is held by its handler, its old partition's
-    commit point stays below it, and that key's records under the new count wait (so do those of
-    keys that moved away from the same partition with records after it: the partition could still
-    deliver them again); unmoved keys and keys that moved from the other partition go on; once the
-    record is acked the waiting keys follow, in order. ``describe`` shows the keys held."""
+    """SUB-8, SUB-2: while a moved key's first old record is held by its handler, that key's records
+    under the new count wait; unmoved keys and keys that moved from the other partition go on; once
+    the record is acked the key follows, in order. ``describe`` shows the key held."""
     topic, name = subscription(partitions=2)
     keys = [f"key-{k}" for k in range(40)]
     stuck = next(key for key in keys if moved(key, 2, 4))
