@@ -23,6 +23,8 @@ from ordering_layer import Admin
 from ordering_layer.pytest_plugin import unique_test_name
 from ordering_layer.stack import Endpoints, StackBackend
 
+pytest_plugins = ["tests.tracing_fixtures"]  # ``exporter`` and ``provider`` for the tracing tests
+
 
 @pytest.fixture(scope="session")
 def stack(ordering_layer_stack: StackBackend | None) -> StackBackend | None:
