@@ -102,6 +102,15 @@ def acked(checker: DeliveryChecker, ids: dict[str, list[str]], some: list[str]) 
     return len({e.message_id for e in list(checker.events) if e.action == "ack" and e.message_id in wanted})
 
 
+def grow_and_publish(admin: Admin, kafka_config: dict[str, Any], topic: str, keys: list[str], per_key: int,
+                     ids: dict[str, list[str]], checker: DeliveryChecker) -> None:
+    """Grow the topic from 2 to 4 partitions, publish round 1 (``per_key`` per key, from a fresh
+    producer that routes by 4) and declare it to the checker."""
+    admin.add_partitions(topic, 4)
+    publish_round(kafka_config, topic, keys, per_key, 1, ids)
+    expect_all(checker, ids)
+
+
 def expect_all(checker: DeliveryChecker, ids: dict[str, list[str]]) -> None:
     for key, message_ids in ids.items():
         checker.expect(key, message_ids)
@@ -132,9 +141,7 @@ def test_a_moved_key_waits_for_its_old_partitions_commit_point_and_no_other_key_
     with Subscriber(kafka_config, redis_url=endpoints.redis_url).subscribe(
             name, recording(checker, "s1", handler), max_workers=4):
         wait_until(lambda: checker.acked_count() == len(keys) * 5 - 5, 60, "every other old message acked")
-        admin.add_partitions(topic, 4)
-        publish_round(kafka_config, topic, keys, 5, 1, ids)
-        expect_all(checker, ids)
+        grow_and_publish(admin, kafka_config, topic, keys, 5, ids, checker)
         wait_until(lambda: acked(checker, ids, free) == len(free) * 10, 60, "the keys that do not wait acked")
         assert [e.index for e in checker.deliveries(stuck)] == [0], "the stuck key's new records wait"
         assert any(moved(key, 2, 4) for key in free), "keys that moved from the other partition went on"
@@ -215,9 +222,7 @@ def test_a_moved_key_backed_off_in_its_old_partition_waits_for_its_redelivery(
 
     with Subscriber(kafka_config, redis_url=endpoints.redis_url).subscribe(
             name, recording(checker, "s1", handler), max_workers=4):
-        admin.add_partitions(topic, 4)
-        publish_round(kafka_config, topic, keys, 3, 1, ids)
-        expect_all(checker, ids)
+        grow_and_publish(admin, kafka_config, topic, keys, 3, ids, checker)
         growth_done.set()
         wait_until(lambda: checker.acked_count() == checker.total(), 90, "every message acked")
     assert checker.verify() == []
@@ -250,9 +255,7 @@ def test_a_flushall_while_a_moved_key_is_held_loses_no_order(
     with Subscriber(kafka_config, redis_url=endpoints.redis_url).subscribe(
             name, recording(checker, "s1", handler), max_workers=4):
         wait_until(lambda: checker.acked_count() == checker.total() - 3, 60, "every other old message acked")
-        admin.add_partitions(topic, 4)
-        publish_round(kafka_config, topic, keys, 3, 1, ids)
-        expect_all(checker, ids)
+        grow_and_publish(admin, kafka_config, topic, keys, 3, ids, checker)
         wait_until(lambda: acked(checker, ids, free) == len(free) * 6, 60, "the keys that do not wait acked")
         redis_client(endpoints.redis_url).flushall()
         release.set()
@@ -312,9 +315,7 @@ def test_kill_9_of_the_old_partitions_owner_while_moved_keys_wait(
     try:
         wait_until(lambda: len({e["key"] for e in read_events(log_a) if e["action"] == "deliver"}) == len(keys), 60,
                    "A to hold the first message of every key")
-        admin.add_partitions(topic, 4)
-        publish_round(kafka_config, topic, keys, 3, 1, ids)
-        expect_all(checker, ids)
+        grow_and_publish(admin, kafka_config, topic, keys, 3, ids, checker)
         b = WorkerProcess("B", endpoints, name, log_b, "--delay-ms", "2")
         wait_until(lambda: admin.describe_subscription(name).group_state == "STABLE"
                    and len({row.owner for row in admin.describe_subscription(name).partitions}) == 2, 60,
@@ -390,9 +391,7 @@ def test_a_parked_moved_key_follows_its_dead_letter_in_order(
 
     with Subscriber(kafka_config, redis_url=endpoints.redis_url).subscribe(
             name, recording(checker, "s1", handler), max_workers=4):
-        admin.add_partitions(topic, 4)
-        publish_round(kafka_config, topic, keys, 3, 1, ids)
-        expect_all(checker, ids)
+        grow_and_publish(admin, kafka_config, topic, keys, 3, ids, checker)
         grown.set()
         wait_until(lambda: len(admin.list_dead_letters(name)) == 6, 60, "the poisoned key's messages dead-lettered")
         wait_until(lambda: checker.acked_count() == (len(keys) - 1) * 6, 60, "every other key acked")
