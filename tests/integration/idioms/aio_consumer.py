@@ -87,7 +87,7 @@ async def run_consumer(conf, topic, batch):
             logger.info(f'Nothing to commit: {e}')
         await consumer.unsubscribe()
         await consumer.close()
-        sys.stderr.write('%% Closed consumer\n')
+        sys.stderr.write('% Closed consumer\n')
 
 
 if __name__ == '__main__':
