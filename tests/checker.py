@@ -6,7 +6,8 @@ message's position in its key's publish order. ``verify`` walks each key's event
 * SUB-1: a key's deliveries move forward one message at a time; in callback mode at most one
   message of a key is outstanding (across subscribers, ignoring subscribers declared dead);
 * SUB-4: a delivery that goes back (a redelivery of m) is followed by m+1, m+2, ... up to the
-  highest message of the key delivered before, before anything new;
+  highest message of the key delivered before, before anything new, and the run does not end
+  before it got there;
 * SUB-3: every published message was delivered and finally acked (or dead-lettered);
 * SUB-5: no two live subscribers have messages of one key outstanding at the same time;
 * DLQ-2: a dead-lettered message had exactly ``max_delivery_attempts`` deliveries.
@@ -148,6 +149,8 @@ class DeliveryChecker:
             highest = max(highest, i)
             previous = i
             holders[i] = event.subscriber
+        if previous is not None and previous < cascade_until:
+            problems.append(f"SUB-4 {key}: the cascade stopped at #{previous}, short of #{cascade_until}")
         return problems
 
 

@@ -448,6 +448,12 @@ impl PartitionCore {
         self.core.set_moves(partition, counts);
     }
 
+    /// Take the marks of keys that moved away, `[(key, count, below), ...]` (SUB-8): their records
+    /// here below offset `below`, published under a count below `count`, are settled and skipped.
+    fn set_departed(&mut self, marks: Vec<(Vec<u8>, u32, i64)>) {
+        self.core.set_departed(marks.into_iter().map(|(key, count, below)| (key.as_slice().into(), count, below)).collect());
+    }
+
     /// Keys held for a move since the last call: `[(key, count published under), ...]`.
     fn take_moved<'py>(&mut self, py: Python<'py>) -> Vec<(Bound<'py, PyBytes>, u32)> {
         self.core.take_moved().into_iter().map(|(key, count)| (PyBytes::new(py, &key), count)).collect()

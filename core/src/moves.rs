@@ -68,7 +68,7 @@ impl Moves {
 
     /// The count a record was published under: `published` (its header; 0 when it has none), else
     /// the latest count in force at its append time.
-    fn count_at(&self, published: u32, timestamp_ms: i64) -> u32 {
+    pub fn count_at(&self, published: u32, timestamp_ms: i64) -> u32 {
         if published > 0 {
             return published;
         }

@@ -95,6 +95,9 @@ pub struct PartitionCore<T> {
     pub ops: OpBuffer,
     spare: Vec<VecDeque<Entry<T>>>, // emptied queues' record buffers, kept for new queues
     moves: Option<Box<Moves>>,      // keys moved in by a partition expansion (SUB-8), if any
+    // Keys that moved away, with the count and offset below which their records here are settled
+    // (durable marks of the keys' clearance, SUB-8), if any.
+    departed: Option<Box<HashMap<KeyBytes, (u32, i64)>>>,
 }
 
 /// Emptied record buffers kept at most (each of at most `SPARE_CAPACITY` entries).
@@ -139,6 +142,7 @@ impl<T> PartitionCore<T> {
             ops: OpBuffer::default(),
             spare: Vec::new(),
             moves: None,
+            departed: None,
         }
     }
 
@@ -248,7 +252,7 @@ impl<T> PartitionCore<T> {
             return false;
         }
         self.tracker.add(offset);
-        if offset < self.floor {
+        if offset < self.floor || self.departed_settled(offset, key, published) {
             self.tracker.settle(offset);
             if self.horizon >= 0 && offset >= self.horizon {
                 self.end_of_walk();
@@ -349,6 +353,27 @@ impl<T> PartitionCore<T> {
                 self.release_moved(&key);
             }
         }
+    }
+
+    /// Take the marks of keys that moved away from this partition: `(key, count, below)` says every
+    /// record of `key` here at an offset below `below` published under a count below `count` was
+    /// settled before its key was cleared in its new partition. Such records are skipped at intake,
+    /// as records below the floor are: a Redis that lost its settled sets must not hand them out
+    /// again after the key's later records went out from its new partition (SUB-4, SUB-8).
+    pub fn set_departed(&mut self, marks: Vec<(KeyBytes, u32, i64)>) {
+        self.departed = if marks.is_empty() {
+            None
+        } else {
+            Some(Box::new(marks.into_iter().map(|(key, count, below)| (key, (count, below))).collect()))
+        };
+    }
+
+    /// Whether a record is settled by a departed key's mark (`set_departed`).
+    fn departed_settled(&self, offset: i64, key: Option<&[u8]>, published: (u32, i64)) -> bool {
+        let (Some(departed), Some(key)) = (self.departed.as_deref(), key) else { return false };
+        let Some(&(count, below)) = departed.get(key) else { return false };
+        offset < below && self.moves.as_deref().map_or(published.0, |moves| moves.count_at(published.0, published.1))
+            < count
     }
 
     /// Whether records are read for moved keys (`add_published`).
@@ -842,6 +867,24 @@ mod tests {
         core.set_moves(2, vec![(4, 0)]);
         assert_eq!(core.moved_holding(), 0, "no history: nothing waits");
         assert_eq!(release(&mut core, 1).len(), moved.len() - 1);
+    }
+
+    /// A departed key's records below its mark, published under an earlier count, are settled at
+    /// intake (a Redis that lost its settled set must not hand them out again); its later records,
+    /// and other keys, go out.
+    #[test]
+    fn a_departed_key_is_skipped_below_its_mark_only() {
+        let mut core = state(true, &[]);
+        core.set_moves(1, vec![(2, 0), (4, 1_000)]);
+        core.set_departed(vec![((&b"gone"[..]).into(), 4, 3)]);
+        assert!(!core.add_published(0, Some(b"gone"), 1, (), (2, 10)));
+        assert!(core.add_published(1, Some(b"stay"), 1, (), (2, 10)));
+        assert!(!core.add_published(2, Some(b"gone"), 1, (), (0, 500)), "no header: the count at its time");
+        assert!(core.add_published(3, Some(b"gone"), 1, (), (2, 1_500)), "at the mark: published later");
+        let out = release(&mut core, 1);
+        assert_eq!(offsets(&out), vec![1, 3]);
+        assert!(core.ack(1, out[0].1) && core.ack(3, out[1].1));
+        assert_eq!(core.watermark(), Some(4), "the skipped records are settled");
     }
 
     #[test]

@@ -102,7 +102,8 @@ class Engine:
         self._pulls = PullWaiters()
         self._moves = MoveGuard(kafka_config, store, subscription, self.topic, self._inbox.put)
         self._owned = Partitions(store, subscription, settings, suspects=on_messages is not None,
-                                 submit=self._inbox.put, counts_for=self._moves.counts_for)
+                                 submit=self._inbox.put, counts_for=self._moves.counts_for,
+                                 departed_for=self._moves.departed_for)
         self._partitions = self._moves.owned = self._owned.owned
         self._closing = False
         self._counts = {"delivered": 0, "acked": 0, "nacked": 0, "redelivered": 0}

@@ -6,6 +6,10 @@ moved key's queue in q (``PartitionCore.set_moves``); this guard gives the cores
 clears a held key once every record of it published under an earlier count in each of its old
 partitions is settled (acked or dead-lettered), whoever owns those partitions, or none does.
 
+Before a key is released, the guard marks it departed from each old partition, durably
+(``state.departed``): a new owner of an old partition skips the key's records the mark covers, so
+that a Redis that lost its settled sets cannot hand them out after the key's later records.
+
 The history (``state.counts``) is read when the engine starts, and grows when the guard learns of a
 growth: a partition claimed beyond the known count, a fetched record stamped with a higher count,
 or the topic's metadata read every ``METADATA_INTERVAL`` seconds (a growth made by Kafka's own
@@ -29,6 +33,7 @@ from ordering_layer.errors import OrderingLayerError
 from ordering_layer.kafka_config import connection_settings
 from ordering_layer.state import StateStore
 from ordering_layer.state.counts import History, PartitionCounts, moves_key, normalised
+from ordering_layer.state.departed import Departed, DepartedKeys
 from ordering_layer.subscriber.old_partitions import OldPartitions, old_partitions
 from ordering_layer.subscriber.owned_partition import OwnedPartition
 from ordering_layer.subscriber.requests import CountsChanged, Fetched, MovesCleared
@@ -65,6 +70,8 @@ class MoveGuard:
         self._kafka = connection_settings(kafka_config)
         self._store = store
         self._history_store: PartitionCounts | None = None
+        self._departed_store: DepartedKeys | None = None
+        self._marked: dict[tuple[int, bytes], tuple[int, int]] = {}  # (partition, key) -> count, below
         self.subscription = subscription
         self.topic = topic
         self._post = post
@@ -101,8 +108,9 @@ class MoveGuard:
         def close_clients() -> None:
             self._worker.stop()
             self._old.close()
-            if self._history_store is not None:
-                self._history_store.close()
+            for store in (self._history_store, self._departed_store):
+                if store is not None:
+                    store.close()
 
         if not run_bounded(f"ordering-layer-moves-close-{self.subscription}", close_clients, CLOSE_WAIT):
             _LOGGER.info("%s: the move guard's Kafka clients close in the background", self.subscription)
@@ -176,6 +184,14 @@ class MoveGuard:
             for key in event.keys:
                 state.core.clear_moved(key)
 
+    def departed_for(self, partition: int) -> list[Departed]:
+        """The marks of keys that left ``partition`` (all seek generations).
+
+        Raises:
+            redis.RedisError, OrderingLayerError: Redis or the durable copy could not be read.
+        """
+        return self._departed.for_partition(partition, 0)
+
     def holding(self) -> int:
         """Keys held for a move and not cleared yet, all partitions."""
         with self._lock:
@@ -187,6 +203,33 @@ class MoveGuard:
         if self._history_store is None:
             self._history_store = PartitionCounts(self._store.client, self._kafka)
         return self._history_store
+
+    @property
+    def _departed(self) -> DepartedKeys:
+        if self._departed_store is None:
+            self._departed_store = DepartedKeys(self._store.client, self._kafka, self.subscription)
+        return self._departed_store
+
+    def _mark(self, cleared: Mapping[bytes, int], partition: int, history: History) -> bool:
+        """Mark ``cleared`` keys (key -> count they waited for in ``partition``) departed from their
+        old partitions up to where those were read; False when the marks could not be written."""
+        marks: list[Departed] = []
+        try:
+            generation = self._store.seek_announced(self.subscription)
+            for key, count in cleared.items():
+                for old in old_partitions(key, partition, count, history):
+                    below = self._old.end(old)
+                    known = self._marked.get((old, key))
+                    if known is None or known[0] < count or known[1] < below:
+                        marks.append(Departed(old, key, count, below, generation))
+            self._departed.record(marks)
+        except (redis.RedisError, OrderingLayerError) as exc:
+            _LOGGER.info("%s: marking %d cleared keys departed failed (%s); trying again", self.subscription,
+                         len(cleared), exc)
+            return False
+        for mark in marks:
+            self._marked[(mark.partition, mark.key)] = (mark.count, mark.below)
+        return True
 
     def _record(self, count: int) -> History:
         try:
@@ -281,7 +324,7 @@ class MoveGuard:
             return
         for (partition, epoch), keys in held.items():
             cleared = [key for key in keys if key not in waiting]
-            if not cleared:
+            if not cleared or not self._mark({key: keys[key] for key in cleared}, partition, history):
                 continue
             with self._lock:
                 entry = self._held.get((partition, epoch))

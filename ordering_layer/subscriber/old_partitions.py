@@ -161,6 +161,10 @@ class OldPartitions:
                     read.settled(key, offset)
         return waiting | {key for key in keys if key not in waiting and read.head(key, keys[key]) is not None}
 
+    def end(self, partition: int) -> int:
+        """The offset up to which ``partition`` was read (``refresh``)."""
+        return self._reads[partition].end
+
     def pending(self, partition: int) -> bool:
         """Whether a record read in ``partition`` of a key that moved away is not known settled."""
         read = self._reads.get(partition)

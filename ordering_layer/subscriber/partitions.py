@@ -27,8 +27,10 @@ from confluent_kafka import TopicPartition
 
 from ordering_layer._core import LeaseTable, partition_runs
 from ordering_layer.config import SubscriptionSettings
+from ordering_layer.errors import OrderingLayerError
 from ordering_layer.offsets import seek_tag
 from ordering_layer.state import ClaimedPartition, StateStore
+from ordering_layer.state.departed import Departed
 from ordering_layer.subscriber.message import Message, unattached
 from ordering_layer.subscriber.owned_partition import RECORD_LAYOUT, OwnedPartition
 from ordering_layer.subscriber.partition import AWAITING_SEEK, Record
@@ -79,13 +81,17 @@ class Partitions:
         suspects: callback mode: records charged at a claim are suspects (``OwnedPartition``).
         submit: where the released messages post their acks (the engine's inbox).
         counts_for: the topic's partition-count history for a partition claimed (``MoveGuard``).
+        departed_for: the marks of keys that left a partition claimed, with their seek generations
+            (``MoveGuard``; raises ``redis.RedisError`` or ``OrderingLayerError``).
     """
 
     def __init__(self, store: StateStore, subscription: str, settings: SubscriptionSettings, *,
                  suspects: bool = True, submit: Callable[[Any], None] = unattached,
-                 counts_for: Callable[[int], list[tuple[int, int]]] = lambda partition: []) -> None:
+                 counts_for: Callable[[int], list[tuple[int, int]]] = lambda partition: [],
+                 departed_for: Callable[[int], list[Departed]] = lambda partition: []) -> None:
         self._store = store
         self._counts_for = counts_for
+        self._departed_for = departed_for
         self._submit = submit
         self._suspects = suspects
         self._subscription = subscription
@@ -107,8 +113,10 @@ class Partitions:
         the consumer fetches already, and a seek is queued for it (``seeks``).
         """
         try:
+            # Read before the claim: when they cannot be read, the partition stays unclaimed (retried).
+            departed = self._departed_for(partition) if len(self._counts_for(partition)) > 1 else []
             claimed = self._store.claim(self._subscription, partition)
-        except redis.RedisError as exc:
+        except (redis.RedisError, OrderingLayerError) as exc:
             _LOGGER.warning("claiming partition %d of %s failed (%s); retrying", partition, self._subscription, exc)
             entry = self._unclaimed.get(partition)
             if entry is None or entry[0] != generation:
@@ -119,13 +127,19 @@ class Partitions:
             self._restart(partition, claimed)
             return True
         state = self._new_state(partition, claimed, generation)
+        marks = [(mark.key, mark.count, mark.below) for mark in departed
+                 if mark.seek_generation >= claimed.seek_generation]
+        if marks:  # records of keys cleared in their new partitions are settled here (SUB-8)
+            state.core.set_departed(marks)
         if waited == generation and waiting:
             state.add(waiting)
         sought = "" if claimed.seek_offset is None else f", seek {claimed.seek_generation} to {claimed.seek_offset}"
-        marks = f", {len(claimed.cascades)} cascade marks" if claimed.cascades else ""
+        marks_text = f", {len(claimed.cascades)} cascade marks" if claimed.cascades else ""
+        if departed:
+            marks_text += f", {len(marks)} departed keys"
         _LOGGER.info("%s: claimed partition %d (epoch %d, %d settled above the commit, %d handed out "
                      "before, %d of them never seen started%s%s)", self._subscription, partition, claimed.epoch,
-                     len(claimed.settled), len(claimed.attempts), len(claimed.unstarted), marks, sought)
+                     len(claimed.settled), len(claimed.attempts), len(claimed.unstarted), marks_text, sought)
         return True
 
     def _new_state(self, partition: int, claimed: ClaimedPartition, generation: int) -> OwnedPartition:

@@ -38,6 +38,8 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=8, help="callback workers")
     parser.add_argument("--hold-unless-key", default=None,
                         help="messages of every other ordering key are held by their handler until the process ends")
+    parser.add_argument("--hold-data", default=None,
+                        help="the message with this data is held by its handler until the process ends")
     parser.add_argument("--seconds", type=float, default=300.0)
     parser.add_argument("--session-ms", type=int, default=6000, help="Kafka session timeout")
     args = parser.parse_args()
@@ -64,7 +66,8 @@ def main() -> None:
         with started:
             others[0] += 1
             started.notify_all()
-        if args.hold_unless_key is not None and message.ordering_key != args.hold_unless_key:
+        if args.hold_unless_key is not None and message.ordering_key != args.hold_unless_key \
+                or args.hold_data is not None and message.data.decode() == args.hold_data:
             threading.Event().wait()
         if args.delay_ms:
             time.sleep(args.delay_ms / 1000)

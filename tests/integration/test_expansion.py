@@ -264,6 +264,57 @@ def test_a_flushall_while_a_moved_key_is_held_loses_no_order(
     assert admin.partition_counts(topic)[-1][0] == 4
 
 
+def test_a_new_owner_after_a_flushall_does_not_replay_moved_keys_old_records(
+        tmp_path: Path, admin: Admin, kafka_config: dict[str, Any], endpoints: Any,
+        subscription: Callable[..., tuple[str, str]]) -> None:
+    """SUB-8, SUB-4: in subscriber process A, a key that stays holds its old partition's commit point
+    (its first message is in a handler that never returns); the keys that moved out of that partition
+    are settled there (in Redis only), cleared, and their new records acked in their new partitions.
+    Then Redis loses everything (FLUSHALL), A is killed with SIGKILL, and B takes over: it replays
+    the old partition from its commit point, but the moved keys' old records there, settled before
+    their new ones went out, are not handed out again after them (B reads their departure marks back
+    from the durable copy)."""
+    topic, name = subscription(partitions=2)
+    keys = [f"key-{k}" for k in range(30)]
+    blocker = next(key for key in keys if not moved(key, 2, 4))
+    home = partition_for(blocker.encode(), 2)
+    departed = [key for key in keys if moved(key, 2, 4) and partition_for(key.encode(), 2) == home]
+    assert departed, "keys that left the blocker's partition"
+    ids: dict[str, list[str]] = {key: [] for key in keys}
+    publish_round(kafka_config, topic, keys, 3, 0, ids)
+    checker = DeliveryChecker()
+    expect_all(checker, ids)
+    log_a, log_b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a = WorkerProcess("A", endpoints, name, log_a, "--hold-data", f"{blocker}:0:0")
+    b: WorkerProcess | None = None
+    try:
+        wait_until(lambda: len(settled_ids(read_events(log_a), "A")) == checker.total() - 3, 60,
+                   "every old message but the blocker's acked")
+        grow_and_publish(admin, kafka_config, topic, keys, 3, ids, checker)
+        others = {message_id for key in keys if key != blocker for message_id in ids[key]}
+        wait_until(lambda: others <= settled_ids(read_events(log_a), "A"), 60,
+                   "the moved keys cleared and every message but the blocker's acked")
+        wait_until(lambda: all(row.committed == row.log_end for row in admin.describe_subscription(name).partitions
+                               if row.partition != home), 60, "A's commits of the other partitions in Kafka")
+        redis_client(endpoints.redis_url).flushall()
+        killed_at = a.kill()
+        checker.subscriber_died("A", killed_at)
+        b = WorkerProcess("B", endpoints, name, log_b)
+        wait_until(lambda: len(settled_ids(read_events(log_a, log_b), "A")) == checker.total(), 120,
+                   "every message acked")
+    finally:
+        a.stop()
+        if b is not None:
+            b.stop()
+    for event in read_events(log_a, log_b):
+        checker.record(event["id"], event["sub"], event["attempt"], event["action"], at=event["at"])
+    assert checker.verify() == []
+    claims = [line for line in Path(f"{log_b}.B.log").read_text().splitlines()
+              if f"claimed partition {home} " in line]
+    assert any(f", {len(departed)} departed keys" in claim for claim in claims), \
+        f"B claimed the old partition with its departed keys: {claims}"
+
+
 def test_records_of_another_producer_on_both_sides_of_a_growth(
         admin: Admin, kafka_config: dict[str, Any], endpoints: Any,
         subscription: Callable[..., tuple[str, str]]) -> None:
