@@ -23,6 +23,7 @@ from ordering_layer.config import (
     DEFAULT_SNAPSHOT_TOPIC,
     DEFAULT_SNAPSHOT_TTL,
     DeadLetterPolicy,
+    PushConfig,
     RetryPolicy,
     StartPosition,
     SubscriptionSettings,
@@ -109,11 +110,14 @@ class Admin:
                             dead_letter_policy: DeadLetterPolicy | None = None,
                             start: StartPosition = StartPosition.TRIM_HORIZON,
                             max_lease_duration: float = 3600.0, min_duration_per_lease_extension: float = 0.0,
-                            max_duration_per_lease_extension: float = 0.0) -> SubscriptionSettings:
+                            max_duration_per_lease_extension: float = 0.0,
+                            push_config: PushConfig | None = None) -> SubscriptionSettings:
         """Create a durable subscription of ``topic`` (a consumer group of the same name).
 
         Settings are validated (ConfigError) and stored in Redis, with a durable copy in Kafka that a
-        subscriber reads back when Redis lost them; ordering is fixed from now on.
+        subscriber reads back when Redis lost them; ordering is fixed from now on. With
+        ``push_config`` it is a push subscription: ``ordering-layer push`` (``ordering_layer.push``)
+        POSTs its messages to the endpoint (PSH-1..3).
         The start position (GRP-1) is resolved to offsets and committed for the group at once, so
         every subscriber resumes from committed state. Creating it again with equal settings is a
         no-op; with other settings it raises ``SubscriptionExistsError``.
@@ -123,7 +127,7 @@ class Admin:
             retry_policy=retry_policy or RetryPolicy(), dead_letter_policy=dead_letter_policy,
             max_lease_duration=max_lease_duration,
             min_duration_per_lease_extension=min_duration_per_lease_extension,
-            max_duration_per_lease_extension=max_duration_per_lease_extension)
+            max_duration_per_lease_extension=max_duration_per_lease_extension, push_config=push_config)
         # The topic may have been created just before, through another broker of the cluster.
         described = self.describe_topic(topic, settle=_METADATA_SETTLE)
         if dead_letter_policy is not None:

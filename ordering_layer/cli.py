@@ -13,11 +13,12 @@ from typing import Any, TextIO
 import click
 
 from ordering_layer.admin import Admin
-from ordering_layer.config import DEFAULT_SNAPSHOT_TOPIC, DeadLetterPolicy, RetryPolicy, StartPosition
+from ordering_layer.config import DEFAULT_SNAPSHOT_TOPIC, DeadLetterPolicy, PushConfig, RetryPolicy, StartPosition
 from ordering_layer.describe_table import render_description
 from ordering_layer.errors import OrderingLayerError
 from ordering_layer.prober.cli import prober_command
 from ordering_layer.publisher import OrderedProducer
+from ordering_layer.push.cli import push_command
 from ordering_layer.scheduler import cli as schedule_commands
 from ordering_layer.seek.cli import seek_command, snapshot_group
 from ordering_layer.stack import Endpoints, get_backend
@@ -317,21 +318,47 @@ def subscription() -> None:
 @click.option("--max-delivery-attempts", type=int, default=5, show_default=True)
 @click.option("--dead-letter-mode", type=click.Choice(["forward", "park_key"]), default="forward", show_default=True)
 @click.option("--start", type=click.Choice(["TRIM_HORIZON", "LATEST"]), default="TRIM_HORIZON", show_default=True)
+@click.option("--push-endpoint", default=None, help="Make it a push subscription: POST each message here "
+              "(run the pusher with 'ordering-layer push NAME').")
+@click.option("--push-no-wrapper", is_flag=True, help="POST the raw payload with attributes as headers.")
+@click.option("--push-timeout", type=float, default=30.0, show_default=True, help="Seconds per request.")
+@click.option("--push-concurrency", type=click.IntRange(min=1), default=100, show_default=True,
+              help="Requests in flight per pusher at most.")
+@click.option("--push-token-file", type=click.File("r"), default=None,
+              help="File holding a static bearer token (read from a file: not in the shell history).")
+@click.option("--push-jwt-key-file", type=click.File("r"), default=None,
+              help="PEM private key signing a JWT per request (audience: the endpoint).")
+@click.option("--push-jwt-algorithm", default="RS256", show_default=True)
+@click.option("--push-jwt-issuer", default="ordering-layer", show_default=True)
+@click.option("--push-jwt-key-id", default=None, help="The JWT header's kid.")
+@click.option("--push-ca-bundle", type=click.File("r"), default=None,
+              help="PEM CA certificates to verify the endpoint's certificate with (default: the system's).")
 @_server_options
 def subscription_create(name: str, topic: str, ordering: bool, ack_deadline: float, min_backoff: float,
                         max_backoff: float, dead_letter_topic: str | None, max_delivery_attempts: int,
-                        dead_letter_mode: str, start: str, servers: ServerOptions) -> None:
-    """Create subscription NAME of --topic."""
+                        dead_letter_mode: str, start: str, push_endpoint: str | None, push_no_wrapper: bool,
+                        push_timeout: float, push_concurrency: int, push_token_file: TextIO | None,
+                        push_jwt_key_file: TextIO | None, push_jwt_algorithm: str, push_jwt_issuer: str,
+                        push_jwt_key_id: str | None, push_ca_bundle: TextIO | None, servers: ServerOptions) -> None:
+    """Create subscription NAME of --topic (a push subscription with --push-endpoint)."""
     try:
+        push_config = PushConfig(
+            push_endpoint, no_wrapper=push_no_wrapper, request_timeout=push_timeout,
+            max_concurrent_requests=push_concurrency,
+            bearer_token=push_token_file.read().strip() if push_token_file else None,
+            jwt_private_key=push_jwt_key_file.read() if push_jwt_key_file else None,
+            jwt_algorithm=push_jwt_algorithm, jwt_issuer=push_jwt_issuer, jwt_key_id=push_jwt_key_id,
+            ca_bundle=push_ca_bundle.read() if push_ca_bundle else None) if push_endpoint else None
         settings = _admin(servers).create_subscription(
             name, topic=topic, enable_message_ordering=ordering, ack_deadline=ack_deadline,
             retry_policy=RetryPolicy(min_backoff, max_backoff),
             dead_letter_policy=DeadLetterPolicy(dead_letter_topic, max_delivery_attempts, dead_letter_mode)
             if dead_letter_topic else None,
-            start=StartPosition.TRIM_HORIZON if start == "TRIM_HORIZON" else StartPosition.LATEST)
+            start=StartPosition.TRIM_HORIZON if start == "TRIM_HORIZON" else StartPosition.LATEST,
+            push_config=push_config)
     except OrderingLayerError as exc:
         raise click.ClickException(str(exc)) from exc
-    click.echo(settings.to_json())
+    click.echo(json.dumps(settings.public(), sort_keys=True))
 
 
 @subscription.command("describe")
@@ -425,5 +452,6 @@ main.add_command(schedule_commands.scheduler)
 subscription.add_command(seek_command(_server_options, _admin))
 main.add_command(snapshot_group(_server_options, _admin))
 
-# -- prober ----------------------------------------------------------------------------------------
+# -- push and prober -------------------------------------------------------------------------------
+main.add_command(push_command(_server_options))
 main.add_command(prober_command(_server_options))

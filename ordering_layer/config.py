@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from datetime import datetime
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
+from urllib.parse import urlsplit
 
 from ordering_layer.errors import ConfigError
 
@@ -213,6 +214,103 @@ StartPosition.TRIM_HORIZON = StartPosition("TRIM_HORIZON")
 StartPosition.LATEST = StartPosition("LATEST")
 
 
+PUSH_JWT_ALGORITHMS = ("RS256", "RS384", "RS512", "PS256", "PS384", "PS512", "ES256", "ES384", "ES512", "EdDSA")
+# Fields of PushConfig that hold secrets: never in a repr, a log line or describe's output.
+PUSH_SECRETS = ("bearer_token", "jwt_private_key")
+
+
+@dataclasses.dataclass(frozen=True)
+class PushConfig:
+    """Where and how the pusher POSTs a push subscription's messages (PSH-1..3).
+
+    The secrets (``bearer_token``, ``jwt_private_key``) are stored with the subscription (in Redis
+    and in its durable copy in Kafka, so restrict who reads those), and kept out of reprs, logs and
+    ``subscription describe``.
+
+    Attributes:
+        endpoint: the ``http://`` or ``https://`` URL each message is POSTed to.
+        no_wrapper: POST the raw payload with the attributes as HTTP headers, instead of Pub/Sub's
+            JSON push request (``message.data`` base64, ``attributes``, ``messageId``, ...).
+        request_timeout: seconds a request may take (0 < t <= 600); past it the message is nacked.
+        max_concurrent_requests: requests in flight at one pusher at most (>= 1); with ordering,
+            one per ordering key at most (PSH-2).
+        bearer_token: a static token sent as ``Authorization: Bearer <token>``.
+        jwt_private_key: a PEM private key; each request then carries ``Authorization: Bearer <JWT>``,
+            a JWT signed with it (audience: ``endpoint``; subject: the subscription), renewed before
+            it expires. At most one of ``bearer_token`` and ``jwt_private_key``.
+        jwt_algorithm: the JWT's signing algorithm, matching the key (``PUSH_JWT_ALGORITHMS``).
+        jwt_issuer: the JWT's ``iss`` claim.
+        jwt_key_id: the JWT header's ``kid`` (lets the endpoint pick the public key), or None.
+        jwt_lifetime: seconds a JWT is valid (10..3600; short: the default is 5 minutes).
+        ca_bundle: PEM certificates of the CAs that an ``https`` endpoint's certificate is verified
+            against, instead of the system's; the certificate is always verified.
+    """
+
+    endpoint: str
+    no_wrapper: bool = False
+    request_timeout: float = 30.0
+    max_concurrent_requests: int = 100
+    bearer_token: str | None = dataclasses.field(default=None, repr=False)
+    jwt_private_key: str | None = dataclasses.field(default=None, repr=False)
+    jwt_algorithm: str = "RS256"
+    jwt_issuer: str = "ordering-layer"
+    jwt_key_id: str | None = None
+    jwt_lifetime: float = 300.0
+    ca_bundle: str | None = None
+
+    def __post_init__(self) -> None:
+        parts = urlsplit(self.endpoint)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ConfigError(f"push endpoint must be an http:// or https:// URL, got {self.display_endpoint!r}")
+        if not 0 < self.request_timeout <= 600:
+            raise ConfigError(f"request_timeout must be within 0..600 s (above 0), got {self.request_timeout}")
+        if self.max_concurrent_requests < 1:
+            raise ConfigError(f"max_concurrent_requests must be >= 1, got {self.max_concurrent_requests}")
+        if self.bearer_token is not None and self.jwt_private_key is not None:
+            raise ConfigError("push auth takes a bearer_token or a jwt_private_key, not both")
+        if self.bearer_token is not None and (not self.bearer_token or any(c in self.bearer_token for c in "\r\n")):
+            raise ConfigError("bearer_token must be a non-empty single line")
+        if self.jwt_private_key is not None and "PRIVATE KEY-----" not in self.jwt_private_key:
+            raise ConfigError("jwt_private_key must be a PEM private key")
+        if self.jwt_algorithm not in PUSH_JWT_ALGORITHMS:
+            raise ConfigError(f"jwt_algorithm must be one of {PUSH_JWT_ALGORITHMS}, got {self.jwt_algorithm!r}")
+        _check_range("jwt_lifetime", self.jwt_lifetime, 10, 3600)
+        if self.ca_bundle is not None and "-----BEGIN CERTIFICATE-----" not in self.ca_bundle:
+            raise ConfigError("ca_bundle must hold PEM certificates")
+
+    @property
+    def auth(self) -> str:
+        """``bearer``, ``jwt`` or ``none``: which Authorization header the requests carry."""
+        if self.bearer_token is not None:
+            return "bearer"
+        return "jwt" if self.jwt_private_key is not None else "none"
+
+    @property
+    def display_endpoint(self) -> str:
+        """The endpoint for logs and describe: without user info, its query and fragment elided
+        (Pub/Sub users often carry a token in the query)."""
+        parts = urlsplit(self.endpoint)
+        host = parts.hostname or ""
+        if ":" in host:
+            host = f"[{host}]"
+        try:
+            port = f":{parts.port}" if parts.port is not None else ""
+        except ValueError:
+            port = ""
+        return f"{parts.scheme}://{host}{port}{parts.path}" + ("?..." if parts.query or parts.fragment else "")
+
+    def public(self) -> dict[str, Any]:
+        """The settings as a JSON-ready dict without secrets: ``endpoint`` as ``display_endpoint``,
+        each secret as ``"<set>"`` or None, the CA bundle as its certificate count."""
+        public = dataclasses.asdict(self)
+        public["endpoint"] = self.display_endpoint
+        for name in PUSH_SECRETS:
+            public[name] = None if public[name] is None else "<set>"
+        if self.ca_bundle is not None:
+            public["ca_bundle"] = f"<{self.ca_bundle.count('-----BEGIN CERTIFICATE-----')} certificate(s)>"
+        return public
+
+
 @dataclasses.dataclass(frozen=True)
 class SubscriptionSettings:
     """The durable settings of a subscription, stored in Redis at creation (fixed afterwards).
@@ -226,6 +324,8 @@ class SubscriptionSettings:
         max_lease_duration: seconds of automatic lease extension at most (ACK-2).
         min_duration_per_lease_extension / max_duration_per_lease_extension: clamp of each
             extension, 0 for off, else 10..600 s (ACK-2).
+        push_config: the HTTP endpoint the pusher (``ordering-layer push``) POSTs the messages to
+            (PSH-1..3), or None: a pull/streaming subscription.
     """
 
     topic: str
@@ -236,6 +336,7 @@ class SubscriptionSettings:
     max_lease_duration: float = 3600.0
     min_duration_per_lease_extension: float = 0.0
     max_duration_per_lease_extension: float = 0.0
+    push_config: PushConfig | None = None
 
     def __post_init__(self) -> None:
         if not self.topic:
@@ -249,8 +350,15 @@ class SubscriptionSettings:
                 _check_range(name, value, 10, 600)
 
     def to_json(self) -> str:
-        """The settings as JSON, for Redis."""
+        """The settings as JSON, for Redis (secrets included: see ``public``)."""
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    def public(self) -> dict[str, Any]:
+        """The settings as a JSON-ready dict without the push secrets (``PushConfig.public``), for
+        output and logs."""
+        public = dataclasses.asdict(self)
+        public["push_config"] = self.push_config.public() if self.push_config is not None else None
+        return public
 
     @classmethod
     def from_json(cls, text: str | bytes) -> SubscriptionSettings:
@@ -259,4 +367,6 @@ class SubscriptionSettings:
         raw["retry_policy"] = RetryPolicy(**raw["retry_policy"])
         if raw.get("dead_letter_policy"):
             raw["dead_letter_policy"] = DeadLetterPolicy(**raw["dead_letter_policy"])
+        if raw.get("push_config"):
+            raw["push_config"] = PushConfig(**raw["push_config"])
         return cls(**raw)

@@ -10,7 +10,6 @@ append time, and the ordering keys of the leased messages).
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import time
 from collections.abc import Mapping
@@ -92,8 +91,8 @@ class SubscriptionDescription:
         return sum(p.outstanding for p in self.partitions)
 
     def to_json(self) -> dict[str, Any]:
-        """A JSON-ready dict (settings as stored, totals included)."""
-        return {"name": self.name, "topic": self.topic, "settings": json.loads(self.settings.to_json()),
+        """A JSON-ready dict (settings as stored, push secrets left out; totals included)."""
+        return {"name": self.name, "topic": self.topic, "settings": self.settings.public(),
                 "group_state": self.group_state, "backlog": self.backlog, "outstanding": self.outstanding,
                 "parked_keys": list(self.parked_keys),
                 "partitions": [dataclasses.asdict(p) for p in self.partitions]}

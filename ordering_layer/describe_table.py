@@ -6,6 +6,7 @@ dependency, and plain text stays greppable and stable for scripts that read it.
 
 from __future__ import annotations
 
+from ordering_layer.config import PushConfig
 from ordering_layer.describe import PartitionDescription, SubscriptionDescription
 
 COLUMNS = ("partition", "owner", "epoch", "committed", "log end", "backlog", "outstanding", "oldest unacked",
@@ -31,6 +32,15 @@ def _cells(row: PartitionDescription) -> tuple[str, ...]:
             str(row.moved_keys_held), f"pending #{row.pending_seek}" if row.pending_seek else "-")
 
 
+def _push_line(push: PushConfig) -> str:
+    """The push endpoint and how it is called (the secrets only named, never shown)."""
+    auth = {"bearer": "static bearer token", "jwt": f"JWT {push.jwt_algorithm} from {push.jwt_issuer}",
+            "none": "no auth"}[push.auth]
+    return (f"push {push.display_endpoint}  {'raw payload' if push.no_wrapper else 'JSON wrapper'}  "
+            f"timeout {push.request_timeout:g}s  concurrency {push.max_concurrent_requests}  {auth}"
+            + ("  custom CA bundle" if push.ca_bundle else ""))
+
+
 def render_description(described: SubscriptionDescription) -> str:
     """The description as a header and an aligned table (numbers right-aligned)."""
     settings = described.settings
@@ -40,6 +50,7 @@ def render_description(described: SubscriptionDescription) -> str:
         f"ordering {'on' if settings.enable_message_ordering else 'off'}  ack_deadline {settings.ack_deadline:g}s  "
         + (f"dead letters {dead_letter.topic} after {dead_letter.max_delivery_attempts} attempts ({dead_letter.mode})"
            if dead_letter else "no dead-letter topic"),
+        *([_push_line(settings.push_config)] if settings.push_config is not None else []),
         f"backlog {described.backlog}  outstanding {described.outstanding}  "
         f"parked keys {len(described.parked_keys)}"
         + (f" ({', '.join(described.parked_keys[:10])}{', ...' if len(described.parked_keys) > 10 else ''})"

@@ -176,11 +176,16 @@ def encode(schema_name: str, record: Mapping[str, Any]) -> bytes:
     return out.getvalue()
 
 
-def decode(schema_name: str, payload: bytes) -> dict[str, Any]:
-    """Decode a schemaless Avro payload; raises ``RecordFormatError`` when it is not one."""
+def decode(schema_name: str, payload: bytes, *, written_with: str | None = None) -> dict[str, Any]:
+    """Decode a schemaless Avro payload; raises ``RecordFormatError`` when it is not one.
+
+    ``written_with`` names an earlier schema the payload was written with; it is then read into
+    ``schema_name``'s layout by Avro schema resolution (fields added since get their defaults).
+    """
     stream = io.BytesIO(payload)
+    writer = parsed_schema(written_with or schema_name)
     try:
-        record = fastavro.schemaless_reader(stream, parsed_schema(schema_name), None)
+        record = fastavro.schemaless_reader(stream, writer, parsed_schema(schema_name) if written_with else None)
     except Exception as exc:
         raise RecordFormatError(f"value is not a valid {schema_name} record: {exc!r}") from exc
     if stream.tell() != len(payload):

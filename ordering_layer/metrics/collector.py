@@ -2,9 +2,10 @@
 
 Nothing is counted on the message path for it: at each scrape it asks every registered subscriber
 engine for ``metrics_snapshot()`` (monotonic counters, gauges, per-partition gauges and the latency
-observations made since the previous call) and every producer for its paused keys and sampled
-publish latencies, and turns them into metric families. Histograms are accumulated here, since the
-sources hand over only what is new. Sources with the same labels (two subscribers of one
+observations made since the previous call), every pusher (``ordering_layer.push``) for its requests
+by status class, waiting keys and request latencies, and every producer for its paused keys and
+sampled publish latencies, and turns them into metric families. Histograms are accumulated here,
+since the sources hand over only what is new. Sources with the same labels (two subscribers of one
 subscription in one process) are summed; the counters of an unregistered source are kept, so a
 counter never goes down while the process lives.
 """
@@ -55,11 +56,12 @@ class _Histogram:
 
 @dataclass
 class _Source:
-    """A registered engine or producer, and the backlog reader of its subscription (engines only)."""
+    """A registered engine, pusher or producer, and the backlog reader of its subscription (engines only)."""
 
     obj: Any
-    labels: Labels  # (subscription, topic) for an engine, () for a producer
+    labels: Labels  # (subscription, topic) for an engine or a pusher, () for a producer
     backlog: BacklogReader | None = None
+    pusher: bool = False
 
 
 @dataclass
@@ -74,6 +76,11 @@ class _Scrape:
 def is_engine(obj: Any) -> bool:
     """Engines name their subscription; producers do not."""
     return hasattr(obj, "subscription")
+
+
+def is_pusher(obj: Any) -> bool:
+    """Pushers name their subscription and its endpoint."""
+    return hasattr(obj, "push_endpoint")
 
 
 class LayerCollector(Collector):
@@ -97,7 +104,9 @@ class LayerCollector(Collector):
         with self._lock:
             if id(obj) in self._sources:
                 return
-            if is_engine(obj):
+            if is_pusher(obj):
+                self._sources[id(obj)] = _Source(obj, (str(obj.subscription), str(obj.topic)), pusher=True)
+            elif is_engine(obj):
                 labels: Labels = (str(obj.subscription), str(obj.topic))
                 reader = (BacklogReader(kafka_config, obj.subscription, obj.topic, self._backlog_ttl)
                           if kafka_config is not None else None)
@@ -142,7 +151,9 @@ class LayerCollector(Collector):
             # A scrape must not fail because one source is closing or broken.
             _LOGGER.exception("metrics_snapshot of %r failed", source.obj)
             return
-        if source.labels:
+        if source.pusher:
+            self._read_pusher(source.labels, snapshot, scrape)
+        elif source.labels:
             self._read_engine(source, snapshot, scrape)
         else:
             self._read_producer(snapshot, scrape)
@@ -167,6 +178,14 @@ class LayerCollector(Collector):
                 scrape.gauges["backlog"][(*labels, str(partition))] = backlog
         for key, (_, _, bounds) in names.ENGINE_HISTOGRAMS.items():
             self._observe(key, labels, bounds, snapshot.get(key) or [])
+
+    def _read_pusher(self, labels: Labels, snapshot: Mapping[str, Any], scrape: _Scrape) -> None:
+        for status_class, count in (snapshot.get("requests") or {}).items():
+            scrape.counters["push_requests"][(*labels, status_class)] += int(count)
+        for key in names.PUSH_GAUGES:
+            scrape.gauges["push:" + key][labels] += snapshot.get(key, 0)
+        self._observe("push_request_latency_seconds", labels, names.PUSH_LATENCY[2],
+                      snapshot.get("request_latency_seconds") or [])
 
     def _read_producer(self, snapshot: Mapping[str, Any], scrape: _Scrape) -> None:
         scrape.paused_keys += int(snapshot.get("paused_keys", 0))
@@ -195,14 +214,21 @@ class LayerCollector(Collector):
         gauge_specs += [(_PARTITION + key, name, doc, part_labels)
                         for key, (name, doc) in names.PARTITION_GAUGES.items()]
         gauge_specs.append(("backlog", *names.BACKLOG, part_labels))
+        gauge_specs += [("push:" + key, name, doc, sub_labels) for key, (name, doc) in names.PUSH_GAUGES.items()]
         for key, name, doc, label_names in gauge_specs:
             gauge = GaugeMetricFamily(prefix + name, doc, labels=label_names)
             for labels, reading in sorted(scrape.gauges[key].items()):
                 gauge.add_metric(list(labels), reading)
             yield gauge
         yield GaugeMetricFamily(prefix + names.PAUSED_KEYS[0], names.PAUSED_KEYS[1], value=scrape.paused_keys)
+        requests = CounterMetricFamily(prefix + names.PUSH_REQUESTS[0], names.PUSH_REQUESTS[1],
+                                       labels=[*sub_labels, "status_class"])
+        for labels, value in sorted(scrape.counters["push_requests"].items()):
+            requests.add_metric(list(labels), value)
+        yield requests
         histogram_specs = [(key, name, doc, sub_labels) for key, (name, doc, _) in names.ENGINE_HISTOGRAMS.items()]
         histogram_specs.append(("publish_latency_seconds", *names.PUBLISH_LATENCY[:2], ["topic"]))
+        histogram_specs.append(("push_request_latency_seconds", *names.PUSH_LATENCY[:2], sub_labels))
         for key, name, doc, label_names in histogram_specs:
             family = HistogramMetricFamily(prefix + name, doc, labels=label_names)
             for labels, histogram in sorted(self._histograms[key].items()):

@@ -54,3 +54,15 @@ ENGINE_HISTOGRAMS: Final = {
 PUBLISH_LATENCY: Final = ("publish_latency_seconds",
                           "produce() to broker acknowledgement; sampled: records whose offset is a multiple of 64.",
                           (*_LATENCY_BUCKETS, 30.0))
+
+# Pushers (ordering_layer.push): metrics_snapshot() with requests, keys_waiting, in_flight and
+# request_latency_seconds; labels SUBSCRIPTION_LABELS, plus status_class for the requests.
+PUSH_REQUESTS: Final = ("push_requests", "Push requests by outcome: status class 1xx..5xx, timeout, or error "
+                                         "(no answer: connection refused or reset).")
+PUSH_GAUGES: Final = {
+    "keys_waiting": ("push_keys_waiting",
+                     "Messages handed to the pusher and not yet sent (with ordering: one per key)."),
+    "in_flight": ("push_requests_in_flight", "Push requests sent and not yet answered."),
+}
+PUSH_LATENCY: Final = ("push_request_latency_seconds", "One push request, sent to answered (or failed).",
+                       (*_LATENCY_BUCKETS, 30.0, 60.0))

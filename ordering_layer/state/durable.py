@@ -15,13 +15,15 @@ from collections.abc import Mapping
 from typing import Any
 
 from ordering_layer.compacted import CompactedTopic
-from ordering_layer.config import SUBSCRIPTIONS_TOPIC, DeadLetterPolicy, RetryPolicy, SubscriptionSettings
+from ordering_layer.config import SUBSCRIPTIONS_TOPIC, DeadLetterPolicy, PushConfig, RetryPolicy, SubscriptionSettings
 from ordering_layer.errors import RecordFormatError
 from ordering_layer.record import decode, encode
 
 _LOGGER = logging.getLogger(__name__)
 
 SCHEMA = "subscription"
+# The layout before push_config: records written by earlier releases of the layer.
+SCHEMA_V1 = "subscription_v1"
 
 
 def encode_settings(name: str, settings: SubscriptionSettings) -> bytes:
@@ -30,20 +32,25 @@ def encode_settings(name: str, settings: SubscriptionSettings) -> bytes:
 
 
 def decode_settings(payload: bytes) -> tuple[str, SubscriptionSettings]:
-    """The subscription name and settings of a ``Subscription`` record.
+    """The subscription name and settings of a ``Subscription`` record (of this layout, or of the one
+    before ``push_config``, ``subscription_v1``).
 
     Raises:
         RecordFormatError: ``payload`` is not a ``Subscription`` record.
     """
-    raw = decode(SCHEMA, payload)
-    policy = raw["dead_letter_policy"]
+    try:
+        raw = decode(SCHEMA, payload)
+    except RecordFormatError:
+        raw = decode(SCHEMA, payload, written_with=SCHEMA_V1)
+    policy, push = raw["dead_letter_policy"], raw["push_config"]
     return raw["name"], SubscriptionSettings(
         topic=raw["topic"], enable_message_ordering=raw["enable_message_ordering"],
         ack_deadline=raw["ack_deadline"], retry_policy=RetryPolicy(**raw["retry_policy"]),
         dead_letter_policy=DeadLetterPolicy(**policy) if policy is not None else None,
         max_lease_duration=raw["max_lease_duration"],
         min_duration_per_lease_extension=raw["min_duration_per_lease_extension"],
-        max_duration_per_lease_extension=raw["max_duration_per_lease_extension"])
+        max_duration_per_lease_extension=raw["max_duration_per_lease_extension"],
+        push_config=PushConfig(**push) if push is not None else None)
 
 
 class SettingsLog:

@@ -1,0 +1,293 @@
+"""``Pusher``: delivers a push subscription's messages to its HTTP endpoint (PSH-1..3).
+
+It is a subscriber like any other (``Subscriber.subscribe``): several pushers of one subscription
+share its partitions, and per-key order, leases, cascade redelivery, retries and dead letters are
+the engine's (SUB-1..5, ACK-*, DLQ-*). The callback only hands each message to an asyncio event
+loop on a thread of its own and returns; the message stays outstanding (its lease extended) until
+the loop acks or nacks it from the answer of its request. The loop runs ``max_concurrent_requests``
+workers over one queue of handed-over messages, each sending one request at a time (aiohttp), so
+at most that many requests are in flight; with ordering on, the engine hands over a key's next
+message only after this one is acked, so one request per key is outstanding (PSH-2).
+
+The answer: 102, 200, 201, 202 and 204 ack; any other status, a timeout or a failed connection
+nacks, so the key waits by the retry policy and the message is dead-lettered after
+``max_delivery_attempts`` like any (DLQ-1..2). While the endpoint cannot be reached the other keys'
+messages wait at the ``EndpointGate`` instead of failing one by one (``gate``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+import threading
+from collections import Counter, deque
+from collections.abc import Mapping
+from typing import Any
+
+import aiohttp
+
+from ordering_layer import metrics
+from ordering_layer.config import FlowControl, PushConfig
+from ordering_layer.errors import ConfigError
+from ordering_layer.kafka_config import read_kafka_config
+from ordering_layer.push.auth import Authorizer
+from ordering_layer.push.gate import EndpointGate
+from ordering_layer.push.request import ACK_STATUSES, build
+from ordering_layer.state import StateStore
+from ordering_layer.subscriber import Message, StreamingPullFuture, Subscriber
+from ordering_layer.subscriber.client_config import redis_url_from
+
+_LOGGER = logging.getLogger(__name__)
+
+USER_AGENT = "ordering-layer-push/1"
+STOPPING = "pusher stopping"  # the nack error of messages a closing pusher had not sent
+
+
+def status_class(status: int | None, timed_out: bool = False) -> str:
+    """The metrics label of a request's outcome: ``1xx`` .. ``5xx``, ``timeout`` or ``error`` (no answer)."""
+    if status is not None:
+        return f"{status // 100}xx"
+    return "timeout" if timed_out else "error"
+
+
+def ssl_context(config: PushConfig) -> ssl.SSLContext:
+    """A verifying TLS context: the system's CAs, or only those of ``config.ca_bundle`` (PSH-3)."""
+    return ssl.create_default_context(cadata=config.ca_bundle) if config.ca_bundle else ssl.create_default_context()
+
+
+class Pusher:
+    """Runs the push subscription ``subscription`` at this process until ``close()``.
+
+    Args:
+        kafka_config: confluent-kafka settings (``bootstrap.servers`` required; the consumer's own
+            settings such as ``session.timeout.ms`` pass through, as for ``Subscriber``).
+        subscription: a subscription created with a ``push_config``.
+        redis_url: the layer's Redis (default ``$ORDERING_LAYER_REDIS_URL``).
+        flow_control: limits on the messages outstanding here (SUB-7); the default is
+            ``FlowControl()``, raised to twice ``max_concurrent_requests`` when that is more, so
+            that every request slot finds a message.
+        metrics_port: serve Prometheus metrics (the subscriber's and the pusher's) on this port.
+
+    Raises:
+        ConfigError: the subscription has no ``push_config``, its JWT key cannot sign, a setting is
+            missing.
+        SubscriptionNotFoundError: no such subscription.
+    """
+
+    def __init__(self, kafka_config: Mapping[str, Any], subscription: str, *, redis_url: str | None = None,
+                 flow_control: FlowControl | None = None, metrics_port: int | None = None) -> None:
+        kafka = read_kafka_config(kafka_config)
+        url = redis_url_from(redis_url)
+        settings = StateStore(url, kafka_config=kafka).settings(subscription)
+        if settings.push_config is None:
+            raise ConfigError(f"subscription {subscription!r} has no push_config: it is not a push subscription")
+        self.subscription = subscription
+        self.topic = settings.topic
+        self.config: PushConfig = settings.push_config
+        self.push_endpoint = self.config.display_endpoint
+        self._authorizer = Authorizer(self.config, subscription)
+        self._ssl = ssl_context(self.config)
+        self._flow_control = flow_control or FlowControl(
+            max_messages=max(FlowControl.max_messages, 2 * self.config.max_concurrent_requests))
+        self._subscriber = Subscriber(kafka, redis_url=url, metrics_port=metrics_port)
+        self._metrics = metrics_port is not None
+        self._lock = threading.Lock()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=f"ordering-layer-push-{subscription}",
+                                        daemon=True)
+        self._streaming: StreamingPullFuture | None = None
+        self._closing = False
+        self._closed = False
+        # Handed over by the callback, not yet in the loop's queue (callback thread -> loop).
+        self._incoming: deque[Message] = deque()
+        self._wake_pending = False
+        # Loop state, made on the loop by _open.
+        self._queue: asyncio.Queue[Message | None] | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._gate: EndpointGate | None = None
+        self._workers: list[asyncio.Task[None]] = []
+        # Metrics: written on the loop, read by scrapes (pull model, ``metrics_snapshot``).
+        self.requests: Counter[str] = Counter()
+        self._latencies: deque[float] = deque()
+        self.waiting = 0  # messages handed over and not yet sent
+        self.in_flight = 0
+
+    # -- start and stop -------------------------------------------------------------------------------
+    def start(self) -> Pusher:
+        """Join the subscription and start pushing.
+
+        Raises:
+            RuntimeError: started twice.
+        """
+        with self._lock:
+            if self._streaming is not None or self._closed:
+                raise RuntimeError("pusher already started")
+            self._thread.start()
+            asyncio.run_coroutine_threadsafe(self._open(), self._loop).result()
+            self._streaming = self._subscriber.subscribe(self.subscription, self._receive,
+                                                         flow_control=self._flow_control, max_workers=2)
+        if self._metrics:
+            metrics.register(self)
+        _LOGGER.info("pushing %s to %s (%d requests at most, auth %s)", self.subscription, self.push_endpoint,
+                     self.config.max_concurrent_requests, self.config.auth)
+        return self
+
+    async def _open(self) -> None:
+        config = self.config
+        self._queue = asyncio.Queue()
+        self._gate = EndpointGate()
+        connector = aiohttp.TCPConnector(limit=config.max_concurrent_requests, limit_per_host=0, ssl=self._ssl)
+        self._session = aiohttp.ClientSession(
+            connector=connector, timeout=aiohttp.ClientTimeout(total=config.request_timeout),
+            headers={"User-Agent": USER_AGENT}, auto_decompress=False)
+        self._workers = [asyncio.create_task(self._work(), name=f"push-worker-{i}")
+                         for i in range(config.max_concurrent_requests)]
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop: no new request starts, those in flight finish (their answers ack or nack), the
+        messages not sent yet are nacked, then the subscription is left as ``StreamingPullFuture.cancel``
+        leaves it (commit, group leave). Harmless when called again."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._closing = True
+            streaming = self._streaming
+        if streaming is not None:
+            # The engine stops releasing at once and then waits for the outstanding messages, which
+            # the loop settles meanwhile.
+            leaving = threading.Thread(target=streaming.cancel, args=(timeout,), name="ordering-layer-push-leave",
+                                       daemon=True)
+            leaving.start()
+            try:
+                asyncio.run_coroutine_threadsafe(self._drain_out(), self._loop).result(timeout)
+            except TimeoutError:
+                _LOGGER.warning("%s: requests still in flight after %.0f s; leaving them to lease expiry",
+                                self.subscription, timeout)
+            leaving.join(timeout)
+        if self._metrics:
+            metrics.unregister(self)
+        if self._thread.is_alive():
+            asyncio.run_coroutine_threadsafe(self._shut(), self._loop).result(timeout)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout)
+        _LOGGER.info("pusher of %s stopped", self.subscription)
+
+    async def _drain_out(self) -> None:
+        """Nack what waits, let the workers finish their requests and end."""
+        assert self._queue is not None
+        self._take_incoming()
+        while not self._queue.empty():
+            message = self._queue.get_nowait()
+            if message is not None:
+                self.waiting -= 1
+                message.nack(error=STOPPING)
+        for _ in self._workers:
+            self._queue.put_nowait(None)
+        await asyncio.gather(*self._workers, return_exceptions=True)
+
+    async def _shut(self) -> None:
+        for worker in self._workers:
+            worker.cancel()
+        await asyncio.gather(*self._workers, return_exceptions=True)
+        if self._session is not None:
+            await self._session.close()
+
+    def __enter__(self) -> Pusher:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- hand-over: callback thread -> loop ----------------------------------------------------------
+    def _receive(self, message: Message) -> None:
+        """The subscription's callback: hand the message to the loop and return (it stays outstanding)."""
+        if self._closing:
+            message.nack(error=STOPPING)
+            return
+        self._incoming.append(message)
+        if not self._wake_pending:
+            self._wake_pending = True
+            self._loop.call_soon_threadsafe(self._take_incoming)
+
+    def _take_incoming(self) -> None:
+        # Cleared before taking: a message appended after this line wakes the loop again.
+        self._wake_pending = False
+        incoming, queue = self._incoming, self._queue
+        assert queue is not None
+        while incoming:
+            message = incoming.popleft()
+            if self._closing:
+                message.nack(error=STOPPING)
+                continue
+            self.waiting += 1
+            queue.put_nowait(message)
+
+    # -- requests ------------------------------------------------------------------------------------
+    async def _work(self) -> None:
+        queue = self._queue
+        assert queue is not None
+        while True:
+            message = await queue.get()
+            if message is None:
+                return
+            await self._push(message)
+
+    async def _push(self, message: Message) -> None:
+        gate, session, config = self._gate, self._session, self.config
+        assert gate is not None and session is not None
+        probe = await gate.enter() if gate.failures else False
+        self.waiting -= 1
+        body, headers = build(message, self.subscription, config.no_wrapper)
+        authorization = self._authorizer.header()
+        if authorization is not None:
+            headers["Authorization"] = authorization
+        loop = asyncio.get_running_loop()
+        status: int | None = None
+        failure = ""
+        timed_out = False
+        self.in_flight += 1
+        started = loop.time()
+        try:
+            async with session.post(config.endpoint, data=body, headers=headers, allow_redirects=False) as response:
+                status = response.status
+                await response.read()  # the connection goes back to the pool only once the body is read
+        except TimeoutError:
+            timed_out = True
+            failure = f"no answer within {config.request_timeout:g} s"
+        except aiohttp.ClientError as exc:
+            failure = self._describe(exc)
+        finally:
+            self.in_flight -= 1
+        self._latencies.append(loop.time() - started)
+        self.requests[status_class(status, timed_out)] += 1
+        if status is not None:
+            if probe or gate.failures:
+                await gate.answered(probe)
+            if status in ACK_STATUSES:
+                message.ack()
+            else:
+                message.nack(error=f"HTTP {status}")
+            return
+        await gate.unreachable(probe)
+        if probe or gate.failures == 1:
+            _LOGGER.warning("%s: endpoint %s unreachable (%s); next try in %.1f s", self.subscription,
+                            self.push_endpoint, failure, gate.wait_left())
+        message.nack(error=failure)
+
+    def _describe(self, exc: aiohttp.ClientError) -> str:
+        """The failure of a request as text, the endpoint's query (which may hold a token) elided."""
+        text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        return text.replace(self.config.endpoint, self.push_endpoint)
+
+    # -- metrics -------------------------------------------------------------------------------------
+    def metrics_snapshot(self) -> dict[str, Any]:
+        """``requests``: {status class: count} (monotonic); ``keys_waiting``: messages handed over and
+        not yet sent (one per ordering key with ordering on); ``in_flight``: requests outstanding;
+        ``request_latency_seconds``: the request durations since the previous call (drained)."""
+        latencies, taken = self._latencies, []
+        for _ in range(len(latencies)):
+            taken.append(latencies.popleft())
+        return {"requests": dict(self.requests), "keys_waiting": self.waiting, "in_flight": self.in_flight,
+                "request_latency_seconds": taken}
