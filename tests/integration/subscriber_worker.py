@@ -66,8 +66,8 @@ def main() -> None:
         with started:
             others[0] += 1
             started.notify_all()
-        if args.hold_unless_key is not None and message.ordering_key != args.hold_unless_key \
-                or args.hold_data is not None and message.data.decode() == args.hold_data:
+        if (args.hold_unless_key is not None and message.ordering_key != args.hold_unless_key) \
+                or (args.hold_data is not None and message.data.decode() == args.hold_data):
             threading.Event().wait()
         if args.delay_ms:
             time.sleep(args.delay_ms / 1000)
