@@ -250,8 +250,8 @@ class PushConfig:
     no_wrapper: bool = False
     request_timeout: float = 30.0
     max_concurrent_requests: int = 100
-    bearer_token: str | None = dataclasses.field(default=None, repr=False)
-    jwt_private_key: str | None = dataclasses.field(default=None, repr=False)
+    bearer_token: str | None = None
+    jwt_private_key: str | None = None
     jwt_algorithm: str = "RS256"
     jwt_issuer: str = "ordering-layer"
     jwt_key_id: str | None = None
@@ -277,6 +277,10 @@ class PushConfig:
         _check_range("jwt_lifetime", self.jwt_lifetime, 10, 3600)
         if self.ca_bundle is not None and "-----BEGIN CERTIFICATE-----" not in self.ca_bundle:
             raise ConfigError("ca_bundle must hold PEM certificates")
+
+    def __repr__(self) -> str:
+        # The public form (secrets and the endpoint's query left out): settings end up in logs.
+        return "PushConfig(" + ", ".join(f"{name}={value!r}" for name, value in self.public().items()) + ")"
 
     @property
     def auth(self) -> str:

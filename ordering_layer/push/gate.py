@@ -63,16 +63,18 @@ class EndpointGate:
                 self.failures = 0
                 self._changed.notify_all()
 
-    async def unreachable(self, probe: bool) -> None:
-        """A request got no answer: the gate closes (or stays closed, waiting longer)."""
+    async def unreachable(self, probe: bool) -> bool:
+        """A request got no answer: the gate closes (or stays closed, waiting longer). False when
+        that changed nothing (a request sent before the gate closed: the probes set the pace now)."""
         async with self._changed:
             if probe:
                 self._probing = False
             elif self.failures:
-                return  # a request sent before the gate closed: the probes set the pace now
+                return False
             self.failures += 1
             self._opens_at = self._clock() + min(self._maximum, self._initial * 2 ** min(self.failures - 1, 30))
             self._changed.notify_all()
+            return True
 
     def wait_left(self) -> float:
         """Seconds until the next probe may go (0 when open)."""

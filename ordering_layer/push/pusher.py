@@ -270,8 +270,7 @@ class Pusher:
             else:
                 message.nack(error=f"HTTP {status}")
             return
-        await gate.unreachable(probe)
-        if probe or gate.failures == 1:
+        if await gate.unreachable(probe):
             _LOGGER.warning("%s: endpoint %s unreachable (%s); next try in %.1f s", self.subscription,
                             self.push_endpoint, failure, gate.wait_left())
         message.nack(error=failure)
