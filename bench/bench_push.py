@@ -1,0 +1,258 @@
+"""Push subscription benchmarks (issue 35), against a local endpoint that answers at once.
+
+(a) Throughput: ``--messages`` 100-byte messages over 1,000 keys (6 partitions) pushed by the
+    pusher (``Pusher``, ``--concurrency`` requests at most) vs a bare asyncio loop of the same HTTP
+    client (aiohttp, the same connector limit and timeout) posting the same bodies (Pub/Sub's JSON
+    push request of each message) with the same concurrency. Rates are the endpoint's: requests
+    over the time from its first to its last arrival. ``--rounds`` interleaved rounds (a new
+    subscription of the same topic each round); the median of the per-round ratios. Goal >= 0.5x.
+(b) Latency at ``--rate`` msg/s for ``--seconds`` over 1,000 keys: publish (``linger.ms=0``) to the
+    request's arrival at the endpoint, from the publish time each message carries in an attribute;
+    then, alone too, the same path into a plain ``Subscriber`` callback, which is what the pusher
+    adds to. Goal <= 5 ms at p50.
+
+The endpoint is another process (``python -m tests.push_endpoint``), so that it takes no CPU time
+from the process measured.
+
+    .venv/bin/python -u bench/bench_push.py [--messages 20000] [--concurrency 100] [--rounds 3]
+        [--rate 1000] [--seconds 10] [--scenarios ab]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+import uuid
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import bench_stack
+from ordering_layer import Admin, Message, OrderedProducer, RetryPolicy, StartPosition, Subscriber
+from ordering_layer.config import PushConfig
+from ordering_layer.push import Pusher
+from ordering_layer.push.request import wrapped
+from ordering_layer.stack import Endpoints
+from tests.push_endpoint import free_port
+
+KEYS = [f"key-{i}" for i in range(1000)]
+PAYLOAD = b"x" * 100
+
+
+class Endpoint:
+    """The endpoint process and its statistics."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}/push"
+        root = Path(__file__).resolve().parent.parent
+        self._process = subprocess.Popen([sys.executable, "-m", "tests.push_endpoint", "--port", str(self.port)],
+                                         cwd=root)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                self.stats()
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+
+    def stats(self, reset: bool = False) -> dict[str, Any]:
+        url = f"http://127.0.0.1:{self.port}/stats" + ("?reset=1" if reset else "")
+        with urllib.request.urlopen(url, timeout=10) as reply:
+            stats: dict[str, Any] = json.loads(reply.read())
+            return stats
+
+    def wait_count(self, count: int, timeout: float = 300.0) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while True:
+            stats = self.stats()
+            if stats["count"] >= count:
+                return stats
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{stats['count']} of {count} requests")
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        self._process.terminate()
+        self._process.wait(10)
+
+
+@dataclass
+class BodyMessage:
+    """The fields of a message that its push body carries (``PushedMessage``)."""
+
+    ordering_key: str
+    message_id: str
+    data: bytes = PAYLOAD
+    attributes: dict[str, str] = field(default_factory=dict)
+    enqueued_time: datetime = field(default_factory=lambda: datetime.now(UTC))
+    delivery_attempt: int = 1
+
+
+def rate(stats: dict[str, Any]) -> float:
+    return float(stats["count"] / max(1e-9, stats["last"] - stats["first"]))
+
+
+def pusher_run(endpoints: Endpoints, admin: Admin, topic: str, endpoint: Endpoint, count: int,
+               concurrency: int) -> float:
+    """Requests per second of a pusher over the topic's ``count`` messages (a new subscription)."""
+    name = f"bench-push-{uuid.uuid4().hex[:8]}"
+    admin.create_subscription(name, topic=topic, retry_policy=RetryPolicy(0, 0),
+                              push_config=PushConfig(endpoint.url, max_concurrent_requests=concurrency))
+    endpoint.stats(reset=True)
+    with Pusher(endpoints.kafka_config(), name, redis_url=endpoints.redis_url):
+        stats = endpoint.wait_count(count)
+    admin.delete_subscription(name)
+    return rate(stats)
+
+
+def bare_run(endpoint: Endpoint, count: int, concurrency: int, subscription: str) -> float:
+    """Requests per second of a bare asyncio loop: aiohttp as the pusher sets it up, ``concurrency``
+    workers posting the bodies of ``count`` messages as the pusher makes them."""
+    bodies = [wrapped(BodyMessage(KEYS[n % len(KEYS)], str(n)), subscription) for n in range(count)]
+
+    async def run() -> None:
+        connector = aiohttp.TCPConnector(limit=concurrency, limit_per_host=0)
+        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=30),
+                                         auto_decompress=False) as session:
+            pending = iter(bodies)
+
+            async def work() -> None:
+                for body, headers in pending:
+                    async with session.post(endpoint.url, data=body, headers=headers,
+                                            allow_redirects=False) as response:
+                        await response.read()
+
+            await asyncio.gather(*(work() for _ in range(concurrency)))
+
+    endpoint.stats(reset=True)
+    asyncio.run(run())
+    return rate(endpoint.wait_count(count))
+
+
+def throughput(endpoints: Endpoints, admin: Admin, endpoint: Endpoint, count: int, concurrency: int,
+               rounds: int) -> None:
+    topic = f"bench-push-{uuid.uuid4().hex[:8]}"
+    admin.create_topic(topic, partitions=6)
+    with OrderedProducer(endpoints.kafka_config()) as producer:
+        for n in range(count):
+            producer.produce(topic, PAYLOAD, key=KEYS[n % len(KEYS)])
+    ratios = []
+    for number in range(1, rounds + 1):
+        layer = pusher_run(endpoints, admin, topic, endpoint, count, concurrency)
+        bare = bare_run(endpoint, count, concurrency, "bench-push")
+        ratios.append(layer / bare)
+        print(f"(a) round {number}: pusher {layer:>9,.0f} msg/s   bare aiohttp loop {bare:>9,.0f} msg/s   "
+              f"ratio {layer / bare:4.2f}", flush=True)
+    print(f"(a) {count:,} messages, 1,000 keys, concurrency {concurrency}: median ratio "
+          f"{statistics.median(ratios):.2f} (goal >= 0.5)", flush=True)
+
+
+def paced_publish(endpoints: Endpoints, topic: str, per_second: float, seconds: float) -> int:
+    """Publish at ``per_second`` for ``seconds``, each message carrying its publish time in ``sent``."""
+    total = int(per_second * seconds)
+    with OrderedProducer({**endpoints.kafka_config(), "linger.ms": 0}) as producer:
+        start = time.monotonic()
+        for n in range(total):
+            delay = start + n / per_second - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            producer.produce(topic, PAYLOAD, key=KEYS[n % len(KEYS)], headers=[("sent", repr(time.time()))])
+            producer.poll(0)
+    return total
+
+
+def percentiles(delays: list[float]) -> str:
+    ordered = sorted(delays)
+
+    def at(q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000
+
+    return (f"p50 {at(0.50):6.2f} ms   p90 {at(0.90):6.2f} ms   p99 {at(0.99):6.2f} ms   "
+            f"max {ordered[-1] * 1000:7.2f} ms")
+
+
+def latency(endpoints: Endpoints, admin: Admin, endpoint: Endpoint, per_second: float, seconds: float,
+            concurrency: int) -> None:
+    """(b): the pusher, then a plain subscriber, each alone on a fresh topic."""
+    kafka = endpoints.kafka_config()
+    topic = f"bench-push-lat-{uuid.uuid4().hex[:8]}"
+    admin.create_topic(topic, partitions=6)
+    name = f"bench-push-lat-{uuid.uuid4().hex[:8]}"
+    admin.create_subscription(name, topic=topic, start=StartPosition.LATEST, retry_policy=RetryPolicy(0, 0),
+                              push_config=PushConfig(endpoint.url, max_concurrent_requests=concurrency))
+    with Pusher(kafka, name, redis_url=endpoints.redis_url):
+        warm = paced_publish(endpoints, topic, per_second, 2.0)  # joined and warm
+        endpoint.wait_count(warm, 60)
+        endpoint.stats(reset=True)
+        total = paced_publish(endpoints, topic, per_second, seconds)
+        stats = endpoint.wait_count(total, 60)
+    print(f"(b) {total:,} messages at {per_second:,.0f} msg/s over 1,000 keys, publish to request "
+          f"(pusher):            {percentiles(stats['delays'])}", flush=True)
+
+    topic = f"bench-sub-lat-{uuid.uuid4().hex[:8]}"
+    admin.create_topic(topic, partitions=6)
+    name = f"bench-sub-lat-{uuid.uuid4().hex[:8]}"
+    admin.create_subscription(name, topic=topic, start=StartPosition.LATEST, retry_policy=RetryPolicy(0, 0))
+    delays: list[float] = []
+    lock = threading.Lock()
+
+    def callback(message: Message) -> None:
+        arrived = time.time()
+        message.ack()
+        with lock:
+            delays.append(arrived - float(message.attributes["sent"]))
+
+    subscriber = Subscriber(kafka, redis_url=endpoints.redis_url)
+    with subscriber.subscribe(name, callback):
+        warm = paced_publish(endpoints, topic, per_second, 2.0)
+        deadline = time.monotonic() + 60
+        while len(delays) < warm and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with lock:
+            delays.clear()
+        total = paced_publish(endpoints, topic, per_second, seconds)
+        deadline = time.monotonic() + 60
+        while len(delays) < total and time.monotonic() < deadline:
+            time.sleep(0.05)
+    print(f"(b) the same at a plain Subscriber, publish to callback (what the pusher adds to): "
+          f"{percentiles(delays)}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--messages", type=int, default=20_000)
+    parser.add_argument("--concurrency", type=int, default=100)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rate", type=float, default=1000.0)
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--scenarios", default="ab")
+    args = parser.parse_args()
+    with bench_stack() as endpoints:
+        admin = Admin(endpoints.kafka_config(), redis_url=endpoints.redis_url)
+        endpoint = Endpoint()
+        try:
+            if "a" in args.scenarios:
+                throughput(endpoints, admin, endpoint, args.messages, args.concurrency, args.rounds)
+            if "b" in args.scenarios:
+                latency(endpoints, admin, endpoint, args.rate, args.seconds, args.concurrency)
+        finally:
+            endpoint.close()
+
+
+if __name__ == "__main__":
+    main()
