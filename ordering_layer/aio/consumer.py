@@ -55,7 +55,11 @@ class AIOOrderedConsumer:
             names the subscription); not changed here.
         max_workers: threads of the executor made when none is given.
         executor: where the blocking calls run (the caller's; not shut down by ``close``).
-        redis_url, flow_control, metrics_port, tracing, tracer_provider: as ``OrderedConsumer``.
+        redis_url: as ``OrderedConsumer`` takes it.
+        flow_control: as ``OrderedConsumer`` takes it.
+        metrics_port: as ``OrderedConsumer`` takes it.
+        tracing: as ``OrderedConsumer`` takes it.
+        tracer_provider: as ``OrderedConsumer`` takes it.
         **kwargs: further settings (``logger=``), as ``OrderedConsumer`` takes them.
 
     Raises:

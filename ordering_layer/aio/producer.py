@@ -63,7 +63,10 @@ class AIOOrderedProducer:
         batch_size: buffered messages that make ``produce`` hand them on at once (and wait).
         buffer_timeout: the longest a buffered message waits, in confluent's signature; here it
             never waits past the loop's next turn, so any value is met.
-        settings, redis_url, metrics_port, tracer_provider: as ``OrderedProducer`` takes them.
+        settings: as ``OrderedProducer`` takes it.
+        redis_url: as ``OrderedProducer`` takes it.
+        metrics_port: as ``OrderedProducer`` takes it.
+        tracer_provider: as ``OrderedProducer`` takes it.
 
     Raises:
         RuntimeError: no event loop runs in this thread.

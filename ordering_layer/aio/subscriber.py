@@ -34,7 +34,11 @@ class AIOSubscriber:
     (its constructor checks the credentials against Kafka and Redis).
 
     Args:
-        kafka_config, redis_url, metrics_port, tracing, tracer_provider: as ``Subscriber`` takes them.
+        kafka_config: as ``Subscriber`` takes it.
+        redis_url: as ``Subscriber`` takes it.
+        metrics_port: as ``Subscriber`` takes it.
+        tracing: as ``Subscriber`` takes it.
+        tracer_provider: as ``Subscriber`` takes it.
         max_workers: threads of the executor made when none is given: how many pulls can wait at once.
         executor: where the blocking calls run (the caller's; not shut down by ``close``).
 

@@ -47,12 +47,14 @@ def export_ordered(spark: SparkSession, topic: str, bootstrap: str, out: str, *,
 
     Args:
         spark: a session with Spark's Kafka source (``local_session``).
-        topic, bootstrap: what to read.
+        topic: the topic to read.
+        bootstrap: Kafka bootstrap servers.
         out: the output folder.
         files: how many Parquet files (keys are hashed into them).
         partitions: passed to ``restore_order``.
         mode: Spark's save mode (``errorifexists`` or ``overwrite``).
-        starting_offsets, ending_offsets: the Kafka source's range.
+        starting_offsets: where the Kafka source's range starts.
+        ending_offsets: where the Kafka source's range ends.
         kafka_config: the layer's Kafka settings of a secured cluster (see ``read_ordered``).
 
     Raises:

@@ -159,8 +159,8 @@ def read_ordered(spark: SparkSession, topic: str, bootstrap: str, *, starting_of
         spark: a session with Spark's Kafka source on its class path (see ``local_session``).
         topic: the topic to read (all partitions).
         bootstrap: Kafka bootstrap servers.
-        starting_offsets, ending_offsets: as the Kafka source's options (``earliest``/``latest`` or
-            per-partition JSON).
+        starting_offsets: as the Kafka source's option (``earliest``/``latest`` or per-partition JSON).
+        ending_offsets: as the Kafka source's option (``earliest``/``latest`` or per-partition JSON).
         options: further Kafka source options (``kafka.*`` settings pass to the consumer).
         kafka_config: the layer's confluent-kafka settings of a secured cluster (``security.protocol``,
             ``sasl.*``, ``ssl.ca.location``), translated to the source's (``security.kafka_source_options``);
@@ -184,8 +184,13 @@ def read_ordered_stream(spark: SparkSession, topic: str, bootstrap: str, *, star
     """Structured Streaming variant of ``read_ordered``: the same columns, as a streaming DataFrame.
 
     Args:
+        spark: as ``read_ordered`` takes it.
+        topic: as ``read_ordered`` takes it.
+        bootstrap: as ``read_ordered`` takes it.
+        starting_offsets: as ``read_ordered`` takes it.
         max_offsets_per_trigger: cap on records per micro-batch (Kafka source ``maxOffsetsPerTrigger``).
-        Others as ``read_ordered``.
+        options: as ``read_ordered`` takes it.
+        kafka_config: as ``read_ordered`` takes it.
     """
     reader = set_source_options(spark.readStream.format("kafka"),
                                 _source_options(topic, bootstrap, options, kafka_config))
