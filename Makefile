@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup system-deps python-deps constraints core jars demo test test-unit lint bench soak soak-short clean \
+.PHONY: setup system-deps python-deps constraints core jars demo test test-unit lint docs bench soak soak-short clean \
 	docker-engine images test-docker compose-check test-redis-cluster test-secure compat
 
 setup: system-deps python-deps core jars
@@ -37,7 +37,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	@command -v cargo >/dev/null || { echo "cargo not found: install Rust >= 1.85 (rustup) to build core/"; exit 1; }
 	@[ -x $(PY) ] || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e '.[spark,test,dev]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[spark,test,dev,docs]'
 	@touch $@
 
 # constraints.txt is pip freeze of a venv that `make test` passed on. To move to other releases within
@@ -105,6 +105,12 @@ lint: python-deps core
 	$(VENV)/bin/mypy ordering_layer tests bench spark
 	PYO3_PYTHON=$(abspath $(PY)) cargo clippy --release --locked --quiet --manifest-path core/Cargo.toml -- -D warnings
 
+# The docs site (mkdocs.yml, docs/): mkdocs-material, the API reference generated from the docstrings
+# by mkdocstrings; --strict makes every warning (a broken link, a docstring griffe cannot read) an error.
+# Built into site/ (not tracked); `$(VENV)/bin/mkdocs serve` shows it while editing.
+docs: python-deps
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
+
 # -- Docker: an engine, images built here without a registry, and the tests through testcontainers --
 # Integration tests run a second time with Kafka and Redis in containers (ORDERING_LAYER_STACK):
 # publisher, subscriber, chaos (kill -9, rebalance, Redis and broker restarts), launcher, plugin.
@@ -144,4 +150,4 @@ soak-short: setup
 
 clean:
 	-$(VENV)/bin/ordering-layer stack down
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache core/target ordering_layer/_core*.so
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache site core/target ordering_layer/_core*.so
