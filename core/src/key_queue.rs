@@ -124,6 +124,7 @@ pub struct KeyQueue<T> {
     pub waiting_stamp: u64, // 0: not in the quarantine's waiting list
     pub backing_off: bool,
     pub moved: bool, // held until its key's records in its old partitions are settled (`moves`)
+    pub moved_from: i64, // while `moved`: the offset of its first record that waits (those before go out)
 }
 
 impl<T> KeyQueue<T> {
@@ -140,7 +141,14 @@ impl<T> KeyQueue<T> {
             waiting_stamp: 0,
             backing_off: false,
             moved: false,
+            moved_from: 0,
         }
+    }
+
+    /// Whether a move holds the queue now: its next record is one that waits for the key's old
+    /// partitions (records of the key before that one go out as usual).
+    pub fn held(&self) -> bool {
+        self.moved && self.records.get(self.cursor).is_none_or(|entry| entry.offset >= self.moved_from)
     }
 
     pub fn index_of(&self, offset: i64) -> Option<usize> {

@@ -224,7 +224,7 @@ impl<T> PartitionCore<T> {
     }
 
     fn mark_ready(&mut self, slot: u32) {
-        if self.slots[slot as usize].as_ref().is_some_and(|q| q.ready_stamp == 0 && !q.moved) {
+        if self.slots[slot as usize].as_ref().is_some_and(|q| q.ready_stamp == 0 && !q.held()) {
             self.stamps += 1;
             let stamp = self.stamps;
             self.queue(slot).ready_stamp = stamp;
@@ -305,11 +305,12 @@ impl<T> PartitionCore<T> {
         if let (Some(moves), QueueKey::Key(key), false) = (self.moves.as_deref_mut(), &queue.qkey, queue.moved) {
             if let Some(count) = moves.holds(key, published.0, published.1) {
                 queue.moved = true;
+                queue.moved_from = offset;
                 moves.holding += 1;
                 moves.held.push((key.clone(), count));
             }
         }
-        let idle = queue.outstanding == 0 && !queue.backing_off && !queue.moved;
+        let idle = queue.outstanding == 0 && !queue.backing_off && !queue.held();
         self.buffered += 1;
         if idle {
             self.mark_ready(slot);
@@ -494,9 +495,10 @@ impl<T> PartitionCore<T> {
             let mut limit = per_key.min(budget).max(0) as usize;
             let queue = self.slots[slot as usize].as_mut().expect("a ready slot");
             queue.ready_stamp = 0;
-            if queue.outstanding > 0 || now < queue.not_before || queue.cursor >= queue.records.len() {
+            if queue.outstanding > 0 || now < queue.not_before || queue.cursor >= queue.records.len() || queue.held() {
                 continue;
             }
+            let held_from = if queue.moved { queue.moved_from } else { i64::MAX };
             let start = queue.cursor;
             let head = &queue.records[start];
             if head.quarantined {
@@ -509,7 +511,7 @@ impl<T> PartitionCore<T> {
             let end = (start + limit).min(queue.records.len());
             let mut stop = start;
             for entry in queue.records.range_mut(start..end) {
-                if entry.quarantined && stop > start {
+                if (entry.quarantined && stop > start) || entry.offset >= held_from {
                     break;
                 }
                 stop += 1;
@@ -867,6 +869,30 @@ mod tests {
         core.set_moves(2, vec![(4, 0)]);
         assert_eq!(core.moved_holding(), 0, "no history: nothing waits");
         assert_eq!(release(&mut core, 1).len(), moved.len() - 1);
+    }
+
+    /// A key that moved away and back (h % 12 = 6, h % 18 = 12, h % 24 = 6): its records of the first
+    /// count go out of partition 6 while its record of the third count waits for partition 12; the
+    /// hold starts at the first record that waits, never before it.
+    #[test]
+    fn a_hold_starts_at_the_record_that_waits() {
+        use crate::moves::tests::partition_for;
+        let key = (0..100_000).map(|k| format!("key-{k}").into_bytes())
+            .find(|key| partition_for(key, 12) == 6 && partition_for(key, 18) == 12 && partition_for(key, 24) == 6)
+            .expect("a key that moves away and back");
+        let mut core = state(true, &[]);
+        core.set_moves(6, vec![(12, 0), (18, 1_000), (24, 2_000)]);
+        assert!(core.add_published(0, Some(&key), 1, (), (12, 10)));
+        assert!(core.add_published(1, Some(&key), 1, (), (12, 20)));
+        assert!(core.add_published(2, Some(&key), 1, (), (24, 2_500)));
+        assert!(core.add_published(3, Some(&key), 1, (), (24, 2_600)));
+        assert_eq!(core.moved_holding(), 1);
+        let out = release(&mut core, 10);
+        assert_eq!(offsets(&out), vec![0, 1], "the records before the hold go out, in one batch");
+        assert!(core.ack(0, out[0].1) && core.ack(1, out[1].1));
+        assert!(release(&mut core, 10).is_empty(), "the moved records wait");
+        core.clear_moved(&key);
+        assert_eq!(offsets(&release(&mut core, 10)), vec![2, 3]);
     }
 
     /// A departed key's records below its mark, published under an earlier count, are settled at

@@ -41,6 +41,26 @@ def moves_key(subscription: str) -> str:
     return f"ol:moves:{{{subscription}}}"
 
 
+def report_held(client: Any, subscription: str, before: Mapping[int, int], holding: Mapping[int, int],
+                expire_s: int) -> None:
+    """Write the keys each partition holds for a move now (``holding``) over what was written
+    ``before``, in ``moves_key``, expiring in ``expire_s`` seconds unless written again.
+
+    Raises:
+        redis.RedisError: Redis did not answer.
+    """
+    key = moves_key(subscription)
+    pipe = client.pipeline(transaction=False)
+    gone = [str(p) for p, n in before.items() if n and not holding.get(p)]
+    if gone:
+        pipe.hdel(key, *gone)
+    now: dict[str | bytes, int] = {str(p): n for p, n in holding.items() if n}
+    if now:
+        pipe.hset(key, mapping=now)
+        pipe.expire(key, expire_s)
+    pipe.execute()
+
+
 def encode_history(history: History) -> bytes:
     """The durable copy's record value."""
     return json.dumps([[count, since] for count, since in history]).encode()

@@ -32,7 +32,7 @@ from confluent_kafka import KafkaException
 from ordering_layer.errors import OrderingLayerError
 from ordering_layer.kafka_config import connection_settings
 from ordering_layer.state import StateStore
-from ordering_layer.state.counts import History, PartitionCounts, moves_key, normalised
+from ordering_layer.state.counts import History, PartitionCounts, normalised, report_held
 from ordering_layer.state.departed import Departed, DepartedKeys
 from ordering_layer.subscriber.old_partitions import OldPartitions, old_partitions
 from ordering_layer.subscriber.owned_partition import OwnedPartition
@@ -71,7 +71,6 @@ class MoveGuard:
         self._store = store
         self._history_store: PartitionCounts | None = None
         self._departed_store: DepartedKeys | None = None
-        self._marked: dict[tuple[int, bytes], tuple[int, int]] = {}  # (partition, key) -> count, below
         self.subscription = subscription
         self.topic = topic
         self._post = post
@@ -117,11 +116,12 @@ class MoveGuard:
 
     def counts_for(self, partition: int) -> History:
         """The history a newly claimed ``partition`` takes (a partition beyond the known count is a
-        growth, recorded first)."""
+        growth, recorded first with the count the topic's metadata gives: the claim may come
+        before the metadata shows the partitions a growth added after it)."""
         with self._lock:
             history = self.history
         if history and partition >= history[-1][0]:
-            history = self.grow(partition + 1)
+            history = self.grow(max(partition + 1, self._partition_count() or 0))
         return history
 
     def grow(self, count: int) -> History:
@@ -213,22 +213,15 @@ class MoveGuard:
     def _mark(self, cleared: Mapping[bytes, int], partition: int, history: History) -> bool:
         """Mark ``cleared`` keys (key -> count they waited for in ``partition``) departed from their
         old partitions up to where those were read; False when the marks could not be written."""
-        marks: list[Departed] = []
         try:
             generation = self._store.seek_announced(self.subscription)
-            for key, count in cleared.items():
-                for old in old_partitions(key, partition, count, history):
-                    below = self._old.end(old)
-                    known = self._marked.get((old, key))
-                    if known is None or known[0] < count or known[1] < below:
-                        marks.append(Departed(old, key, count, below, generation))
+            marks = self._old.departures(cleared, partition, history, generation)
             self._departed.record(marks)
         except (redis.RedisError, OrderingLayerError) as exc:
             _LOGGER.info("%s: marking %d cleared keys departed failed (%s); trying again", self.subscription,
                          len(cleared), exc)
             return False
-        for mark in marks:
-            self._marked[(mark.partition, mark.key)] = (mark.count, mark.below)
+        self._old.marked(marks)
         return True
 
     def _record(self, count: int) -> History:
@@ -261,35 +254,29 @@ class MoveGuard:
             holding = {partition: len(keys) for (partition, _), keys in self._held.items()}
         if holding == self._reported and not (any(holding.values()) and time.monotonic() >= self._report_due):
             return
-        key = moves_key(self.subscription)
         try:
-            pipe = self._store.client.pipeline(transaction=False)
-            gone = [str(p) for p, n in self._reported.items() if n and not holding.get(p)]
-            if gone:
-                pipe.hdel(key, *gone)
-            now: dict[str | bytes, int] = {str(p): n for p, n in holding.items() if n}
-            if now:
-                pipe.hset(key, mapping=now)
-                pipe.expire(key, int(10 * METADATA_INTERVAL))
-            pipe.execute()
+            report_held(self._store.client, self.subscription, self._reported, holding, int(10 * METADATA_INTERVAL))
         except redis.RedisError as exc:
             _LOGGER.debug("%s: keys held for a move not reported: %s", self.subscription, exc)
             return
         self._reported = holding
         self._report_due = time.monotonic() + METADATA_INTERVAL
 
-    def _read_count(self) -> None:
+    def _partition_count(self) -> int | None:
+        """The topic's partition count by its metadata (None: not read)."""
         try:
             metadata = self._old.consumer().list_topics(self.topic, timeout=_KAFKA_TIMEOUT).topics.get(self.topic)
         except KafkaException as exc:
             _LOGGER.debug("%s: reading the partition count of %s failed: %s", self.subscription, self.topic, exc)
-            return
-        if metadata is None or metadata.error is not None:
-            return
+            return None
+        return None if metadata is None or metadata.error is not None else len(metadata.partitions)
+
+    def _read_count(self) -> None:
+        count = self._partition_count()
         with self._lock:
             known = self.history[-1][0] if self.history else 0
-        if len(metadata.partitions) > known:
-            history = self._record(len(metadata.partitions))
+        if count is not None and count > known:
+            history = self._record(count)
             if known:
                 self._post(CountsChanged(history))
             else:

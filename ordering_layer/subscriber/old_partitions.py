@@ -24,6 +24,7 @@ from ordering_layer.publisher.partitioner import murmur2, partition_for
 from ordering_layer.record import read_metadata
 from ordering_layer.state import StateStore
 from ordering_layer.state.counts import History
+from ordering_layer.state.departed import Departed
 from ordering_layer.state.store import FLOOR_MEMBER, partition_keys
 
 _KAFKA_TIMEOUT = 10.0
@@ -65,6 +66,7 @@ class OldPartitions:
         self._reader: Consumer | None = None
         self._reads: dict[int, _Read] = {}
         self._assigned: set[int] = set()
+        self._marked: dict[tuple[int, bytes], tuple[int, int]] = {}  # (partition, key) -> count, below
 
     def _client(self) -> Consumer:
         return Consumer({
@@ -161,9 +163,24 @@ class OldPartitions:
                     read.settled(key, offset)
         return waiting | {key for key in keys if key not in waiting and read.head(key, keys[key]) is not None}
 
-    def end(self, partition: int) -> int:
-        """The offset up to which ``partition`` was read (``refresh``)."""
-        return self._reads[partition].end
+    def departures(self, cleared: Mapping[bytes, int], partition: int, history: History,
+                   seek_generation: int) -> list[Departed]:
+        """The marks that ``cleared`` keys (key -> the count they waited for in ``partition``) departed
+        from their old partitions, up to where those were read (``refresh``); a mark written before
+        (``marked``) that covers as much is left out."""
+        marks = []
+        for key, count in cleared.items():
+            for old in old_partitions(key, partition, count, history):
+                below = self._reads[old].end
+                known = self._marked.get((old, key))
+                if known is None or known[0] < count or known[1] < below:
+                    marks.append(Departed(old, key, count, below, seek_generation))
+        return marks
+
+    def marked(self, marks: list[Departed]) -> None:
+        """``marks`` were written."""
+        for mark in marks:
+            self._marked[(mark.partition, mark.key)] = (mark.count, mark.below)
 
     def pending(self, partition: int) -> bool:
         """Whether a record read in ``partition`` of a key that moved away is not known settled."""
