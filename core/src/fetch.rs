@@ -264,7 +264,9 @@ impl NativeFetch {
         }
     }
 
-    /// Copies up to `max` messages out of librdkafka, waiting up to `timeout_ms` (no GIL held).
+    /// Copies up to `max` messages out of librdkafka (no GIL held): those queued now, or when none
+    /// are, the first to come within `timeout_ms` and those queued with it. A batch is what is there,
+    /// never held back to fill.
     fn take(&self, max: usize, timeout_ms: c_int) -> (Vec<Fetched>, Arena, Errors) {
         let queues = self.queues.lock().expect("fetch queues lock");
         let mut arena = Arena::default();
@@ -275,7 +277,18 @@ impl NativeFetch {
         let api = &self.api;
         // SAFETY: queues.own is a live queue (destroyed only in close, under this lock); raw has room
         // for the count asked for; every message returned is destroyed below.
-        let count = unsafe { (api.consume_batch_queue)(queues.own, timeout_ms, raw.as_mut_ptr(), raw.len()) };
+        let mut count = unsafe { (api.consume_batch_queue)(queues.own, 0, raw.as_mut_ptr(), raw.len()) };
+        if count == 0 && timeout_ms > 0 {
+            // Nothing there: wait for one message only (librdkafka's batch call waits until the batch
+            // is full or the time is up), then take what came with it, without waiting.
+            // SAFETY: as above, for one message, then for the room left after it.
+            count = unsafe { (api.consume_batch_queue)(queues.own, timeout_ms, raw.as_mut_ptr(), 1) };
+            if count == 1 && raw.len() > 1 {
+                // SAFETY: raw has raw.len() - 1 slots after its first.
+                let more = unsafe { (api.consume_batch_queue)(queues.own, 0, raw.as_mut_ptr().add(1), raw.len() - 1) };
+                count += more.max(0);
+            }
+        }
         let mut records = Vec::with_capacity(count.max(0) as usize);
         let mut errors = Vec::new();
         arena.bytes.reserve(raw.iter().take(count.max(0) as usize).map(|&message| {

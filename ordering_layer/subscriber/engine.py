@@ -57,8 +57,6 @@ __all__ = ["Engine", "RebalanceHooks"]
 
 _LOGGER = logging.getLogger(__name__)
 
-_GATHER = 0.002
-_GATHER_EVENTS = 500
 LEAVE_TIMEOUT = 10.0  # seconds close waits for the last commit and the group leave
 
 
@@ -229,10 +227,9 @@ class Engine:
         with self._lock:
             wait, answer = self._wait_time(time.monotonic()), self._ownership.answer_socket()
         inbox = self._inbox
-        # When busy keep gathering for up to _GATHER seconds so that one Redis round trip serves many
-        # messages (ACK-4's batching); a lone event, or a flush's answer (``Ownership.poll``), at once.
-        if inbox.wait(1, wait, answer) and len(inbox) > 1:
-            inbox.wait(_GATHER_EVENTS, _GATHER, answer)
+        # A step takes what is there: batches (one Redis round trip for many messages, ACK-4) form
+        # from the events that came while the last step and its flush ran, never from waiting.
+        inbox.wait(1, wait, answer)
         events = inbox.take()
         with self._lock:
             now = time.monotonic()

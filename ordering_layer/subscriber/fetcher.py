@@ -176,7 +176,13 @@ class Fetcher:
         # With the native fetch the consumer's queue carries events only (served here: rebalance
         # callbacks, commit reports); a record it still returns was queued before its partition was
         # attached, and is taken as one fetched by consume().
-        messages = self.consumer.consume(_FETCH_BATCH, 0 if native is not None else timeout)
+        messages = self.consumer.consume(_FETCH_BATCH, 0)
+        if not messages and native is None:
+            # consume() waits until its batch is full or the time is up: wait for one record only,
+            # then take what came with it (a batch is what is there, never held back to fill).
+            messages = self.consumer.consume(1, timeout)
+            if messages:
+                messages += self.consumer.consume(_FETCH_BATCH - 1, 0)
         records: list[Record] = []
         for msg in messages:
             if msg.error() is not None:
