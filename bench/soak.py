@@ -88,7 +88,7 @@ class SoakPlan:
 FULL = SoakPlan("full", messages=100_000, calm_messages=10_000, keys=1000, publish_rate=600, fault_window=150,
                 growths=(18, 24))
 SHORT = SoakPlan("short", messages=20_000, calm_messages=2_000, keys=500, publish_rate=300, fault_window=50,
-                 broker_kills=1, broker_down=5.0, cut_seconds=3.0, settle_timeout=300)
+                 broker_kills=1, broker_down=5.0, cut_seconds=3.0, settle_timeout=300, growths=(18,))
 
 
 def wait_for(check: Callable[[], bool], timeout: float, interval: float = 0.5) -> bool:

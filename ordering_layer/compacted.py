@@ -77,6 +77,15 @@ class CompactedTopic:
             raise TopicError(f"{self._what} topic {self.topic!r} must have cleanup.policy=compact", topic=self.topic)
         self._ready = True
 
+    def prepare(self) -> None:
+        """Create the topic and the writer now, so that the first ``send`` waits for neither.
+
+        Raises:
+            ConfigError, TopicError: as ``send``.
+        """
+        self.ensure_topic()
+        self._writer()
+
     def send(self, pairs: Sequence[tuple[str, bytes | None]], timeout: float = _TIMEOUT) -> None:
         """Write (key, value) records, a None value being a tombstone; wait until the broker has them all.
 

@@ -111,6 +111,16 @@ class DepartedKeys:
                 _LOGGER.warning("%s: %d departed-key marks missing in Redis: restored from their durable copy",
                                 self._subscription, sum(len(marks) for marks in kept.values()))
 
+    def prepare(self) -> None:
+        """Make the durable copy's topic and writer, and restore Redis if it lost the marks, ahead
+        of the first ``record``.
+
+        Raises:
+            redis.RedisError, OrderingLayerError: Redis or the durable copy failed.
+        """
+        self._durable.prepare()
+        self._restore()
+
     def record(self, marks: Iterable[Departed]) -> None:
         """Write marks, durably first (a mark is written only when it raises what is kept).
 

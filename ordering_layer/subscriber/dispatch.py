@@ -72,8 +72,8 @@ class Dispatcher:
         budget, byte_budget = self._gate.budget(leases.count, leases.bytes)
         per_key, pooled, ahead = 1, True, False
         if self._on_messages is None:
-            per_key, for_pull = self._pulls.wanted()
-            budget = min(budget, per_key)
+            wanted, for_pull = self._pulls.wanted()
+            budget, per_key = min(budget, wanted), self._pulls.per_key()
             pooled = ahead = not for_pull
         lease_ms = wall_ms(self._settings.ack_deadline) if leases.track else None
         # Released deliveries become outstanding in the lease table, watched together; the

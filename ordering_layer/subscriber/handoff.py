@@ -97,16 +97,21 @@ class CallbackPool:
             thread.join()
 
 
+AHEAD_AT_LEAST = 64  # messages kept released ahead of the pulls, at least
+
+
 class PullWaiters:
     """Pulls waiting for messages (oldest first), the releases claimed for them or made ahead of
     them, and the messages released ahead that no pull took yet (under the engine's lock: the
     coordinator, or a pulling thread adding its pull).
 
-    A release is claimed for the oldest waiting pull, or, when none waits, made *ahead*: up to the
-    latest pull's size, so that the next pull is answered at once instead of after a Redis round
-    trip. Messages released ahead are ``ready`` once Redis took their attempts (as released, not
-    started: ``Dispatcher``); a pull takes whole per-key batches of them, never more than its size,
-    so a key's batch never spans two pulls (a nack rewinds only messages its own pull returned).
+    A release is claimed for the oldest waiting pull, or, when none waits, made *ahead*: batches of
+    at most the latest pull's size per key, ``AHEAD_AT_LEAST`` messages or the latest pull's size if
+    larger, so that the next pulls are answered at once instead of after a coordinator step and a
+    Redis round trip each (``OrderedConsumer.poll`` pulls one message at a time). Messages released
+    ahead are ``ready`` once Redis took their attempts (as released, not started: ``Dispatcher``);
+    a pull takes whole per-key batches of them, never more than its size, so a key's batch never
+    spans two pulls (a nack rewinds only messages its own pull returned).
     The messages a pull took from ``ready`` are kept in ``served`` until the coordinator notes their
     start (``Settlement.starts``).
     """
@@ -130,7 +135,14 @@ class PullWaiters:
         or ahead of the pulls (False); 0 when no release is wanted."""
         if self._waiting:
             return self._waiting[0].max_messages, True
-        return max(0, self._ahead - len(self._ready) - self._ahead_claimed), False
+        if not self._ahead:  # no pull came yet
+            return 0, False
+        return max(0, max(self._ahead, AHEAD_AT_LEAST) - len(self._ready) - self._ahead_claimed), False
+
+    def per_key(self) -> int:
+        """How many messages of a key the next release may hold: the oldest waiting pull's size, or
+        ahead of the pulls, the latest pull's (a key's batch never spans two pulls)."""
+        return self._waiting[0].max_messages if self._waiting else self._ahead
 
     def claim(self, count: int, for_pull: bool) -> None:
         """``count`` messages were released for the oldest waiting pull (it no longer waits for

@@ -71,6 +71,7 @@ class MoveGuard:
         self._store = store
         self._history_store: PartitionCounts | None = None
         self._departed_store: DepartedKeys | None = None
+        self._prepared = False  # the departure marks' writer is made (after a growth, before a key clears)
         self.subscription = subscription
         self.topic = topic
         self._post = post
@@ -224,6 +225,16 @@ class MoveGuard:
         self._old.marked(marks)
         return True
 
+    def _prepare(self) -> None:
+        """Make the departure marks' writer as soon as the topic is known to have grown: the first
+        keys cleared do not wait for a new producer and its topic."""
+        try:
+            self._departed.prepare()
+        except (redis.RedisError, OrderingLayerError) as exc:
+            _LOGGER.info("%s: the departure marks' writer not made yet (%s)", self.subscription, exc)
+            return
+        self._prepared = True
+
     def _record(self, count: int) -> History:
         try:
             return self._counts.record(self.topic, count, now_ms())
@@ -242,6 +253,8 @@ class MoveGuard:
         if time.monotonic() >= self._next_metadata:
             self._next_metadata = time.monotonic() + METADATA_INTERVAL
             self._read_count()
+        if not self._prepared and len(self.history) > 1:
+            self._prepare()
         self._report()  # keys held since the last step, before a check that may read for long
         self._check()
         self._report()

@@ -13,7 +13,7 @@ from ordering_layer.state.store import OpKind, unpack_ops
 from ordering_layer.subscriber.dead_letters import MAX_DELIVERY_ATTEMPTS, DeadLetters
 from ordering_layer.subscriber.dispatch import Dispatcher
 from ordering_layer.subscriber.flow import FlowGate
-from ordering_layer.subscriber.handoff import PullWaiters
+from ordering_layer.subscriber.handoff import AHEAD_AT_LEAST, PullWaiters
 from ordering_layer.subscriber.leases import lease_table
 from ordering_layer.subscriber.message import Message
 from ordering_layer.subscriber.owned_partition import OwnedPartition
@@ -135,7 +135,8 @@ def test_messages_released_ahead_are_given_back_uncounted_when_withdrawn() -> No
     rig.dispatcher.withdraw([1])
     assert rig.given_back == []
     rig.dispatcher.withdraw()
-    assert rig.given_back == [1] and rig.held_for == {0.0}  # nothing failed: their keys are not held
+    # Every message released ahead (a key's last first), none pulled: nothing failed, no key is held.
+    assert rig.given_back == [4, 1] and rig.held_for == {0.0}
 
 
 def test_a_partition_with_charged_attempts_is_not_released_ahead_until_they_settle() -> None:
@@ -166,7 +167,7 @@ def test_a_pull_whose_release_was_given_back_waits_again_for_the_next_release() 
     future: Future[list[Message]] = Future()
     rig.dispatcher.pull(Pull(3, time.monotonic() + 10, future), 0.0)
     released = rig.dispatcher.release(0.0)
-    assert rig.pulls.wanted() == (3, False)  # claimed: the next release is ahead of the next pull
+    assert rig.pulls.wanted() == (AHEAD_AT_LEAST, False)  # claimed: the next release is ahead of the next pull
     rig.dispatcher.deliver(released, False)
     assert rig.given_back == [0, 2, 1] and not future.done() and rig.pulls.wanted() == (3, True)
     assert rig.held_for == {REQUEUE_DELAY}  # the write is tried again a little later

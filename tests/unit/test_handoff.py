@@ -8,7 +8,7 @@ from functools import partial
 from types import SimpleNamespace
 from typing import cast
 
-from ordering_layer.subscriber.handoff import WATCH_INTERVAL, CallbackPool, PullWaiters
+from ordering_layer.subscriber.handoff import AHEAD_AT_LEAST, WATCH_INTERVAL, CallbackPool, PullWaiters
 from ordering_layer.subscriber.message import Message
 from ordering_layer.subscriber.requests import Pull
 from tests.checker import wait_until
@@ -90,7 +90,8 @@ def test_pulls_are_answered_oldest_first_and_expire_empty() -> None:
     assert first.future.result() is batch
     waiters.expire(2.0)
     assert second.future.result() == [] and waiters.next_deadline() is None
-    assert waiters.wanted() == (7, False)  # none waits: the next release is ahead, the latest pull's size
+    # None waits: the next release is ahead, AHEAD_AT_LEAST messages, the latest pull's size per key.
+    assert waiters.wanted() == (AHEAD_AT_LEAST, False) and waiters.per_key() == 7
 
 
 def test_a_claimed_pull_whose_batch_did_not_go_out_waits_again_first_in_line() -> None:
@@ -130,15 +131,15 @@ def test_messages_released_ahead_answer_the_next_pull_at_once_in_whole_key_batch
     waiters.add(Pull(4, 10.0, Future()), held)
     waiters.claim(4, True)
     waiters.answer([message(0, b"z")], held)
-    assert waiters.wanted() == (4, False)
+    assert waiters.wanted() == (AHEAD_AT_LEAST, False) and waiters.per_key() == 4
     waiters.claim(3, False)
-    assert waiters.wanted() == (1, False)  # 3 of the 4 are on their way
+    assert waiters.wanted() == (AHEAD_AT_LEAST - 3, False)  # 3 are on their way
     ahead = [message(1, b"a"), message(2, b"a"), message(3, b"b")]
-    assert waiters.answer(ahead, held) == [] and waiters.wanted() == (1, False)
+    assert waiters.answer(ahead, held) == [] and waiters.wanted() == (AHEAD_AT_LEAST - 3, False)
     pull = Pull(2, 20.0, Future())
     assert waiters.add(pull, held) == []
     assert offsets(pull.future.result(0)) == [1, 2]  # key b's batch does not fit as well
-    assert waiters.served == ahead[:2] and waiters.wanted() == (1, False)
+    assert waiters.served == ahead[:2] and waiters.wanted() == (AHEAD_AT_LEAST - 1, False)
     second = Pull(5, 30.0, Future())
     waiters.add(second, held)
     assert offsets(second.future.result(0)) == [3] and waiters.served == ahead
@@ -159,7 +160,7 @@ def test_a_pull_waiting_when_a_release_ahead_comes_out_takes_it() -> None:
     waiters.add(pull, held)
     assert waiters.wanted() == (3, True) and not pull.future.done()
     waiters.answer([message(1, b"a"), message(2, b"b"), message(3, b"c")], lambda lease: lease != 2)
-    assert offsets(pull.future.result(0)) == [1, 3] and waiters.wanted() == (3, False)
+    assert offsets(pull.future.result(0)) == [1, 3] and waiters.wanted() == (AHEAD_AT_LEAST, False)
 
 
 def test_ready_messages_are_withdrawn_when_a_smaller_pull_comes_or_their_partition_goes() -> None:
