@@ -15,6 +15,11 @@ Reported per round and as the median of ``--rounds`` rounds:
 - unmoved keys' throughput while moved keys wait, over their throughput in the same span before
   the growth (goal >= 0.9), and all keys' throughput before and after, for reference.
 
+Where the hold's time goes (per round): the CPU seconds the move guard's thread spent reading the
+old partitions (``OldPartitions._read``), asking Redis about
+them (``unsettled``) and writing departure marks, and the publishing of ``--after`` in this
+process, each over the hold's span: on two cores they take turns with the coordinator.
+
 There is no raw confluent-kafka counterpart: a plain consumer holds nothing, and with librdkafka's
 default ``topic.metadata.refresh.interval.ms`` (5 min) it may not read new partitions for minutes.
 
@@ -31,6 +36,7 @@ import time
 import uuid
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -40,6 +46,8 @@ from ordering_layer.publisher.partitioner import partition_for
 from ordering_layer.stack import Endpoints
 from ordering_layer.state.client import redis_client
 from ordering_layer.state.counts import moves_key
+from ordering_layer.subscriber.moves import MoveGuard
+from ordering_layer.subscriber.old_partitions import OldPartitions
 
 KEYS = [f"key-{i}" for i in range(1000)]
 BEFORE, AFTER = 4, 8
@@ -89,6 +97,39 @@ def publish(endpoints: Endpoints, topic: str, count: int, round_: int) -> None:
             producer.produce(topic, payload, key=KEYS[n % len(KEYS)])
 
 
+class StepCosts:
+    """CPU seconds (``time.thread_time``) of wrapped functions, summed per name, while installed."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self._undo: list[tuple[Any, str, Any]] = []
+
+    def wrap(self, owner: Any, attribute: str, name: str) -> None:
+        original = getattr(owner, attribute)
+        seconds = self.seconds
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.thread_time()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                seconds[name] += time.thread_time() - start
+
+        setattr(owner, attribute, timed)
+        self._undo.append((owner, attribute, original))
+
+    def __enter__(self) -> StepCosts:
+        self.wrap(OldPartitions, "_read", "guard: reading old partitions")
+        self.wrap(OldPartitions, "unsettled", "guard: asking Redis (unsettled)")
+        self.wrap(MoveGuard, "_mark", "guard: departure marks")
+        self.wrap(MoveGuard, "_check", "guard: whole check")
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        for owner, attribute, original in reversed(self._undo):
+            setattr(owner, attribute, original)
+
+
 def rate(deliveries: list[tuple[float, str, int, int, float]], start: float, end: float,
          keys: set[str] | None = None) -> float:
     if end <= start:
@@ -104,14 +145,17 @@ def one_round(endpoints: Endpoints, admin: Admin, messages: int, after: int, gro
     recorder = Recorder()
     subscriber = Subscriber(endpoints.kafka_config(), redis_url=endpoints.redis_url)
     started = time.time()
-    with subscriber.subscribe(name, recorder, max_workers=8):
+    costs = StepCosts()
+    with costs, subscriber.subscribe(name, recorder, max_workers=8):
         while recorder.acked < messages * grow_at:
             time.sleep(0.01)
         grown = time.time()
         admin.add_partitions(topic, AFTER)
         fetched = threading.Thread(target=watch_new_partitions, args=(endpoints, name, recorder), daemon=True)
         fetched.start()
+        publish_cpu = time.thread_time()
         publish(endpoints, topic, after, 1)
+        costs.seconds["publishing --after (this process)"] += time.thread_time() - publish_cpu
         deadline = time.monotonic() + 300
         while recorder.acked < messages + after and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -129,6 +173,8 @@ def one_round(endpoints: Endpoints, admin: Admin, messages: int, after: int, gro
     held_until = max(at for key, (at, _) in first_new.items() if key in MOVED)
     span = held_until - grown
     unmoved = set(KEYS) - MOVED
+    print("  CPU s over the hold span " + f"{span:.2f} s: " + ", ".join(
+        f"{name} {seconds:.2f}" for name, seconds in sorted(costs.seconds.items())), flush=True)
     return {
         "growth_to_new_s": first_new_partition - grown,
         "delay_p50_s": statistics.median(delays),
