@@ -25,6 +25,7 @@ use pyo3::prelude::*;
 use pyo3::{PyTraverseError, PyVisit};
 use pyo3::types::{PyBool, PyBytes, PyList, PyString, PyTuple};
 
+use crate::moves::{murmur2, Moves};
 use crate::slots::SlotLayout;
 
 const RTLD_NOW: c_int = 2;
@@ -240,6 +241,23 @@ fn unpack_headers(mut packed: &[u8]) -> Vec<(&[u8], Option<&[u8]>)> {
     pairs
 }
 
+/// The counts after the first of a history `[(count, since_ms), ...]` (ascending, positive).
+fn moves_later(counts: &[(u32, i64)]) -> Vec<u32> {
+    let mut later: Vec<u32> = counts.iter().map(|&(count, _)| count).filter(|&count| count > 0).collect();
+    later.sort_unstable();
+    later.dedup();
+    later.into_iter().skip(1).collect()
+}
+
+/// The value of a record's `ol-partition-count` header among its packed headers (`pack_header`),
+/// 0 when it has none or it is not a positive integer.
+fn partition_count_header(packed: &[u8]) -> u32 {
+    unpack_headers(packed).into_iter()
+        .find(|(name, _)| *name == b"ol-partition-count")
+        .and_then(|(_, value)| std::str::from_utf8(value?).ok()?.trim().parse::<u32>().ok())
+        .unwrap_or(0)
+}
+
 impl Drop for NativeFetch {
     fn drop(&mut self) {
         self.release();
@@ -266,8 +284,8 @@ impl NativeFetch {
 
     /// Copies up to `max` messages out of librdkafka (no GIL held): those queued now, or when none
     /// are, the first to come within `timeout_ms` and those queued with it. A batch is what is there,
-    /// never held back to fill.
-    fn take(&self, max: usize, timeout_ms: c_int) -> (Vec<Fetched>, Arena, Errors) {
+    /// never held back to fill. Without `values` the records' values are not copied (None).
+    fn take(&self, max: usize, timeout_ms: c_int, values: bool) -> (Vec<Fetched>, Arena, Errors) {
         let queues = self.queues.lock().expect("fetch queues lock");
         let mut arena = Arena::default();
         if queues.own.is_null() {
@@ -294,7 +312,7 @@ impl NativeFetch {
         arena.bytes.reserve(raw.iter().take(count.max(0) as usize).map(|&message| {
             // SAFETY: librdkafka returned it; it is destroyed below.
             let m = unsafe { &*message };
-            m.len + m.key_len + 64
+            (if values { m.len } else { 0 }) + m.key_len + 64
         }).sum());
         for &message in raw.iter().take(count.max(0) as usize) {
             // SAFETY: librdkafka returned it; its fields are valid until message_destroy.
@@ -308,7 +326,7 @@ impl NativeFetch {
                         partition: m.partition,
                         offset: m.offset,
                         key: arena.copy(m.key, m.key_len),
-                        value: arena.copy(m.payload, m.len),
+                        value: if values { arena.copy(m.payload, m.len) } else { None },
                         headers: self.headers(message, &mut arena),
                         timestamp_ms: (api.message_timestamp)(message, ptr::null_mut()),
                     });
@@ -464,7 +482,7 @@ impl NativeFetch {
             return Ok((PyList::empty(py), Vec::new()));
         };
         let this = &*self;
-        let (fetched, arena, errors) = py.detach(|| this.take(max, timeout_ms));
+        let (fetched, arena, errors) = py.detach(|| this.take(max, timeout_ms, true));
         let records = PyList::empty(py);
         let layout = refs.record.bind(py).get();
         let (zero, none, no) = (0i64.into_pyobject(py)?.into_any(), py.None().into_bound(py), PyBool::new(py, false).to_owned().into_any());
@@ -506,6 +524,41 @@ impl NativeFetch {
         Ok((records, errors))
     }
 
+    /// Read the attached partitions of a topic that grew (SUB-8) for the records of keys a later
+    /// count routes elsewhere, without a Python object for any other record: the records queued
+    /// (or the first within `timeout` s and those queued with it, as `fetch`), each looked at
+    /// without the GIL; returns `[(partition, offset, key, count it was published under), ...]` for
+    /// those below their partition's end in `ends` whose key moves by the history `counts`
+    /// (`[(count, since_ms), ...]`, ascending). The count is the record's `ol-partition-count`
+    /// header, else the count in force at its append time.
+    fn scan_moving<'py>(&self, py: Python<'py>, max: usize, timeout: f64, counts: Vec<(u32, i64)>,
+                        ends: HashMap<i32, i64>) -> Vec<(i32, i64, Bound<'py, PyBytes>, u32)> {
+        let timeout_ms = (timeout * 1000.0).round().clamp(0.0, f64::from(i32::MAX)) as c_int;
+        let Some(moves) = Moves::new(0, counts.clone()) else { return Vec::new() };
+        let later: Vec<u32> = moves_later(&counts);
+        let this = self;
+        let found: Vec<(i32, i64, Vec<u8>, u32)> = py.detach(|| {
+            let (fetched, arena, _errors) = this.take(max, timeout_ms, false);
+            let mut found = Vec::new();
+            for item in fetched {
+                let (Some(span), Ok(partition)) = (item.key, u32::try_from(item.partition)) else { continue };
+                if ends.get(&item.partition).is_none_or(|&end| item.offset >= end) {
+                    continue;
+                }
+                let key = arena.get(span);
+                let hash = murmur2(key) & 0x7fff_ffff;
+                if !later.iter().any(|&count| hash % count != partition) {
+                    continue;
+                }
+                let published = item.headers.map_or(0, |span| partition_count_header(arena.get(span)));
+                found.push((item.partition, item.offset, key.to_vec(), moves.count_at(published, item.timestamp_ms)));
+            }
+            found
+        });
+        found.into_iter().map(|(partition, offset, key, count)| (partition, offset, PyBytes::new(py, &key), count))
+            .collect()
+    }
+
     /// Give every queue back to librdkafka (before the consumer closes; also done when the fetch is
     /// dropped, before it lets the consumer go).
     fn close(&mut self) {
@@ -536,6 +589,18 @@ impl NativeFetch {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_partition_count_header_is_read_from_packed_headers() {
+        let mut packed = Vec::new();
+        pack_header(&mut packed, b"ol-message-id", Some(b"x"));
+        pack_header(&mut packed, b"ol-partition-count", Some(b"18"));
+        assert_eq!(partition_count_header(&packed), 18);
+        let mut bad = Vec::new();
+        pack_header(&mut bad, b"ol-partition-count", Some(b"many"));
+        assert_eq!((partition_count_header(&bad), partition_count_header(&[])), (0, 0));
+        assert_eq!(moves_later(&[(18, 5), (12, 0), (24, 9)]), vec![18, 24]);
+    }
 
     #[test]
     fn packed_headers_unpack_to_the_pairs_packed() {

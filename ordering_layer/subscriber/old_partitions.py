@@ -20,12 +20,14 @@ from typing import Any
 
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 
+from ordering_layer._core import NativeFetch
 from ordering_layer.publisher.partitioner import murmur2, partition_for
 from ordering_layer.record import read_metadata
 from ordering_layer.state import StateStore
 from ordering_layer.state.counts import History
 from ordering_layer.state.departed import Departed
 from ordering_layer.state.store import FLOOR_MEMBER, partition_keys
+from ordering_layer.subscriber.native_fetch import open_native_fetch
 
 _KAFKA_TIMEOUT = 10.0
 _SCAN_BATCH = 1000
@@ -64,13 +66,16 @@ class OldPartitions:
         self.topic = topic
         self._consumer: Consumer | None = None
         self._reader: Consumer | None = None
+        self._scan: NativeFetch | None = None  # the reader's records looked at without the GIL, when it can be
+        self._history: History = []
         self._reads: dict[int, _Read] = {}
         self._assigned: set[int] = set()
         self._marked: dict[tuple[int, bytes], tuple[int, int]] = {}  # (partition, key) -> count, below
 
-    def _client(self) -> Consumer:
+    def _client(self, client_id: str | None = None) -> Consumer:
         return Consumer({
-            **self._kafka, "group.id": self.subscription, "client.id": f"ordering-layer-moves-{uuid.uuid4().hex}",
+            **self._kafka, "group.id": self.subscription,
+            "client.id": client_id or f"ordering-layer-moves-{uuid.uuid4().hex}",
             "enable.auto.commit": False, "enable.partition.eof": False,
             "logger": logging.getLogger("ordering_layer.kafka.moves")})
 
@@ -82,13 +87,27 @@ class OldPartitions:
         return self._consumer
 
     def reader(self) -> Consumer:
-        """The consumer that reads the old partitions (assigned to them while they are read)."""
+        """The consumer that reads the old partitions (assigned to them while they are read); its
+        records are scanned by a ``NativeFetch`` when one can be opened on it (only the records of
+        keys that move become Python objects), else read through ``consume()``."""
         if self._reader is None:
-            self._reader = self._client()
+            client_id = f"ordering-layer-moves-{uuid.uuid4().hex}"
+            self._reader = self._client(client_id)
+            self._scan = open_native_fetch(self._reader, {"client.id": client_id}, self.topic, lambda record: None)
         return self._reader
+
+    def _assign(self, reader: Consumer, starts: list[TopicPartition]) -> None:
+        scan = self._scan
+        if scan is not None:
+            scan.detach(scan.attached())
+        reader.assign(starts)
+        if scan is not None:
+            scan.attach([part.partition for part in starts])
 
     def close(self) -> None:
         """Close the consumers."""
+        if self._scan is not None:
+            self._scan.close()
         for consumer in (self._consumer, self._reader):
             if consumer is not None:
                 consumer.close()
@@ -98,7 +117,7 @@ class OldPartitions:
         self._reads.clear()
         if self._assigned:
             self._assigned = set()
-            self.reader().unassign()
+            self._assign(self.reader(), [])
 
     def refresh(self, partitions: set[int], history: History) -> None:
         """Bring what is known of ``partitions`` up to their ends now (and forget the others).
@@ -114,6 +133,7 @@ class OldPartitions:
             redis.RedisError: Redis did not answer.
         """
         consumer = self.consumer()
+        self._history = history
         for partition in [p for p in self._reads if p not in partitions]:
             del self._reads[partition]
         restarted = False
@@ -133,7 +153,7 @@ class OldPartitions:
                 read.start = max(read.start, floor)
         reader = self.reader()
         if restarted or set(self._reads) != self._assigned:
-            reader.assign([TopicPartition(self.topic, p, read.end) for p, read in self._reads.items()])
+            self._assign(reader, [TopicPartition(self.topic, p, read.end) for p, read in self._reads.items()])
             self._assigned = set(self._reads)
         self._read(reader, highs)
 
@@ -201,8 +221,12 @@ class OldPartitions:
         while behind:
             if time.monotonic() > deadline:
                 raise KafkaException(f"partitions {sorted(behind)} not read to their ends in time")
+            if self._scan is not None:
+                ends = {p: highs[p] for p in reads}
+                for number, where, moving_key, count in self._scan.scan_moving(_SCAN_BATCH, 0.2, self._history, ends):
+                    reads[number].add(moving_key, where, count)
             # Most records are of keys that stay: they cost one key() and one dict look-up.
-            for record in consumer.consume(_SCAN_BATCH, 0.2):
+            for record in consumer.consume(_SCAN_BATCH, 0 if self._scan is not None else 0.2):
                 key, partition = record.key(), record.partition()
                 if key is None or partition not in reads:
                     continue
