@@ -113,15 +113,26 @@ class CompactedTopic:
                 except BufferError:
                     producer.poll(0.05)
                 except KafkaException as exc:
+                    self._discard(producer)
                     raise PublishError(f"write to {self._what} topic {self.topic!r} refused: {exc.args[0]}",
                                        topic=self.topic, ordering_key=None) from exc
         deadline = time.monotonic() + timeout
         while pending[0] > 0 and time.monotonic() < deadline:
             producer.poll(0.05)
         if failures or pending[0] > 0:
+            self._discard(producer)
             reason = failures[0] if failures else f"no acknowledgement in {timeout:.0f} s"
             raise PublishError(f"write to {self._what} topic {self.topic!r} failed: {reason}",
                                topic=self.topic, ordering_key=None)
+
+    def _discard(self, producer: Producer) -> None:
+        """Drop a writer whose write failed: the next ``send`` makes a new one (an idempotent
+        producer that hit a fatal error, after a broker was lost mid-write, refuses every later
+        record; what it still holds is not waited for)."""
+        with self._lock:
+            if self._producer is producer:
+                self._producer = None
+        _LOGGER.warning("%s topic %s: the writer is made again after a failed write", self._what, self.topic)
 
     def read_all(self) -> dict[str, bytes]:
         """The last value of every key not forgotten, read from the start; empty when the topic is absent.

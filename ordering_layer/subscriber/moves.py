@@ -71,6 +71,7 @@ class MoveGuard:
         self._store = store
         self._history_store: PartitionCounts | None = None
         self._departed_store: DepartedKeys | None = None
+        self._mark_failures = 0  # departure-mark writes failed in a row
         self._prepared = False  # the departure marks' writer is made (after a growth, before a key clears)
         self.subscription = subscription
         self.topic = topic
@@ -219,9 +220,12 @@ class MoveGuard:
             marks = self._old.departures(cleared, partition, history, generation)
             self._departed.record(marks)
         except (redis.RedisError, OrderingLayerError) as exc:
-            _LOGGER.info("%s: marking %d cleared keys departed failed (%s); trying again", self.subscription,
-                         len(cleared), exc)
+            self._mark_failures += 1
+            level = logging.WARNING if self._mark_failures % 100 == 1 else logging.DEBUG
+            _LOGGER.log(level, "%s: marking %d cleared keys departed failed (%s, %d in a row); they wait",
+                        self.subscription, len(cleared), exc, self._mark_failures)
             return False
+        self._mark_failures = 0
         self._old.marked(marks)
         return True
 
