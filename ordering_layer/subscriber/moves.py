@@ -306,28 +306,32 @@ class MoveGuard:
             history, warm = self.history, set(self._warm)
         if len(history) < 2:
             return
-        needed: dict[int, dict[bytes, int]] = {partition: {} for partition in warm}  # key -> count it precedes
+        # What each hold waits for: its key's records below its count in its old partitions. A key
+        # can be held in two partitions at once (it moved away and back: 4 -> 16 -> 4), each for its
+        # own count, so the answers are per old partition and count, never per key alone.
+        needed: dict[tuple[int, int], set[bytes]] = {}  # (old partition, count) -> keys
         for (partition, _), keys in held.items():
             for key, count in keys.items():
                 for old in old_partitions(key, partition, count, history):
-                    wanted = needed.setdefault(old, {})
-                    wanted[key] = max(count, wanted.get(key, 0))
-        if not needed:
+                    needed.setdefault((old, count), set()).add(key)
+        if not needed and not warm:
             self._old.forget()
             return
-        waiting: set[bytes] = set()
+        waiting: set[tuple[int, int, bytes]] = set()  # (old partition, count, key)
         try:
-            self._old.refresh(set(needed), history)
-            for old, keys in needed.items():
-                waiting |= self._old.unsettled(old, keys)
-                if old in warm and not self._old.pending(old):
+            self._old.refresh({old for old, _ in needed} | warm, history)
+            for (old, count), waiters in needed.items():
+                waiting |= {(old, count, key) for key in self._old.unsettled(old, dict.fromkeys(waiters, count))}
+            for old in warm:
+                if not self._old.pending(old):
                     with self._lock:
                         self._warm.discard(old)  # every record a moved key could wait for there is settled
         except (KafkaException, redis.RedisError) as exc:
             _LOGGER.info("%s: old partitions not read for moved keys (%s); trying again", self.subscription, exc)
             return
         for (partition, epoch), keys in held.items():
-            cleared = [key for key in keys if key not in waiting]
+            cleared = [key for key, count in keys.items() if not any(
+                (old, count, key) in waiting for old in old_partitions(key, partition, count, history))]
             if not cleared or not self._mark({key: keys[key] for key in cleared}, partition, history):
                 continue
             with self._lock:
