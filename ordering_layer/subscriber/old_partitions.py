@@ -29,6 +29,8 @@ from ordering_layer.state.departed import Departed
 from ordering_layer.state.store import FLOOR_MEMBER, partition_keys
 from ordering_layer.subscriber.native_fetch import open_native_fetch
 
+_LOGGER = logging.getLogger(__name__)
+
 _KAFKA_TIMEOUT = 10.0
 _SCAN_BATCH = 1000
 _SKIP_AT_LEAST = 5000  # records below the floor a read jumps over rather than reading them
@@ -67,6 +69,7 @@ class OldPartitions:
         self._consumer: Consumer | None = None
         self._reader: Consumer | None = None
         self._scan: NativeFetch | None = None  # the reader's records looked at without the GIL, when it can be
+        self._native = True  # scan with a NativeFetch (until a read through one did not get to the end)
         self._history: History = []
         self._reads: dict[int, _Read] = {}
         self._assigned: set[int] = set()
@@ -93,7 +96,9 @@ class OldPartitions:
         if self._reader is None:
             client_id = f"ordering-layer-moves-{uuid.uuid4().hex}"
             self._reader = self._client(client_id)
-            self._scan = open_native_fetch(self._reader, {"client.id": client_id}, self.topic, lambda record: None)
+            if self._native:
+                self._scan = open_native_fetch(self._reader, {"client.id": client_id}, self.topic,
+                                               lambda record: None)
         return self._reader
 
     def _assign(self, reader: Consumer, starts: list[TopicPartition]) -> None:
@@ -103,6 +108,20 @@ class OldPartitions:
         reader.assign(starts)
         if scan is not None:
             scan.attach([part.partition for part in starts])
+
+    def _renew(self) -> None:
+        """A read did not get to the partitions' ends in time: the reader is made again, reading
+        through ``consume()`` from then on, and everything is read again from the commit points."""
+        _LOGGER.warning("%s: the old partitions' reader did not get to their ends in time; made again%s",
+                        self.subscription, " (through consume())" if self._scan is not None else "")
+        reader, scan = self._reader, self._scan
+        self._reader, self._scan, self._native = None, None, False
+        self._reads.clear()
+        self._assigned = set()
+        if scan is not None:
+            scan.close()
+        if reader is not None:
+            reader.close()
 
     def close(self) -> None:
         """Close the consumers."""
@@ -155,7 +174,11 @@ class OldPartitions:
         if restarted or set(self._reads) != self._assigned:
             self._assign(reader, [TopicPartition(self.topic, p, read.end) for p, read in self._reads.items()])
             self._assigned = set(self._reads)
-        self._read(reader, highs)
+        try:
+            self._read(reader, highs)
+        except KafkaException:
+            self._renew()
+            raise
 
     def unsettled(self, partition: int, keys: Mapping[bytes, int]) -> set[bytes]:
         """Those of ``keys`` that have a record in ``partition`` (read up to its end by ``refresh``),
@@ -217,7 +240,7 @@ class OldPartitions:
         of a key that a later count routes elsewhere (only such a key can wait for these partitions)."""
         reads = self._reads
         behind = {p for p, read in reads.items() if read.end < highs[p]}
-        deadline = time.monotonic() + 10 * _KAFKA_TIMEOUT
+        deadline = time.monotonic() + 3 * _KAFKA_TIMEOUT
         while behind:
             if time.monotonic() > deadline:
                 raise KafkaException(f"partitions {sorted(behind)} not read to their ends in time")
