@@ -21,13 +21,16 @@ Redis), handed out (the flush answered), delivered (in the callback / returned b
 the table gives each stage's p50/p99/mean. The same pass records the native fetch's calls (how long
 each waited, how many records it brought) and the coordinator's inbox waits.
 
+``--scenario redelivery``: the callback nacks each message's first delivery (``minimum_backoff=0``)
+and acks its second; the time from the nack to the redelivery's callback (p50, p99; goal p99 <= 10 ms).
+
 ``--scenario hotkeys`` (issue 36's scenario (i)): one key x 20,000 messages, 1,000 keys uniform x
 100,000 and 1,000 keys Zipf s = 1.1 x 100,000 (published beforehand); the raw consume loop, the
 layer's no-op acking callback, pull mode and ``OrderedConsumer.consume`` over the same records,
 rounds interleaved; msg/s and ratios. With ``--stages`` the one-key topic is read once more,
 instrumented: the ack -> next delivery cycle of the key, stage by stage.
 
-    .venv/bin/python bench/bench_latency.py [--scenario latency|hotkeys|all] [--rates 200,2000,20000,100000]
+    .venv/bin/python bench/bench_latency.py [--scenario latency|hotkeys|redelivery|all] [--rates 200,2000,20000,100000]
         [--seconds 10] [--warmup 3] [--rounds 3] [--modes raw,callback,pull,consumer] [--no-stages]
         [--hot-messages 20000] [--keyed-messages 100000]
 """
@@ -58,7 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.bench_subscribe import layer_consume, layer_ordered_consumer, layer_pull, raw_consume
 from bench.common import bench_stack
-from ordering_layer import Admin, Message, OrderedConsumer, OrderedProducer, Subscriber
+from ordering_layer import Admin, Message, OrderedConsumer, OrderedProducer, RetryPolicy, Subscriber
 from ordering_layer.stack import Endpoints
 from ordering_layer.subscriber import dispatch, ownership, settlement
 from ordering_layer.subscriber import engine as engine_module
@@ -757,10 +760,59 @@ def zipf_hot_key(endpoints: Endpoints, admin: Admin, topic: str, keys: list[str]
     print_waits()
 
 
+# -- redelivery: a nack with no backoff ------------------------------------------------------------------------
+def redelivery_round(endpoints: Endpoints, admin: Admin, messages: int, workers: int) -> list[float]:
+    """One round of ``redelivery_scenario``: the ms from each message's nack to its redelivery."""
+    topic, name = f"redeliver-{uuid.uuid4().hex[:8]}", f"redeliver-sub-{uuid.uuid4().hex[:8]}"
+    admin.create_topic(topic, partitions=6)
+    admin.create_subscription(name, topic=topic, retry_policy=RetryPolicy(0, 0))
+    publish_keys(endpoints, topic, [f"key-{n % KEYS}" for n in range(messages)])
+    nacked: dict[str, int] = {}
+    waits: list[float] = []
+    lock, done = threading.Lock(), threading.Event()
+
+    def callback(message: Message) -> None:
+        now = time.monotonic_ns()
+        with lock:
+            if message.delivery_attempt == 1:
+                nacked[message.message_id] = time.monotonic_ns()
+                message.nack()
+                return
+            waits.append((now - nacked[message.message_id]) / 1e6)
+            finished = len(waits) >= messages
+        message.ack()
+        if finished:
+            done.set()
+
+    subscriber = Subscriber(endpoints.kafka_config(), redis_url=endpoints.redis_url)
+    with subscriber.subscribe(name, callback, max_workers=workers):
+        done.wait(300)
+    subscriber.close()
+    return waits
+
+
+def redelivery_scenario(endpoints: Endpoints, admin: Admin, args: argparse.Namespace) -> None:
+    """Item 4 of issue 36: with ``minimum_backoff=0`` a nacked message is delivered again promptly.
+    ``--redeliveries`` messages over 1,000 keys (published beforehand); the callback nacks each
+    message's first delivery and acks its second; per message, the time from its ``nack()`` call to
+    the start of its redelivery's callback. Rounds are separate topics; medians of the rounds."""
+    rows: list[tuple[float, float, float, float]] = []
+    for round_ in range(max(1, args.rounds)):
+        waits = sorted(redelivery_round(endpoints, admin, args.redeliveries, args.workers))
+        row = (quantile(waits, 0.5), quantile(waits, 0.99), quantile(waits, 0.999), waits[-1])
+        rows.append(row)
+        print(f"round {round_ + 1} redelivery after nack (backoff 0): p50 {row[0]:.2f}  p99 {row[1]:.2f}  "
+              f"p99.9 {row[2]:.2f}  max {row[3]:.2f} ms  n {len(waits)}", flush=True)
+    medians = [statistics.median(row[i] for row in rows) for i in range(4)]
+    print(f"\nRedelivery after a nack, minimum_backoff=0, {args.redeliveries} messages over {KEYS} keys, "
+          f"medians of {len(rows)} rounds: p50 {medians[0]:.2f}  p99 {medians[1]:.2f}  p99.9 {medians[2]:.2f}  "
+          f"max {medians[3]:.2f} ms (goal p99 <= 10)")
+
+
 def main() -> None:
     """Run the chosen scenario(s) and print the figures."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--scenario", choices=("latency", "hotkeys", "all"), default="latency")
+    parser.add_argument("--scenario", choices=("latency", "hotkeys", "redelivery", "all"), default="latency")
     parser.add_argument("--rates", default="200,2000,20000,100000", help="msg/s, comma-separated")
     parser.add_argument("--seconds", type=float, default=10.0, help="measured seconds per rate and mode")
     parser.add_argument("--warmup", type=float, default=3.0, help="seconds of each stream left out first")
@@ -771,6 +823,7 @@ def main() -> None:
     parser.add_argument("--hot-messages", type=int, default=20_000, help="messages of the one-key case")
     parser.add_argument("--keyed-messages", type=int, default=100_000, help="messages of the 1,000-key cases")
     parser.add_argument("--workers", type=int, default=16, help="callback workers of scenario (i)")
+    parser.add_argument("--redeliveries", type=int, default=20_000, help="messages of the redelivery scenario")
     args = parser.parse_args()
     with bench_stack() as endpoints:
         admin = Admin(endpoints.kafka_config(), redis_url=endpoints.redis_url)
@@ -778,6 +831,8 @@ def main() -> None:
             latency_scenario(endpoints, admin, args)
         if args.scenario in ("hotkeys", "all"):
             hotkeys_scenario(endpoints, admin, args)
+        if args.scenario in ("redelivery", "all"):
+            redelivery_scenario(endpoints, admin, args)
 
 
 if __name__ == "__main__":
