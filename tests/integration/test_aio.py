@@ -31,39 +31,30 @@ from confluent_kafka import Producer
 from ordering_layer import Message, OrderedProducer
 from ordering_layer.aio import AIOOrderedConsumer, AIOSubscriber
 from tests.integration.conftest import publish_keys
-from tests.integration.test_idioms import COUNT, PER_KEY, _committed, _env, _lines, _messages, _Running
+from tests.integration.test_idioms import (
+    COUNT,
+    PER_KEY,
+    _committed,
+    _env,
+    _lines,
+    _messages,
+    _printed_all,
+    _program,
+    _Running,
+    _stats_seen,
+)
 from tests.kafka_helpers import read_topic
 
 pytestmark = pytest.mark.integration
 
 pytest.importorskip("confluent_kafka.aio", reason="confluent_kafka.aio (2.12 and later) runs the programs as written")
 
-IDIOMS = Path(__file__).parent / "idioms"
 SWAPS = {
     "aio_producer.py": ("from confluent_kafka.aio import AIOProducer",
                         "from ordering_layer.aio import AIOOrderedProducer as AIOProducer"),
     "aio_consumer.py": ("from confluent_kafka.aio import AIOConsumer",
                         "from ordering_layer.aio import AIOOrderedConsumer as AIOConsumer"),
 }
-
-
-def _program(name: str, swap: bool, tmp_path: Path) -> Path:
-    source = (IDIOMS / name).read_text()
-    if swap:
-        original, swapped = SWAPS[name]
-        assert source.count(original) == 1
-        source = source.replace(original, swapped)
-    path = tmp_path / f"{'swapped' if swap else 'as-written'}-{name}"
-    path.write_text(source)
-    return path
-
-
-def _printed_all(running: _Running) -> bool:
-    return len(_messages(running)) >= COUNT
-
-
-def _stats_seen(running: _Running) -> bool:
-    return any(line.startswith("KAFKA Stats: consumer") for line in list(running.stderr))
 
 
 def _in_key_order(seen: list[tuple[str, str]]) -> bool:
@@ -91,7 +82,7 @@ def test_the_aio_example_consumer_sees_the_same_messages_with_the_import_swapped
     for swap in (False, True):
         group = unique_name("aio-consumer")
         options = ["-T", "500"] + (["-B", str(batch)] if batch else [])
-        running = _Running([sys.executable, str(_program("aio_consumer.py", swap, tmp_path)), *options,
+        running = _Running([sys.executable, str(_program("aio_consumer.py", swap, tmp_path, SWAPS)), *options,
                             kafka_config["bootstrap.servers"], group, topic], _env(endpoints.redis_url))
         running.wait_for(functools.partial(_printed_all, running), 90, "every message printed")
         running.wait_for(functools.partial(_stats_seen, running), 30, "stats_cb awaited")
@@ -118,7 +109,7 @@ def test_the_aio_example_producer_writes_the_same_records_with_the_import_swappe
     written: dict[bool, dict[str, list[str]]] = {}
     for swap in (False, True):
         topic = topic_factory(partitions=3, prefix="aio-producer")
-        result = subprocess.run([sys.executable, str(_program("aio_producer.py", swap, tmp_path)),
+        result = subprocess.run([sys.executable, str(_program("aio_producer.py", swap, tmp_path, SWAPS)),
                                  kafka_config["bootstrap.servers"], topic], input=stdin, capture_output=True,
                                 text=True, timeout=90, env=_env(endpoints.redis_url), check=False)
         assert result.returncode == 0, result.stderr[-3000:]

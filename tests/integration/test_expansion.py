@@ -116,6 +116,14 @@ def expect_all(checker: DeliveryChecker, ids: dict[str, list[str]]) -> None:
         checker.expect(key, message_ids)
 
 
+def recorded(checker: DeliveryChecker, *logs: Path) -> list[dict[str, Any]]:
+    """The worker processes' events (``read_events``), each recorded in ``checker``."""
+    events = read_events(*logs)
+    for event in events:
+        checker.record(event["id"], event["sub"], event["attempt"], event["action"], at=event["at"])
+    return events
+
+
 def test_a_moved_key_waits_for_its_old_partitions_commit_point_and_no_other_key_waits_for_it(
         admin: Admin, kafka_config: dict[str, Any], endpoints: Any,
         subscription: Callable[..., tuple[str, str]]) -> None:
@@ -306,8 +314,7 @@ def test_a_new_owner_after_a_flushall_does_not_replay_moved_keys_old_records(
         a.stop()
         if b is not None:
             b.stop()
-    for event in read_events(log_a, log_b):
-        checker.record(event["id"], event["sub"], event["attempt"], event["action"], at=event["at"])
+    recorded(checker, log_a, log_b)
     assert checker.verify() == []
     claims = [line for line in Path(f"{log_b}.B.log").read_text().splitlines()
               if f"claimed partition {home} " in line]
@@ -379,9 +386,7 @@ def test_kill_9_of_the_old_partitions_owner_while_moved_keys_wait(
         a.stop()
         if b is not None:
             b.stop()
-    events = read_events(log_a, log_b)
-    for event in events:
-        checker.record(event["id"], event["sub"], event["attempt"], event["action"], at=event["at"])
+    events = recorded(checker, log_a, log_b)
     assert checker.verify() == []
     assert any(e["sub"] == "B" and e["attempt"] > 1 for e in events), "B delivered A's held records again"
 

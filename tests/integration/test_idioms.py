@@ -42,10 +42,11 @@ SWAPS = {
 }
 
 
-def _program(name: str, swap: bool, tmp_path: Path) -> Path:
+def _program(name: str, swap: bool, tmp_path: Path, swaps: dict[str, tuple[str, str]] = SWAPS) -> Path:
+    """The program ``name`` of ``idioms/`` as written, or with its import swapped (``swaps``)."""
     source = (IDIOMS / name).read_text()
     if swap:
-        original, swapped = SWAPS[name]
+        original, swapped = swaps[name]
         assert source.count(original) == 1
         source = source.replace(original, swapped)
     path = tmp_path / f"{'swapped' if swap else 'as-written'}-{name}"
