@@ -241,14 +241,6 @@ fn unpack_headers(mut packed: &[u8]) -> Vec<(&[u8], Option<&[u8]>)> {
     pairs
 }
 
-/// The counts after the first of a history `[(count, since_ms), ...]` (ascending, positive).
-fn moves_later(counts: &[(u32, i64)]) -> Vec<u32> {
-    let mut later: Vec<u32> = counts.iter().map(|&(count, _)| count).filter(|&count| count > 0).collect();
-    later.sort_unstable();
-    later.dedup();
-    later.into_iter().skip(1).collect()
-}
-
 /// The value of a record's `ol-partition-count` header among its packed headers (`pack_header`),
 /// 0 when it has none or it is not a positive integer.
 fn partition_count_header(packed: &[u8]) -> u32 {
@@ -534,8 +526,7 @@ impl NativeFetch {
     fn scan_moving<'py>(&self, py: Python<'py>, max: usize, timeout: f64, counts: Vec<(u32, i64)>,
                         ends: HashMap<i32, i64>) -> Vec<(i32, i64, Bound<'py, PyBytes>, u32)> {
         let timeout_ms = (timeout * 1000.0).round().clamp(0.0, f64::from(i32::MAX)) as c_int;
-        let Some(moves) = Moves::new(0, counts.clone()) else { return Vec::new() };
-        let later: Vec<u32> = moves_later(&counts);
+        let Some(moves) = Moves::new(0, counts) else { return Vec::new() };
         let this = self;
         let found: Vec<(i32, i64, Vec<u8>, u32)> = py.detach(|| {
             let (fetched, arena, _errors) = this.take(max, timeout_ms, false);
@@ -547,7 +538,7 @@ impl NativeFetch {
                 }
                 let key = arena.get(span);
                 let hash = murmur2(key) & 0x7fff_ffff;
-                if !later.iter().any(|&count| hash % count != partition) {
+                if !moves.later().any(|count| hash % count != partition) {
                     continue;
                 }
                 let published = item.headers.map_or(0, |span| partition_count_header(arena.get(span)));
@@ -599,7 +590,6 @@ mod tests {
         let mut bad = Vec::new();
         pack_header(&mut bad, b"ol-partition-count", Some(b"many"));
         assert_eq!((partition_count_header(&bad), partition_count_header(&[])), (0, 0));
-        assert_eq!(moves_later(&[(18, 5), (12, 0), (24, 9)]), vec![18, 24]);
     }
 
     #[test]

@@ -75,6 +75,11 @@ impl Moves {
         self.counts.iter().rev().find(|&&(_, since)| since <= timestamp_ms).unwrap_or(&self.counts[0]).0
     }
 
+    /// The counts the topic grew to, after its first.
+    pub fn later(&self) -> impl Iterator<Item = u32> + '_ {
+        self.counts.iter().skip(1).map(|&(count, _)| count)
+    }
+
     /// Whether a record of `key` holds its key: Some(count it was published under) when the key
     /// lived in another partition under an earlier count and is not cleared.
     pub fn holds(&self, key: &[u8], published: u32, timestamp_ms: i64) -> Option<u32> {
@@ -100,6 +105,12 @@ pub mod tests {
     /// The partition the default partitioner gives `key` among `count`.
     pub fn partition_for(key: &[u8], count: u32) -> u32 {
         (murmur2(key) & 0x7fff_ffff) % count
+    }
+
+    #[test]
+    fn the_later_counts_are_those_after_the_first() {
+        let moves = Moves::new(0, vec![(18, 5), (12, 0), (24, 9), (0, 1)]).expect("grown");
+        assert_eq!(moves.later().collect::<Vec<_>>(), vec![18, 24]);
     }
 
     #[test]

@@ -138,8 +138,8 @@ class DepartedKeys:
             pipe.hset(departed_key(self._subscription, mark.partition), mark.key.hex(), _encode(mark))
         pipe.execute()
 
-    def for_partition(self, partition: int, seek_generation: int) -> list[Departed]:
-        """The marks of ``partition`` written under ``seek_generation`` or later.
+    def for_partition(self, partition: int) -> list[Departed]:
+        """The marks of ``partition`` (the claim keeps those of its seek generation or later).
 
         Raises:
             redis.RedisError, TopicError: Redis or the durable copy could not be read.
@@ -150,7 +150,7 @@ class DepartedKeys:
         for key_hex, value in raw.items():
             text = key_hex.decode() if isinstance(key_hex, bytes) else key_hex
             mark = _decode(partition, text, value.decode() if isinstance(value, bytes) else value)
-            if mark is not None and mark.seek_generation >= seek_generation:
+            if mark is not None:
                 marks.append(mark)
         return marks
 

@@ -192,7 +192,7 @@ class MoveGuard:
         Raises:
             redis.RedisError, OrderingLayerError: Redis or the durable copy could not be read.
         """
-        return self._departed.for_partition(partition, 0)
+        return self._departed.for_partition(partition)
 
     def holding(self) -> int:
         """Keys held for a move and not cleared yet, all partitions."""
