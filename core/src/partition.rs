@@ -700,11 +700,18 @@ impl<T> PartitionCore<T> {
     fn rewind(&mut self, offset: i64, token: u64) -> Option<(u32, usize)> {
         let (slot, index) = self.outstanding(offset, token)?;
         let queue = self.slots[slot as usize].as_mut().expect("a live slot");
-        for entry in queue.records.range_mut(index..queue.cursor) {
+        // In callback mode (`suspects`) user code holds one delivery of a key at a time: the ones
+        // released after the rewound one (a run handed to one worker) were never started, so their
+        // attempts are taken back (DLQ-3).
+        let unstarted_after = self.suspects;
+        for (position, entry) in queue.records.range_mut(index..queue.cursor).enumerate() {
             if entry.token != 0 {
                 entry.token = 0;
                 queue.outstanding -= 1;
                 self.delivered.remove(&entry.offset);
+                if unstarted_after && position > 0 {
+                    entry.attempts = entry.attempts.saturating_sub(1);
+                }
             }
             if entry.acked {
                 entry.acked = false;
@@ -893,6 +900,21 @@ mod tests {
         assert!(release(&mut core, 10).is_empty(), "the moved records wait");
         core.clear_moved(&key);
         assert_eq!(offsets(&release(&mut core, 10)), vec![2, 3]);
+    }
+
+    /// Callback mode (`suspects`): a key's run released to one worker, its first nacked: the ones
+    /// after it were never started, so the rewind takes their attempts back; in pull mode they
+    /// were handed to user code and keep them.
+    #[test]
+    fn a_rewind_in_callback_mode_takes_back_the_attempts_of_the_run_after_it() {
+        for (callback_mode, second_attempt) in [(true, 1), (false, 2)] {
+            let mut core = claimed(true, &[b"k", b"k", b"k"], &[], callback_mode);
+            let out = release(&mut core, 10);
+            assert_eq!(offsets(&out), vec![0, 1, 2]);
+            assert!(core.nack(0, out[0].1, 0.0, false, no_backoff).unwrap());
+            let attempts: Vec<u32> = release(&mut core, 10).iter().map(|out| out.2).collect();
+            assert_eq!(attempts, vec![2, second_attempt, second_attempt], "callback mode {callback_mode}");
+        }
     }
 
     /// A departed key's records below its mark, published under an earlier count, are settled at

@@ -1,7 +1,9 @@
 """Release and hand-out: what may go out now, made outstanding, then handed to user code.
 
-``release`` takes from the partitions' ready keys within flow control (``FlowGate``: SUB-7), one
-per key in callback mode (SUB-1) or whole per-key batches up to the waiting pull's size in pull
+``release`` takes from the partitions' ready keys within flow control (``FlowGate``: SUB-7): in
+callback mode one per key, or when few keys are ready a run of a key's records that one worker
+starts one after another, each once the one before it is acked (SUB-1, ``CallbackPool``); whole
+per-key batches up to the waiting pull's size in pull
 mode, and when no pull waits, up to the latest pull's size ahead of the next one (``PullWaiters``:
 a pull finds its messages ready); each released batch becomes outstanding (the ``LeaseTable``) and
 its attempts are queued for Redis (``StateWriter``). The coordinator flushes those ops *before*
@@ -21,7 +23,7 @@ from operator import attrgetter
 from ordering_layer.config import SubscriptionSettings
 from ordering_layer.subscriber.dead_letters import DeadLetters
 from ordering_layer.subscriber.flow import FlowGate
-from ordering_layer.subscriber.handoff import PullWaiters
+from ordering_layer.subscriber.handoff import RUN_MAX, PullWaiters
 from ordering_layer.subscriber.leases import LeaseTable, wall_ms
 from ordering_layer.subscriber.message import Message
 from ordering_layer.subscriber.partitions import Partitions, Released
@@ -71,7 +73,11 @@ class Dispatcher:
         leases = self._leases
         budget, byte_budget = self._gate.budget(leases.count, leases.bytes)
         per_key, pooled, ahead = 1, True, False
-        if self._on_messages is None:
+        if self._on_messages is not None:
+            # Few keys ready (a hot key): a key's run of records goes to one worker, which starts each
+            # as soon as the one before it is acked (``CallbackPool``); many keys: one record each.
+            per_key = max(1, min(RUN_MAX, budget // max(1, self._owned.ready())))
+        else:
             wanted, for_pull = self._pulls.wanted()
             budget, per_key = min(budget, wanted), self._pulls.per_key()
             pooled = ahead = not for_pull
@@ -98,6 +104,10 @@ class Dispatcher:
         """Give back the messages released ahead of the pulls, of ``partitions`` (None: all): they are
         being revoked, or the engine is closing."""
         self._give_back_messages(self._pulls.withdraw(partitions), time.monotonic())
+
+    def give_back(self, messages: list[Message], now: float) -> None:
+        """Messages a callback worker did not start go back to their keys, uncounted."""
+        self._give_back_messages(messages, now)
 
     def _give_back_messages(self, messages: list[Message], now: float) -> None:
         if not messages:

@@ -46,7 +46,7 @@ from ordering_layer.subscriber.metrics import snapshot
 from ordering_layer.subscriber.moves import MOVE_EVENTS, MoveGuard
 from ordering_layer.subscriber.ownership import Ownership
 from ordering_layer.subscriber.partitions import Partitions
-from ordering_layer.subscriber.requests import Committed, DeadLettered, Fetched, Pull, Settle, Sought
+from ordering_layer.subscriber.requests import Committed, DeadLettered, Fetched, GiveBack, Pull, Settle, Sought
 from ordering_layer.subscriber.settlement import Settlement
 from ordering_layer.subscriber.starts import Starts
 from ordering_layer.subscriber.state_writer import StateWriter
@@ -166,6 +166,16 @@ class Engine:
     def submit(self, request: Settle) -> None:
         """Post an ack, nack or deadline change (any thread)."""
         self._inbox.put(request)
+
+    def give_back(self, messages: list[Message]) -> None:
+        """Callback mode: a worker did not start these messages (the rest of a key's run)."""
+        self._inbox.put(GiveBack(messages))
+
+    def owns(self, message: Message) -> bool:
+        """Callback mode: the message's partition is still owned under the epoch it was delivered in
+        (read without the lock: a worker deciding whether to go on with a key's run)."""
+        state = self._partitions.get(message.record.partition)
+        return state is not None and state.epoch == message._epoch and not state.revoking
 
     def begin(self, message: Message) -> bool:
         """Callback mode: a worker is about to run user code on ``message`` (``Starts.begin``)."""
@@ -294,6 +304,8 @@ class Engine:
                 event.future.set_result([])
             else:
                 self._dispatcher.pull(event, now)
+        elif kind is GiveBack:
+            self._dispatcher.give_back(event.messages, now)
         elif kind is Committed:
             self._commits.committed(event, now)
         elif kind is Sought:

@@ -19,6 +19,7 @@ from ordering_layer.subscriber.key_queue import Delivery, QueueKey, Record
 from ordering_layer.subscriber.requests import Settle, SettleKind
 
 _ACK, _NACK, _DEADLINE = SettleKind.ACK, SettleKind.NACK, SettleKind.DEADLINE
+NACKED = 2  # ``Message.settled`` after a nack (True after an ack)
 
 
 class AckResponse(enum.Enum):
@@ -65,7 +66,7 @@ class Message(Delivery):
         self._topic = topic
         self._epoch = epoch
         self._submit = submit
-        self.settled = False  # an ack or nack was sent (the answer may still be pending)
+        self.settled: int = False  # True: an ack was sent, NACKED: a nack (the answer may still be pending)
 
     @property
     def data(self) -> bytes:
@@ -114,7 +115,7 @@ class Message(Delivery):
     def _send(self, kind: int, seconds: float = 0.0, error: str | None = None,
               future: Future[AckResponse] | None = None) -> None:
         if kind != _DEADLINE:
-            self.settled = True
+            self.settled = NACKED if kind == _NACK else True
         self._submit(Settle(kind, self, self._epoch, seconds, error, future))
 
     def ack(self) -> None:

@@ -258,7 +258,8 @@ class PartitionState:
             return None
         index = next(i for i, r in enumerate(queue.records) if r.offset == offset)
         for record in itertools.islice(queue.records, index, queue.cursor):
-            queue.outstanding.pop(record.offset, None)
+            if queue.outstanding.pop(record.offset, None) is not None and self._suspects and record.offset != offset:
+                record.attempts -= 1  # callback mode: released after the rewound one, never started
             if record.offset in queue.acked:
                 queue.acked.discard(record.offset)
                 self.tracker.unsettle(record.offset)

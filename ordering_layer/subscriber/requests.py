@@ -97,6 +97,13 @@ class Sought(NamedTuple):
     seek_generation: int
 
 
+class GiveBack(NamedTuple):
+    """Messages a callback worker did not start (the rest of a key's run, ``CallbackPool``): back to
+    their keys, their attempts taken back."""
+
+    messages: list[Message]
+
+
 class DeadLettered(NamedTuple):
     """The dead-letter topic took (``error`` None) or refused a record delivered under ``epoch``."""
 

@@ -141,7 +141,9 @@ class Subscriber:
                 _LOGGER.warning("callback failed on %r: %r; nacking", message, exc)
                 message.nack(error=repr(exc))
 
-        pool = CallbackPool(f"ordering-layer-cb-{subscription}", max_workers, run)
+        pool = CallbackPool(f"ordering-layer-cb-{subscription}", max_workers, run,
+                            give_back=lambda messages: engine.give_back(messages),
+                            current=lambda message: engine.owns(message))
 
         engine = Engine(self._kafka, self._store, subscription, settings,
                         flow_control=flow_control or FlowControl(), on_messages=pool.submit,

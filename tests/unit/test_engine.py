@@ -209,7 +209,8 @@ def test_a_recovery_walk_releases_once_it_reaches_the_last_settled_offset_or_the
         assert handed == [] and engine._partitions[0].core.walking
         engine._handle([engine._fetcher.fetched([record(o) for o in range(3, 6)])], time.monotonic())
         step(engine)
-        assert [m.offset() for m in handed] == [0, 1, 2]  # one per key; 5, settled before, cascades behind 2
+        # Few keys ready: each key's run (0 and 3, 1 and 4, 2 and 5); 5, settled before, cascades behind 2.
+        assert [m.offset() for m in handed] == [0, 3, 1, 4, 2, 5]
         assert not engine._partitions[0].core.walking
         store.settled = frozenset({10_000})
         engine._fetcher._on_assign(engine.consumer, [TopicPartition(TOPIC, 1)])
@@ -218,7 +219,7 @@ def test_a_recovery_walk_releases_once_it_reaches_the_last_settled_offset_or_the
         step(engine)
         assert [m.offset() for m in handed if m.partition() == 1] == []
         step(engine)  # the step before saw the fetch held over the buffer limit and ended the walk
-        assert [m.offset() for m in handed if m.partition() == 1] == [0, 1, 2]
+        assert [m.offset() for m in handed if m.partition() == 1] == [0, 3, 1, 4, 2]  # runs: few keys
     finally:
         engine.consumer.close()
 
@@ -237,11 +238,11 @@ def test_a_walk_ended_at_the_buffer_limit_marks_its_cascades_and_holds_the_commi
         engine._handle([engine._fetcher.fetched([record(o) for o in range(5)])], time.monotonic())
         step(engine)
         step(engine)  # the walk ends at the buffer limit
-        assert [m.offset() for m in handed] == [0, 1, 2]
+        assert [m.offset() for m in handed] == [0, 3, 1, 4, 2]  # few keys ready: each key's run
         released = {OpKind.RELEASED, OpKind.BATCH_RELEASED, OpKind.FIRST_RELEASED, OpKind.BATCH_FIRST_RELEASED}
         kinds = [("r" if op[0] in released else op[0], op[1]) for _, op in store.op_log
                  if op[0] == OpKind.CASCADE_FROM or op[0] in released]
-        assert kinds == [("c", 0), ("c", 1), ("c", 2), ("r", 0), ("r", 1), ("r", 2)]
+        assert kinds == [("c", 0), ("c", 1), ("c", 2), ("r", 0), ("r", 3), ("r", 1), ("r", 4), ("r", 2)]
         for message in handed:
             message.ack()
         step(engine)
@@ -257,7 +258,8 @@ def test_a_walk_ended_at_the_buffer_limit_marks_its_cascades_and_holds_the_commi
         successor._fetcher._on_assign(successor.consumer, P0)
         successor._handle([successor._fetcher.fetched([record(o) for o in range(5)])], time.monotonic())
         step(successor)
-        assert [m.offset() for m in handed] == [0, 1, 2]  # settled, but their keys cascade from the marks
+        # Settled, but their keys cascade from the marks (each key's run: 0 and 3, 1 and 4, 2).
+        assert [m.offset() for m in handed] == [0, 3, 1, 4, 2]
         assert [(op[0], op[1]) for _, op in store.op_log if op[0] in "ux"] == [
             ("u", 0), ("u", 1), ("u", 2), ("u", 4), ("x", 0), ("x", 1), ("x", 2)]
     finally:

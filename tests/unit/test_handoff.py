@@ -14,6 +14,15 @@ from ordering_layer.subscriber.requests import Pull
 from tests.checker import wait_until
 
 
+def numbered(numbers: list[int]) -> list[Message]:
+    """Messages of keys of their own (``n``: the number), as the pool reads them."""
+    return cast(list[Message], [SimpleNamespace(queue_key=n, n=n, settled=False) for n in numbers])
+
+
+def number(message: Message) -> int:
+    return cast(int, cast(SimpleNamespace, message).n)
+
+
 def test_callback_pool_runs_each_message_once_on_its_workers() -> None:
     """SUB-2: a released batch is handed to the workers in one go; each message runs once."""
     seen: list[int] = []
@@ -21,12 +30,39 @@ def test_callback_pool_runs_each_message_once_on_its_workers() -> None:
 
     def run(message: Message) -> None:
         with lock:
-            seen.append(cast(int, message))
+            seen.append(number(message))
 
     pool = CallbackPool("test-pool", 4, run)
-    pool.submit(cast(list[Message], list(range(100))))
+    pool.submit(numbered(list(range(100))))
     pool.shutdown()
     assert sorted(seen) == list(range(100))
+
+
+def test_a_keys_run_goes_on_one_worker_while_each_is_acked_and_the_rest_goes_back() -> None:
+    """SUB-1, DLQ-3 (callback mode): a key's run of records is started one after another on one worker,
+    each once the one before it is acked; after a nack (or a message left outstanding, or a
+    partition gone) the rest goes back unstarted; other keys' messages run as usual."""
+    started: list[tuple[str, int]] = []
+    given_back: list[list[int]] = []
+
+    def run(message: Message) -> None:
+        started.append((threading.current_thread().name, number(message)))
+        if number(message) != 12:
+            cast(SimpleNamespace, message).settled = True  # acked; 12 is nacked (NACKED, not True)
+        else:
+            cast(SimpleNamespace, message).settled = 2
+
+    def give_back(messages: list[Message]) -> None:
+        given_back.append([number(m) for m in messages])
+
+    pool = CallbackPool("test-pool", 4, run, give_back=give_back)
+    keyed = cast(list[Message], [SimpleNamespace(queue_key=b"k", n=n, settled=False) for n in (10, 11, 12, 13, 14)])
+    pool.submit([*keyed, *numbered([20])])
+    pool.shutdown()
+    runs = [n for _, n in started]
+    assert [n for n in runs if n != 20] == [10, 11, 12]
+    assert len({name for name, n in started if n != 20}) == 1, "the run on one worker"
+    assert 20 in runs and given_back == [[13, 14]]
 
 
 def test_quick_callbacks_run_on_one_worker_and_waiting_messages_wake_more() -> None:
@@ -39,10 +75,10 @@ def test_quick_callbacks_run_on_one_worker_and_waiting_messages_wake_more() -> N
 
     def run(message: Message) -> None:
         threads.add(threading.current_thread().name)
-        if cast(int, message) == -1:
+        if number(message) == -1:
             entered.set()
             held.wait(30)
-        ran.append(cast(int, message))
+        ran.append(number(message))
 
     pool = CallbackPool("test-pool", 4, run)
 
@@ -52,12 +88,12 @@ def test_quick_callbacks_run_on_one_worker_and_waiting_messages_wake_more() -> N
     wait_until(lambda: pool._idle == 4, 10, "workers asleep")
     for end in range(100, 500, 100):
         threads.clear()
-        pool.submit(cast(list[Message], list(range(end - 100, end))))
+        pool.submit(numbered(list(range(end - 100, end))))
         wait_until(partial(batch_ran, end), 10, "the batch ran")
         assert len(threads) == 1  # the worker the hand-out woke
     assert sorted(ran) == list(range(400))
     threads.clear()
-    pool.submit(cast(list[Message], [-1, 7]))
+    pool.submit(numbered([-1, 7]))
     assert entered.wait(10)  # one worker held in user code, 7 waiting behind it
     assert pool.watch(0.0) == 0.0 + WATCH_INTERVAL  # queued since the last look: not overdue yet
     assert ran[-1] != 7

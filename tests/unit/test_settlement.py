@@ -39,9 +39,9 @@ class OpsStore:
 class Rig:
     """One owned partition (epoch 1) with records of keys ``a`` (offsets 0, 1) and ``b`` (offset 2)."""
 
-    def __init__(self) -> None:
+    def __init__(self, suspects: bool = True) -> None:
         self.store = OpsStore()
-        self.state = OwnedPartition(0, 1, ordered=True)
+        self.state = OwnedPartition(0, 1, ordered=True, suspects=suspects)
         self.owned = {0: self.state}
         self.leases = lease_table(SETTINGS)
         self.writer = StateWriter(cast(StateStore, self.store), "sub")
@@ -95,15 +95,21 @@ def test_answers_under_another_epoch_or_for_a_stale_token_change_nothing() -> No
 
 def test_a_nack_rewinds_the_key_backs_it_off_and_marks_the_attempt_started() -> None:
     """SUB-4, DLQ-1: a nack of a pull batch's first record gives back the whole batch of its key, holds
-    the key for the retry policy's backoff (10 s), keeps the error, and queues NACKED with the attempt."""
-    rig = Rig()
+    the key for the retry policy's backoff (10 s), keeps the error, and queues NACKED with the attempt.
+    In callback mode (a key's run handed to one worker) the records after the nacked one were never
+    started: their attempts are taken back (DLQ-3)."""
+    for suspects, later_attempt in ((False, 2), (True, 1)):
+        check_a_nack_rewinds(Rig(suspects), later_attempt)
+
+
+def check_a_nack_rewinds(rig: Rig, later_attempt: int) -> None:
     batch = rig.release(per_key=5)
     a0 = next(d for d in batch if d.record.offset == 0)
     rig.settlement.settle(SettleKind.NACK, a0, 1, 0.0, "boom", None, 1.0)
     assert a0.record.last_error == "boom" and not rig.leases.holds(a0.lease)
     assert rig.state.next_wake() == 11.0
     assert rig.written() == [(OpKind.NACKED, 0, 1)]
-    assert [(d.record.offset, d.attempt) for d in rig.release(11.0, per_key=5)] == [(0, 2), (1, 2)]
+    assert [(d.record.offset, d.attempt) for d in rig.release(11.0, per_key=5)] == [(0, 2), (1, later_attempt)]
 
 
 def test_a_deadline_change_keeps_the_lease_and_queues_its_new_deadline() -> None:
