@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Executor
 from typing import TYPE_CHECKING, Any
 
 from ordering_layer import metrics
@@ -15,7 +16,7 @@ from ordering_layer.scheduler.participant import Activation, join_activation
 from ordering_layer.state import StateStore
 from ordering_layer.subscriber.client_config import redis_url_from, verify_credentials
 from ordering_layer.subscriber.engine import Engine
-from ordering_layer.subscriber.handoff import CallbackPool
+from ordering_layer.subscriber.executors import Handoff, Hooks, handoff_for
 from ordering_layer.subscriber.message import Message, ack_all
 from ordering_layer.tracing import DeliveryTracing, tracer
 
@@ -28,7 +29,7 @@ _LOGGER = logging.getLogger(__name__)
 class StreamingPullFuture:
     """Handle of a callback subscription: ``cancel()`` stops it, ``result()`` waits for the end."""
 
-    def __init__(self, engine: Engine, pool: CallbackPool, activation: Activation,
+    def __init__(self, engine: Engine, pool: Handoff, activation: Activation,
                  tracing: DeliveryTracing | None = None) -> None:
         self.engine = engine
         self._pool = pool
@@ -115,7 +116,7 @@ class Subscriber:
 
     def subscribe(self, subscription: str, callback: Callable[[Message], Any], *,
                   flow_control: FlowControl | None = None, max_workers: int = 10,
-                  track_leases: bool = True) -> StreamingPullFuture:
+                  track_leases: bool = True, executor: Executor | None = None) -> StreamingPullFuture:
         """Deliver the subscription's messages to ``callback`` on a pool of ``max_workers`` threads.
 
         With ordering, one message per key is outstanding at a time (SUB-1); keys are independent
@@ -123,17 +124,31 @@ class Subscriber:
         delivery's span (``ordering_layer.tracing``). ``track_leases=False`` turns lease
         deadlines off (no expiry, no extension, no lease writes): for benchmarks only.
 
+        Where the callback runs (SUB-9, ``executors``): a coroutine function (``async def``) is
+        awaited on an event loop the subscriber runs in a thread of its own, as many keys at once
+        as flow control lets out. ``executor``: a ``ThreadPoolExecutor`` (or any executor running
+        callables in this process) runs the callbacks instead of the subscriber's threads; a
+        ``ProcessPoolExecutor`` runs a picklable top-level callback on a picklable copy of each
+        message (``processes.MessageCopy``) in its worker processes, returning acks, raising nacks,
+        a process that dies nacks what it held (the pool is replaced). The executor stays yours:
+        cancelling does not shut it down.
+
         Raises:
             SubscriptionNotFoundError: the subscription was never created.
+            ConfigError: ``executor`` with a coroutine function, or a callback for worker processes
+                that cannot be pickled.
         """
         settings = self._store.settings(subscription)
         tracing = None if self._tracer is None else DeliveryTracing(self._tracer, subscription)
         handler = callback if tracing is None else tracing.wrap(callback)
 
-        def run(message: Message) -> None:
+        def begin(message: Message) -> bool:
             # ACK-6: the start counts the attempt (written first for a suspect, noted under a
             # dead-letter policy, nothing to do otherwise).
-            if (message.record.suspect or engine.notes_starts) and not engine.begin(message):
+            return not (message.record.suspect or engine.notes_starts) or engine.begin(message)
+
+        def run(message: Message) -> None:
+            if not begin(message):
                 return
             try:
                 handler(message)
@@ -141,9 +156,10 @@ class Subscriber:
                 _LOGGER.warning("callback failed on %r: %r; nacking", message, exc)
                 message.nack(error=repr(exc))
 
-        pool = CallbackPool(f"ordering-layer-cb-{subscription}", max_workers, run,
-                            give_back=lambda messages: engine.give_back(messages),
-                            current=lambda message: engine.owns(message))
+        hooks = Hooks(begin, give_back=lambda messages: engine.give_back(messages),
+                      current=lambda message: engine.owns(message))
+        pool = handoff_for(f"ordering-layer-cb-{subscription}", callback, executor=executor,
+                           max_workers=max_workers, run=run, hooks=hooks, tracing=tracing)
 
         engine = Engine(self._kafka, self._store, subscription, settings,
                         flow_control=flow_control or FlowControl(), on_messages=pool.submit,

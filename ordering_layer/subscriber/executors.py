@@ -1,0 +1,231 @@
+"""Where callbacks run besides the subscriber's own thread pool (SUB-9).
+
+``handoff_for`` picks the hand-off of a callback subscription: ``CallbackPool`` (threads, the
+default), ``LoopCallbacks`` (a coroutine function, awaited on an event loop the subscriber runs in a
+thread of its own), ``ExecutorCallbacks`` (any ``concurrent.futures.Executor`` running callables in
+this process, such as a ``ThreadPoolExecutor``) or ``ProcessCallbacks`` (``processes``: a
+``ProcessPoolExecutor``, the callback on a picklable copy of each message).
+
+Every hand-out keeps ``CallbackPool``'s rule for a key's run (consecutive messages of one key
+released together when few keys are ready): one at a time, each started once the one before it is
+acked, while the run is young (``RUN_SPAN``) and its partition still owned; the rest go back
+unstarted through ``give_back``. So no two messages of one key are in user code at once (SUB-1).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import threading
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import wait as wait_all
+from dataclasses import dataclass
+from itertools import groupby
+from operator import attrgetter
+from typing import TYPE_CHECKING, Any, Protocol
+
+from ordering_layer.errors import ConfigError
+from ordering_layer.subscriber.handoff import RUN_SPAN, CallbackPool
+from ordering_layer.subscriber.message import Message
+
+if TYPE_CHECKING:
+    from ordering_layer.tracing import DeliveryTracing
+
+_LOGGER = logging.getLogger(__name__)
+_QUEUE_KEY = attrgetter("queue_key")
+
+Item = Message | list[Message]  # one message, or a key's run of consecutive messages
+
+
+class Handoff(Protocol):
+    """What the engine hands released messages to in callback mode."""
+
+    def submit(self, messages: list[Message]) -> None: ...
+
+    def watch(self, now: float) -> float | None: ...
+
+    def shutdown(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Hooks:
+    """The engine's side of a hand-out: ``begin`` (False: user code must not run, see
+    ``Engine.begin``; True at once when there is nothing to do), ``give_back`` (messages of a run
+    left unstarted) and ``current`` (the message's partition is still owned, ``Engine.owns``)."""
+
+    begin: Callable[[Message], bool]
+    give_back: Callable[[list[Message]], None]
+    current: Callable[[Message], bool]
+
+
+def items_of(messages: list[Message]) -> list[Item]:
+    """A released batch as ``CallbackPool.submit`` queues it: a key's consecutive messages as one run."""
+    items: list[Item] = []
+    for _, group in groupby(messages, _QUEUE_KEY):
+        run = list(group)
+        items.append(run[0] if len(run) == 1 else run)
+    return items
+
+
+def goes_on(previous: Message, began: float, message: Message, hooks: Hooks) -> bool:
+    """Whether a key's run goes on with ``message`` (the rule of ``CallbackPool``'s runs)."""
+    return previous.settled is True and time.monotonic() - began <= RUN_SPAN and hooks.current(message)
+
+
+def run_item(item: Item, run: Callable[[Message], None], hooks: Hooks) -> None:
+    """Run one item on this thread: a message, or a run's messages in order while ``goes_on``."""
+    if isinstance(item, Message):
+        run(item)
+        return
+    began = time.monotonic()
+    run(item[0])
+    for index in range(1, len(item)):
+        if not goes_on(item[index - 1], began, item[index], hooks):
+            hooks.give_back(item[index:])
+            return
+        run(item[index])
+
+
+class ExecutorCallbacks:
+    """Each released item becomes one task of the user's executor, run in this process (threads):
+    the callback gets the ``Message`` itself, as with the default pool. The executor stays the user's:
+    ``shutdown`` waits for the tasks given to it, and does not shut it down."""
+
+    def __init__(self, executor: Executor, run: Callable[[Message], None], hooks: Hooks) -> None:
+        self._executor = executor
+        self._run = run
+        self._hooks = hooks
+        self._lock = threading.Lock()
+        self._tasks: set[Future[None]] = set()
+
+    def submit(self, messages: list[Message]) -> None:
+        for item in items_of(messages):
+            task = self._executor.submit(run_item, item, self._run, self._hooks)
+            with self._lock:
+                self._tasks.add(task)
+            task.add_done_callback(self._done)
+
+    def _done(self, task: Future[None]) -> None:
+        with self._lock:
+            self._tasks.discard(task)
+        if task.exception() is not None:
+            _LOGGER.error("a callback task failed: %r", task.exception())
+
+    def watch(self, now: float) -> float | None:
+        return None
+
+    def shutdown(self) -> None:
+        with self._lock:
+            tasks = list(self._tasks)
+        wait_all(tasks)
+
+
+class LoopCallbacks:
+    """Coroutine callbacks awaited on an event loop run by a thread of its own: every released item
+    is a task, so as many keys are in user code at once as flow control lets out. A suspect's start
+    (a Redis write, ``Engine.begin``) is made on a small thread pool, off the loop; other starts are
+    at most a note in a list, made on the loop."""
+
+    def __init__(self, name: str, callback: Callable[[Message], Awaitable[Any]], hooks: Hooks) -> None:
+        self._callback = callback
+        self._hooks = hooks
+        self.loop = asyncio.new_event_loop()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._begins = ThreadPoolExecutor(2, thread_name_prefix=f"{name}-begin")
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def submit(self, messages: list[Message]) -> None:
+        self.loop.call_soon_threadsafe(self._start, items_of(messages))
+
+    def _start(self, items: list[Item]) -> None:
+        tasks, create = self._tasks, self.loop.create_task
+        for item in items:
+            task = create(self._one(item) if isinstance(item, Message) else self._run(item))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+
+    async def _one(self, message: Message) -> None:
+        if message.record.suspect:
+            if not await self.loop.run_in_executor(self._begins, self._hooks.begin, message):
+                return
+        elif not self._hooks.begin(message):
+            return
+        try:
+            await self._callback(message)
+        except Exception as exc:  # noqa: BLE001 - user code; its failure is a nack
+            _LOGGER.warning("callback failed on %r: %r; nacking", message, exc)
+            message.nack(error=repr(exc))
+
+    async def _run(self, run: list[Message]) -> None:
+        hooks = self._hooks
+        began = time.monotonic()
+        await self._one(run[0])
+        for index in range(1, len(run)):
+            if not goes_on(run[index - 1], began, run[index], hooks):
+                hooks.give_back(run[index:])
+                return
+            await self._one(run[index])
+
+    def watch(self, now: float) -> float | None:
+        return None
+
+    def shutdown(self) -> None:
+        """Let the running coroutines finish, then stop the loop and its thread."""
+        asyncio.run_coroutine_threadsafe(self._drain(), self.loop).result()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join()
+        self.loop.close()
+        self._begins.shutdown()
+
+    async def _drain(self) -> None:
+        while self._tasks:
+            await asyncio.wait(list(self._tasks))
+
+
+def traced_coroutine(tracing: DeliveryTracing,
+                     callback: Callable[[Message], Awaitable[Any]]) -> Callable[[Message], Coroutine[Any, Any, None]]:
+    """A coroutine callback run inside each message's delivery span (``DeliveryTracing.wrap``'s
+    counterpart: the span's context is current in the callback's task while it runs)."""
+
+    async def traced(message: Message) -> None:
+        settling = tracing.deliver(message)
+        token = tracing._attach(settling.context)
+        try:
+            await callback(message)
+        except Exception as exc:
+            settling.failed(exc)
+            raise
+        finally:
+            tracing._detach(token)
+
+    return traced
+
+
+def handoff_for(name: str, callback: Callable[[Message], Any], *, executor: Executor | None, max_workers: int,
+                run: Callable[[Message], None], hooks: Hooks, tracing: DeliveryTracing | None) -> Handoff:
+    """The hand-out of a callback subscription: an event loop for a coroutine function, the given
+    executor, or the default thread pool of ``max_workers``. ``run`` runs user code on a message
+    in this process (start, callback, nack on failure)."""
+    if inspect.iscoroutinefunction(callback):
+        if executor is not None:
+            raise ConfigError("a coroutine function runs on the subscriber's event loop; executor= is for plain "
+                              "functions")
+        handler = callback if tracing is None else traced_coroutine(tracing, callback)
+        return LoopCallbacks(name, handler, hooks)
+    if isinstance(executor, ProcessPoolExecutor):
+        from ordering_layer.subscriber.processes import ProcessCallbacks
+
+        if tracing is not None:
+            _LOGGER.warning("%s: delivery spans are not made for callbacks run in worker processes", name)
+        return ProcessCallbacks(name, executor, callback, hooks)
+    if executor is not None:
+        return ExecutorCallbacks(executor, run, hooks)
+    return CallbackPool(name, max_workers, run, give_back=hooks.give_back, current=hooks.current)

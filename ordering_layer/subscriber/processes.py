@@ -1,0 +1,247 @@
+"""Callbacks in worker processes (SUB-9): a ``ProcessPoolExecutor`` runs a picklable top-level
+callback on ``MessageCopy``, a picklable copy of each message; returning acks, raising (or
+``nack()`` on the copy) nacks.
+
+One driver thread starts the messages, at most as many at a time as the pool has processes (so a
+message given to the pool is one a process runs, not one waiting in the pool's queue), and settles
+them as their futures complete. A key's run goes on as ``CallbackPool``'s does (``goes_on``).
+
+A worker process that dies breaks the pool: every message the pool held is nacked (its attempt
+counts, ACK-6, DLQ-3), and a new pool with the same settings replaces it. Which process held the
+culprit is not known, so the messages nacked by a break (the *casualties*) each run alone when they
+come again: a poison that kills its process then takes down no other message, and is dead-lettered
+after exactly ``max_delivery_attempts``; a message that ran beside it is charged one attempt.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from datetime import datetime
+from typing import Any
+
+from ordering_layer.errors import ConfigError
+from ordering_layer.record import HeaderPairs
+from ordering_layer.subscriber.executors import Hooks, goes_on, items_of
+from ordering_layer.subscriber.message import Message
+
+_LOGGER = logging.getLogger(__name__)
+_CASUALTIES_MAX = 10_000  # casualties remembered at most (one that never comes back here is dropped)
+
+
+class MessageCopy:
+    """A picklable copy of a ``Message`` for a callback in a worker process: the Pub/Sub fields
+    (``data``, ``attributes``, ``ordering_key``, ``message_id``, ``sequence_number``,
+    ``publish_time`` (also ``enqueued_time``), ``delivery_attempt``) and confluent-kafka's accessors
+    (``key()``, ``value()``, ``headers()``, ``topic()``, ``partition()``, ``offset()``). ``ack()``
+    does nothing (returning acks); ``nack()`` makes the message nacked once the callback returns."""
+
+    __slots__ = ("_headers", "_key", "_offset", "_partition", "_topic", "attributes", "data", "delivery_attempt",
+                 "message_id", "nacked", "ordering_key", "publish_time", "sequence_number")
+
+    def __init__(self, message: Message) -> None:
+        record = message.record
+        self.data = message.data
+        self.attributes = message.attributes
+        self.ordering_key = message.ordering_key
+        self.message_id = message.message_id
+        self.sequence_number = message.sequence_number
+        self.publish_time: datetime = message.enqueued_time
+        self.delivery_attempt = message.delivery_attempt
+        self.nacked = False
+        self._key, self._headers = record.key, message.headers()
+        self._topic, self._partition, self._offset = message.topic(), record.partition, record.offset
+
+    @property
+    def enqueued_time(self) -> datetime:
+        """The broker's append time (as ``Message.enqueued_time``)."""
+        return self.publish_time
+
+    def ack(self) -> None:
+        """Nothing to do: the message is acked when the callback returns."""
+
+    def nack(self) -> None:
+        """Nack the message once the callback returns (as raising would)."""
+        self.nacked = True
+
+    def key(self) -> bytes | None:
+        return self._key
+
+    def value(self) -> bytes:
+        return self.data
+
+    def headers(self) -> HeaderPairs | None:
+        return self._headers
+
+    def topic(self) -> str:
+        return self._topic
+
+    def partition(self) -> int:
+        return self._partition
+
+    def offset(self) -> int:
+        return self._offset
+
+    def __repr__(self) -> str:
+        return (f"MessageCopy(ordering_key={self.ordering_key!r}, message_id={self.message_id!r}, "
+                f"delivery_attempt={self.delivery_attempt}, pid={os.getpid()})")
+
+
+def invoke(callback: Callable[[MessageCopy], Any], message: MessageCopy) -> bool:
+    """In a worker process: run the callback; True when it nacked its copy."""
+    callback(message)
+    return message.nacked
+
+
+def _replacement(broken: ProcessPoolExecutor) -> ProcessPoolExecutor:
+    """A new pool with the broken one's settings."""
+    return ProcessPoolExecutor(max_workers=getattr(broken, "_max_workers", None),
+                               mp_context=getattr(broken, "_mp_context", None),
+                               initializer=getattr(broken, "_initializer", None),
+                               initargs=getattr(broken, "_initargs", ()))
+
+
+_STOP = object()
+
+
+class ProcessCallbacks:
+    """Messages run by worker processes, started and settled by one driver thread (module doc)."""
+
+    def __init__(self, name: str, executor: ProcessPoolExecutor, callback: Callable[[Any], Any],
+                 hooks: Hooks) -> None:
+        try:
+            pickle.dumps(callback)
+        except Exception as exc:
+            raise ConfigError(f"a callback for worker processes must be picklable (a top-level function): {exc!r}") \
+                from exc
+        self._executor = executor
+        self._made: list[ProcessPoolExecutor] = []  # the replacements made here (shut down at the end)
+        self._callback = callback
+        self._hooks = hooks
+        self._limit = getattr(executor, "_max_workers", None) or os.cpu_count() or 1
+        self._events: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._waiting: deque[list[Message]] = deque()  # runs not started yet (a message: a run of one)
+        # A started message's future -> (its run, its index there, when the run began, its pool).
+        self._running: dict[Future[bool], tuple[list[Message], int, float, ProcessPoolExecutor]] = {}
+        self._casualties: set[tuple[int, int]] = set()  # (partition, offset) of messages nacked by a break
+        self._alone = False  # a casualty is running: nothing else starts
+        self._thread = threading.Thread(target=self._drive, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, messages: list[Message]) -> None:
+        self._events.put(items_of(messages))
+
+    def watch(self, now: float) -> float | None:
+        return None
+
+    def shutdown(self) -> None:
+        """Let the running messages finish, give back those not started, end the driver thread."""
+        self._events.put(_STOP)
+        self._thread.join()
+        for pool in self._made:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    # -- the driver thread ---------------------------------------------------------------------------
+    def _drive(self) -> None:
+        stopping = False
+        while not stopping or self._running:
+            event = self._events.get()
+            try:
+                if event is _STOP:
+                    stopping = True
+                    for run in self._waiting:
+                        self._hooks.give_back(run)
+                    self._waiting.clear()
+                elif isinstance(event, Future):
+                    self._completed(event)
+                else:
+                    self._waiting.extend(item if isinstance(item, list) else [item] for item in event)
+                if not stopping:
+                    self._fill()
+            except Exception:
+                _LOGGER.exception("the worker processes' driver failed on %r", event)
+
+    def _fill(self) -> None:
+        waiting = self._waiting
+        while waiting and not self._alone and len(self._running) < self._limit:
+            run = waiting[0]
+            if self._casualty(run[0]):
+                if self._running:
+                    return  # a casualty runs alone: it waits for the running ones
+                self._alone = True
+            waiting.popleft()
+            self._start(run, 0, None)
+
+    def _casualty(self, message: Message) -> bool:
+        record = message.record
+        return (record.partition, record.offset) in self._casualties
+
+    def _start(self, run: list[Message], index: int, began: float | None) -> None:
+        """Start ``run[index]`` (its start counted first, ``Engine.begin``); when it may not run, the
+        rest of its run goes back."""
+        message = run[index]
+        if began is None:
+            began = time.monotonic()
+        if not self._hooks.begin(message):
+            self._alone = False
+            if index + 1 < len(run):
+                self._hooks.give_back(run[index + 1:])
+            return
+        copy = MessageCopy(message)
+        for _ in range(2):
+            pool = self._executor
+            try:
+                future = pool.submit(invoke, self._callback, copy)
+            except BrokenProcessPool:
+                self._replace(pool)
+                continue
+            self._running[future] = (run, index, began, pool)
+            future.add_done_callback(self._events.put)
+            return
+        raise RuntimeError("a new process pool refused a task")
+
+    def _completed(self, future: Future[bool]) -> None:
+        run, index, began, pool = self._running.pop(future)
+        message = run[index]
+        key = (message.record.partition, message.record.offset)
+        self._alone = False  # a casualty ran alone: it is done
+        exc = future.exception()
+        if isinstance(exc, BrokenProcessPool):
+            _LOGGER.warning("a worker process died holding %r; nacking it and replacing the pool", message)
+            message.nack(error=f"worker process died: {exc!r}")
+            if len(self._casualties) >= _CASUALTIES_MAX:
+                self._casualties.clear()
+            self._casualties.add(key)
+            self._replace(pool)
+        else:
+            self._casualties.discard(key)
+            if exc is not None:
+                _LOGGER.warning("callback failed on %r: %r; nacking", message, exc)
+                message.nack(error=repr(exc))
+            elif future.result():
+                message.nack()
+            else:
+                message.ack()
+        following = index + 1
+        if following < len(run):
+            upcoming = run[following]
+            if goes_on(message, began, upcoming, self._hooks) and not self._casualty(upcoming):
+                self._start(run, following, began)
+            else:
+                self._hooks.give_back(run[following:])
+
+    def _replace(self, broken: ProcessPoolExecutor) -> None:
+        """Replace the pool once per break (the other futures it broke come after the first)."""
+        if self._executor is not broken:
+            return
+        self._executor = _replacement(broken)
+        self._made.append(self._executor)
+        broken.shutdown(wait=False)

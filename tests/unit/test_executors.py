@@ -1,0 +1,200 @@
+"""Executors alone (SUB-9): the event loop, a user's executor and worker processes run every message
+once, keep a key's run one at a time (each once the one before it is acked), give back the rest,
+and turn a raise, a nack of the copy or a dead worker process into a nack."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pickle
+import threading
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from typing import Any
+
+import pytest
+
+from ordering_layer.errors import ConfigError
+from ordering_layer.record import RecordMetadata
+from ordering_layer.subscriber.executors import ExecutorCallbacks, Hooks, LoopCallbacks, handoff_for, items_of
+from ordering_layer.subscriber.handoff import CallbackPool
+from ordering_layer.subscriber.key_queue import Record
+from ordering_layer.subscriber.message import Message
+from ordering_layer.subscriber.processes import MessageCopy, ProcessCallbacks
+from ordering_layer.subscriber.requests import Settle, SettleKind
+from tests.checker import wait_until
+
+
+class Recorder:
+    """Where the test messages' acks and nacks go, and the hooks' calls."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.acked: list[int] = []
+        self.nacked: list[int] = []
+        self.begun: list[int] = []
+        self.given_back: list[list[int]] = []
+
+    def submit(self, request: Settle | Message | list[Message]) -> None:
+        with self.lock:
+            if isinstance(request, Message):
+                self.acked.append(request.record.offset)
+            elif isinstance(request, Settle):
+                nacked = request.kind == SettleKind.NACK
+                (self.nacked if nacked else self.acked).append(request.delivery.record.offset)
+
+    def hooks(self) -> Hooks:
+        def begin(message: Message) -> bool:
+            with self.lock:
+                self.begun.append(message.record.offset)
+            return True
+
+        def give_back(messages: list[Message]) -> None:
+            with self.lock:
+                self.given_back.append([m.record.offset for m in messages])
+
+        return Hooks(begin, give_back, lambda message: True)
+
+    def settled(self) -> int:
+        with self.lock:
+            return len(self.acked) + len(self.nacked)
+
+
+def message(recorder: Recorder, offset: int, key: bytes, suspect: bool = False) -> Message:
+    record = Record(0, offset, key, f"{key.decode()}:{offset}".encode(), [("a", b"1")],
+                    RecordMetadata(None, None, None), 10, 1_700_000_000_000, suspect=suspect)
+    return Message(record, key, token=offset, attempt=1, topic="t", epoch=1, submit=recorder.submit)
+
+
+def test_items_of_groups_a_keys_consecutive_messages_as_one_run() -> None:
+    recorder = Recorder()
+    a0, a1, b2, a3 = (message(recorder, n, k) for n, k in ((0, b"a"), (1, b"a"), (2, b"b"), (3, b"a")))
+    assert items_of([a0, a1, b2, a3]) == [[a0, a1], b2, a3]
+
+
+def test_loop_runs_many_keys_at_once_on_one_thread_and_a_raise_nacks() -> None:
+    """SUB-9: coroutines of different keys are in flight together on the loop's one thread; one
+    that raises nacks its message; a suspect's start is made off the loop."""
+    recorder = Recorder()
+    threads: set[str] = set()
+    inside, most = [0], [0]
+    begin_threads: list[str] = []
+    hooks = recorder.hooks()
+
+    def begin(message: Message) -> bool:
+        begin_threads.append(threading.current_thread().name)
+        return hooks.begin(message)
+
+    async def callback(message: Message) -> None:
+        threads.add(threading.current_thread().name)
+        inside[0] += 1
+        most[0] = max(most[0], inside[0])
+        await asyncio.sleep(0.05)
+        inside[0] -= 1
+        if message.record.offset == 7:
+            raise ValueError("boom")
+        message.ack()
+
+    pool = LoopCallbacks("test-loop", callback, Hooks(begin, hooks.give_back, hooks.current))
+    pool.submit([message(recorder, n, f"k{n}".encode(), suspect=n == 3) for n in range(20)])
+    wait_until(lambda: recorder.settled() == 20, 10, "all settled")
+    pool.shutdown()
+    assert len(threads) == 1 and most[0] == 20
+    assert recorder.nacked == [7] and sorted(recorder.acked) == [n for n in range(20) if n != 7]
+    assert sum("begin" in name for name in begin_threads) == 1, "only the suspect's start off the loop"
+
+
+@pytest.mark.parametrize("kind", ["loop", "threads", "pool"])
+def test_a_keys_run_is_one_at_a_time_and_the_rest_goes_back_after_a_nack(kind: str) -> None:
+    """SUB-1 (SUB-9, every executor): a key's run starts each message once the one before it is
+    acked, never two at once; after a nack the rest goes back unstarted."""
+    recorder = Recorder()
+    inside = [0]
+    overlaps: list[int] = []
+    started: list[int] = []
+
+    def body(msg: Message) -> None:
+        started.append(msg.record.offset)
+        if inside[0] > 1:
+            overlaps.append(msg.record.offset)
+        if msg.record.offset == 2:
+            msg.nack()
+        else:
+            msg.ack()
+
+    async def coroutine(msg: Message) -> None:
+        inside[0] += 1
+        await asyncio.sleep(0.01)
+        body(msg)
+        inside[0] -= 1
+
+    def plain(msg: Message) -> None:
+        inside[0] += 1
+        body(msg)
+        inside[0] -= 1
+
+    hooks = recorder.hooks()
+    executor = ThreadPoolExecutor(4)
+    pool: Any
+    if kind == "loop":
+        pool = LoopCallbacks("test-loop", coroutine, hooks)
+    elif kind == "threads":
+        pool = ExecutorCallbacks(executor, plain, hooks)
+    else:
+        pool = handoff_for("test-pool", plain, executor=None, max_workers=4, run=plain, hooks=hooks, tracing=None)
+        assert isinstance(pool, CallbackPool)
+    pool.submit([message(recorder, n, b"k") for n in range(5)])
+    wait_until(lambda: recorder.settled() == 3 and recorder.given_back, 10, "the run settled")
+    pool.shutdown()
+    executor.shutdown()
+    assert started == [0, 1, 2] and overlaps == []
+    assert recorder.given_back == [[3, 4]]
+
+
+def copy_callback(copy: MessageCopy) -> str:
+    """Top-level (picklable): nacks odd offsets by nack(), raises on 4, dies on 6 (first attempt)."""
+    if copy.offset() == 4:
+        raise ValueError("four")
+    if copy.offset() == 6 and copy.delivery_attempt == 1:
+        os._exit(3)
+    if copy.offset() % 2:
+        copy.nack()
+    return copy.ordering_key
+
+
+def test_message_copy_is_picklable_and_has_the_fields() -> None:
+    recorder = Recorder()
+    copy = pickle.loads(pickle.dumps(MessageCopy(message(recorder, 5, b"key"))))
+    assert (copy.data, copy.ordering_key, copy.attributes, copy.delivery_attempt) == (b"key:5", "key", {"a": "1"}, 1)
+    assert (copy.partition(), copy.offset(), copy.key(), copy.topic()) == (0, 5, b"key", "t")
+    assert copy.message_id == str(5) and copy.publish_time.year == 2023 and copy.headers() == [("a", b"1")]
+
+
+def test_worker_processes_ack_on_return_nack_on_raise_and_nack_what_a_dead_process_held() -> None:
+    """SUB-9: returning acks, raising or nack() on the copy nacks; a process that dies nacks its
+    message and the pool is replaced; the rest go on in the new pool."""
+    recorder = Recorder()
+    executor = ProcessPoolExecutor(2)
+    pool = ProcessCallbacks("test-procs", executor, copy_callback, recorder.hooks())
+    pool.submit([message(recorder, n, f"k{n}".encode()) for n in (0, 1, 2, 4, 6, 8, 10, 12)])
+    wait_until(lambda: recorder.settled() >= 8, 60, "all settled")
+    pool.shutdown()
+    executor.shutdown()
+    assert 6 in recorder.nacked and 4 in recorder.nacked and 1 in recorder.nacked
+    assert {0, 2, 8, 10, 12} - set(recorder.acked) <= set(recorder.nacked), "innocents nacked only beside a death"
+    assert sorted(recorder.begun) == [0, 1, 2, 4, 6, 8, 10, 12]
+
+
+def test_worker_processes_refuse_a_callback_that_cannot_be_pickled() -> None:
+    recorder = Recorder()
+    with ProcessPoolExecutor(1) as executor, pytest.raises(ConfigError):
+        handoff_for("test", lambda m: None, executor=executor, max_workers=1, run=lambda m: None,
+                    hooks=recorder.hooks(), tracing=None)
+
+
+def test_executor_refused_with_a_coroutine_function() -> None:
+    async def callback(message: Message) -> None:
+        message.ack()
+
+    with ThreadPoolExecutor(1) as executor, pytest.raises(ConfigError):
+        handoff_for("test", callback, executor=executor, max_workers=1, run=lambda m: None,
+                    hooks=Recorder().hooks(), tracing=None)
