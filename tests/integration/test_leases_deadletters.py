@@ -47,8 +47,9 @@ def test_lease_extended_while_handler_runs_past_deadline(kafka_config: dict[str,
 def test_a_held_delivery_has_its_lease_in_redis_until_its_ack(kafka_config: dict[str, Any], endpoints: Any,
                                                                subscription: Callable[..., tuple[str, str]]) -> None:
     """ACK-4: a delivery that user code holds beyond the flush after its release has its lease in Redis
-    (written by that flush); deliveries acked at once leave no lease behind, and the ack of the held
-    one deletes its lease."""
+    (written by that flush), as have the later records of its key released with it (its run, waiting
+    for it on the same worker); deliveries acked at once leave no lease behind, and the acks delete
+    the leases."""
     topic, name = subscription(partitions=1)
     publish_keys(kafka_config, topic, keys=20, per_key=5)
     store = StateStore(endpoints.redis_url)
@@ -68,8 +69,13 @@ def test_a_held_delivery_has_its_lease_in_redis_until_its_ack(kafka_config: dict
     with subscriber.subscribe(name, callback):
         wait_until(lambda: bool(held), 60, "key-0's first message held")
         offset = held[0].offset()
-        wait_until(lambda: offset_fields(store.client.hkeys(leases_key)) == [offset], 30,
-                   "the held delivery's lease alone in Redis")
+        key_0 = {offset + 20 * n for n in range(5)}  # 20 keys interleaved in one partition
+
+        def held_leases() -> bool:
+            fields = set(offset_fields(store.client.hkeys(leases_key)))
+            return offset in fields and fields <= key_0
+
+        wait_until(held_leases, 30, "the held delivery's lease in Redis, with its key's run's only")
         hold.set()
         for _ in range(100):
             assert acked.acquire(timeout=60)
@@ -373,3 +379,35 @@ def test_park_key_keeps_order_and_redrive_restores_it(
     with Subscriber(kafka_config, redis_url=endpoints.redis_url) as puller:
         got = pull_until(puller, name, 3, ack=True)
     assert [m.message_id for m in got] == checker.published["key-2"][1:]
+
+
+def test_a_hot_keys_runs_keep_order_and_exact_attempts_with_nacks_and_poisons(
+        kafka_config: dict[str, Any], endpoints: Any, subscription: Callable[..., tuple[str, str]],
+        unique_name: Callable[[str], str]) -> None:
+    """SUB-1, SUB-4, DLQ-2, DLQ-3 (callback mode, one hot key: its records go to one worker in runs):
+    never two of the key in user code at once, each nack redelivers the key from the nacked message
+    in order, the records of a run after a nack keep their attempt counts (they never started), and
+    each poison is dead-lettered after exactly ``max_delivery_attempts`` deliveries."""
+    dlq = unique_name("dlq")
+    topic, name = subscription(partitions=1, retry_policy=RetryPolicy(0, 0),
+                               dead_letter_policy=DeadLetterPolicy(dlq, max_delivery_attempts=5))
+    checker = publish_keys(kafka_config, topic, keys=1, per_key=2000)
+    ids = checker.published["key-0"]
+    poisons = {ids[100], ids[777], ids[1500]}
+    flaky = set(ids[5::37]) - poisons  # nacked on their first delivery only
+
+    def handler(message: Message) -> str:
+        if message.message_id in poisons or (message.message_id in flaky and message.delivery_attempt == 1):
+            return "nack"
+        return "ack"
+
+    subscriber = Subscriber(kafka_config, redis_url=endpoints.redis_url)
+    with subscriber.subscribe(name, recording_callback(checker, "s1", handler), max_workers=8):
+        wait_until(lambda: checker.acked_count() == checker.total() - len(poisons), 120,
+                   "all but the poisons acked")
+        wait_until(lambda: len(read_topic(kafka_config, dlq, len(poisons))) == len(poisons), 60,
+                   "the poisons dead-lettered")
+    for poison in poisons:
+        assert [e.attempt for e in checker.deliveries() if e.message_id == poison] == [1, 2, 3, 4, 5]
+        checker.record(poison, "s1", 5, "dead")
+    assert checker.verify(one_outstanding=True, max_delivery_attempts=5) == []
