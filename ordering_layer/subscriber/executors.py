@@ -25,19 +25,23 @@ from concurrent.futures import wait as wait_all
 from dataclasses import dataclass
 from itertools import groupby
 from operator import attrgetter
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from ordering_layer.errors import ConfigError
 from ordering_layer.subscriber.handoff import RUN_SPAN, CallbackPool
 from ordering_layer.subscriber.message import Message
 
 if TYPE_CHECKING:
+    from ordering_layer.subscriber.processes import MessageCopy
     from ordering_layer.tracing import DeliveryTracing
 
 _LOGGER = logging.getLogger(__name__)
 _QUEUE_KEY = attrgetter("queue_key")
 
 Item = Message | list[Message]  # one message, or a key's run of consecutive messages
+# What ``subscribe`` takes: a function or coroutine function of a ``Message``, or, for worker
+# processes, a function of a ``MessageCopy``.
+Callback = Callable[["Message"], Any] | Callable[["MessageCopy"], Any]
 
 
 class Handoff(Protocol):
@@ -209,7 +213,7 @@ def traced_coroutine(tracing: DeliveryTracing,
     return traced
 
 
-def handoff_for(name: str, callback: Callable[[Message], Any], *, executor: Executor | None, max_workers: int,
+def handoff_for(name: str, callback: Callback, *, executor: Executor | None, max_workers: int,
                 run: Callable[[Message], None], hooks: Hooks, tracing: DeliveryTracing | None) -> Handoff:
     """The hand-out of a callback subscription: an event loop for a coroutine function, the given
     executor, or the default thread pool of ``max_workers``. ``run`` runs user code on a message
@@ -218,7 +222,8 @@ def handoff_for(name: str, callback: Callable[[Message], Any], *, executor: Exec
         if executor is not None:
             raise ConfigError("a coroutine function runs on the subscriber's event loop; executor= is for plain "
                               "functions")
-        handler = callback if tracing is None else traced_coroutine(tracing, callback)
+        coroutine = cast(Callable[[Message], Awaitable[Any]], callback)
+        handler = coroutine if tracing is None else traced_coroutine(tracing, coroutine)
         return LoopCallbacks(name, handler, hooks)
     if isinstance(executor, ProcessPoolExecutor):
         from ordering_layer.subscriber.processes import ProcessCallbacks
