@@ -184,7 +184,8 @@ class Engine:
     def pull(self, max_messages: int, timeout: float) -> list[Message]:
         """Release up to ``max_messages`` (at most one batch per key), waiting up to ``timeout`` s; added
         on this thread between the coordinator's steps (not to gather in the inbox), answered at once
-        from the messages released ahead if any, and the coordinator woken to release more."""
+        from the messages released ahead if any, and the coordinator woken to release more when
+        the pull waits or the messages ready ahead run low."""
         pull = Pull(max_messages, time.monotonic() + timeout, Future())
         if not self._lock.acquire(timeout=max(timeout, 0.0)):
             self._inbox.put(pull)  # the lock was held all along: the coordinator expires it
@@ -192,11 +193,14 @@ class Engine:
         try:
             if self._closing:
                 pull.future.set_result([])
+                refill = False
             else:
                 self._dispatcher.pull(pull, time.monotonic())
+                refill = self._pulls.refill()
         finally:
             self._lock.release()
-        self._inbox.nudge()
+        if refill:
+            self._inbox.nudge()
         return pull.future.result(timeout + 30.0)
 
     @property

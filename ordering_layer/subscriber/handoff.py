@@ -133,6 +133,7 @@ class CallbackPool:
 
 
 AHEAD_AT_LEAST = 64  # messages kept released ahead of the pulls, at least
+AHEAD_AT_MOST = 1024  # the most the floor above grows to while pulls find nothing ready
 
 
 class PullWaiters:
@@ -141,9 +142,11 @@ class PullWaiters:
     coordinator, or a pulling thread adding its pull).
 
     A release is claimed for the oldest waiting pull, or, when none waits, made *ahead*: batches of
-    at most the latest pull's size per key, ``AHEAD_AT_LEAST`` messages or the latest pull's size if
+    at most the latest pull's size per key, a floor of messages or the latest pull's size if
     larger, so that the next pulls are answered at once instead of after a coordinator step and a
-    Redis round trip each (``OrderedConsumer.poll`` pulls one message at a time). Messages released
+    Redis round trip each (``OrderedConsumer.poll`` pulls one message at a time). The floor starts
+    at ``AHEAD_AT_LEAST`` and doubles, up to ``AHEAD_AT_MOST``, each time a pull finds nothing ready
+    while releases ahead are under way: the pulls outrun a refill. Messages released
     ahead are ``ready`` once Redis took their attempts (as released, not started: ``Dispatcher``);
     a pull takes whole per-key batches of them, never more than its size, so a key's batch never
     spans two pulls (a nack rewinds only messages its own pull returned).
@@ -156,14 +159,22 @@ class PullWaiters:
         self._claimed: deque[tuple[Pull | None, int]] = deque()  # (its pull, None: ahead; count), in release order
         self._ready: deque[Message] = deque()  # released ahead, their attempts written
         self._ahead = 0  # the latest pull's size: how many messages to keep released ahead
+        self._floor = AHEAD_AT_LEAST  # how many to keep released ahead at least
         self._ahead_claimed = 0  # released ahead, their flush not answered yet
         self.served: list[Message] = []  # taken from ready by pulls, their start not noted yet
 
     def add(self, pull: Pull, holds: Callable[[int], bool]) -> list[Message]:
         """A pull arrived: answered from ``ready`` at once if it has messages (``serve``)."""
+        if not self._ready and self._ahead_claimed and not self._waiting:
+            self._floor = min(AHEAD_AT_MOST, 2 * self._floor)
         self._ahead = pull.max_messages
         self._waiting.append(pull)
         return self.serve(holds)
+
+    def refill(self) -> bool:
+        """Whether the coordinator is to be woken after a pull: one waits, or fewer than half the
+        messages to keep released ahead are ready or on their way."""
+        return bool(self._waiting) or 2 * (len(self._ready) + self._ahead_claimed) < max(self._ahead, self._floor)
 
     def wanted(self) -> tuple[int, bool]:
         """How many messages the next release is for, and whether for the oldest waiting pull (True)
@@ -172,7 +183,7 @@ class PullWaiters:
             return self._waiting[0].max_messages, True
         if not self._ahead:  # no pull came yet
             return 0, False
-        return max(0, max(self._ahead, AHEAD_AT_LEAST) - len(self._ready) - self._ahead_claimed), False
+        return max(0, max(self._ahead, self._floor) - len(self._ready) - self._ahead_claimed), False
 
     def per_key(self) -> int:
         """How many messages of a key the next release may hold: the oldest waiting pull's size, or

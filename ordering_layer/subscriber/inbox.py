@@ -51,7 +51,11 @@ class Inbox(Generic[T]):
             self._signal()
 
     def nudge(self) -> None:
-        """Wake the consumer now, whatever it waits for (any thread)."""
+        """Wake the consumer now, whatever it waits for (any thread); a nudge not taken yet is not
+        sent again (the consumer looks at the flag before it sleeps and resets it at ``take``, so
+        what was posted before this call is seen by the step after the nudge it already has)."""
+        if self._nudged:
+            return
         self._nudged = True
         self._wake_at = _NEVER
         self._signal()

@@ -8,7 +8,7 @@ from functools import partial
 from types import SimpleNamespace
 from typing import cast
 
-from ordering_layer.subscriber.handoff import AHEAD_AT_LEAST, WATCH_INTERVAL, CallbackPool, PullWaiters
+from ordering_layer.subscriber.handoff import AHEAD_AT_LEAST, AHEAD_AT_MOST, WATCH_INTERVAL, CallbackPool, PullWaiters
 from ordering_layer.subscriber.message import Message
 from ordering_layer.subscriber.requests import Pull
 from tests.checker import wait_until
@@ -196,7 +196,37 @@ def test_a_pull_waiting_when_a_release_ahead_comes_out_takes_it() -> None:
     waiters.add(pull, held)
     assert waiters.wanted() == (3, True) and not pull.future.done()
     waiters.answer([message(1, b"a"), message(2, b"b"), message(3, b"c")], lambda lease: lease != 2)
-    assert offsets(pull.future.result(0)) == [1, 3] and waiters.wanted() == (AHEAD_AT_LEAST, False)
+    # The pull found nothing ready while a release ahead was on its way: the floor doubled.
+    assert offsets(pull.future.result(0)) == [1, 3] and waiters.wanted() == (2 * AHEAD_AT_LEAST, False)
+
+
+def test_pulls_that_outrun_the_refill_grow_what_is_kept_ahead_and_wake_the_coordinator_only_when_low() -> None:
+    """GRP-5: a pull answered from what is ready wakes the coordinator only when fewer than half the
+    messages to keep ahead are left; each pull that finds nothing ready while a release ahead is on
+    its way doubles the floor, up to ``AHEAD_AT_MOST``."""
+    waiters = PullWaiters()
+    waiters.add(Pull(1, 10.0, Future()), held)
+    assert waiters.refill()  # it waits
+    waiters.claim(1, True)
+    waiters.answer([message(0, b"z")], held)
+    assert not waiters.refill() or waiters.wanted() == (AHEAD_AT_LEAST, False)
+    waiters.claim(AHEAD_AT_LEAST, False)
+    waiters.answer([message(n, f"k{n}".encode()) for n in range(1, AHEAD_AT_LEAST + 1)], held)
+    for _ in range(AHEAD_AT_LEAST // 2 + 1):
+        assert not waiters.refill()
+        pull = Pull(1, 10.0, Future())
+        waiters.add(pull, held)
+        assert pull.future.done()
+    assert waiters.refill()  # fewer than half of them left
+    floors = []
+    for _ in range(12):
+        waiters.withdraw(None)
+        waiters.claim(1, False)
+        waiters.add(Pull(1, 10.0, Future()), held)  # nothing ready, a release ahead on its way
+        waiters.expire(100.0)
+        floors.append(waiters.wanted()[0] + 1)
+        waiters.unclaim()
+    assert floors[0] == 2 * AHEAD_AT_LEAST and floors[-1] == AHEAD_AT_MOST
 
 
 def test_ready_messages_are_withdrawn_when_a_smaller_pull_comes_or_their_partition_goes() -> None:
