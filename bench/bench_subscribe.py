@@ -12,7 +12,11 @@
     the scripts run inside Redis (HSET, ZADD, HDEL, ...) are counted by Redis too but cost no round
     trip, and several EVALSHAs in one pipeline are still one round trip, so this is an upper bound;
 (e) 10,000 keys, 1 ms handler, 16 workers: an ordered subscription vs an unordered one on the same
-    topic (the cost of per-key ordering when keys are plentiful).
+    topic (the cost of per-key ordering when keys are plentiful);
+(f) a coroutine callback (``await asyncio.sleep(0.005)`` then ack) on the subscriber's event loop,
+    100 keys and 1,000 keys (SUB-9; ceilings min(keys, outstanding) / 5 ms);
+(g) a ~2 ms pure-Python CPU-bound callback over 200 keys: ``executor=ProcessPoolExecutor(2)`` vs
+    the subscriber's thread pool (SUB-9).
 
 Every consumer, raw or the layer's, fetches with ``fetch.queue.backoff.ms`` at the layer's default
 (``FETCH_QUEUE_BACKOFF_MS``).
@@ -21,12 +25,14 @@ Every consumer, raw or the layer's, fetches with ``fetch.queue.backoff.ms`` at t
 from the earliest offset) and print every round and the median of the per-round ratios.
 
     .venv/bin/python bench/bench_subscribe.py [--messages 100000] [--workers 16] [--rounds 3]
-        [--scenarios abcde]
+        [--scenarios abcdefg]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import functools
 import itertools
 import os
 import statistics
@@ -34,6 +40,7 @@ import sys
 import threading
 import time
 import uuid
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -175,7 +182,9 @@ def main() -> None:
     parser.add_argument("--io-messages", type=int, default=600)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of (a) and (e)")
     parser.add_argument("--e-messages", type=int, default=20_000, help="messages of (e)")
-    parser.add_argument("--scenarios", default="abcde", help="which of a..e to run (d needs a)")
+    parser.add_argument("--f-messages", type=int, default=100_000, help="messages of (f), each key count")
+    parser.add_argument("--g-messages", type=int, default=4_000, help="messages of (g)")
+    parser.add_argument("--scenarios", default="abcde", help="which of a..g to run (d needs a)")
     args = parser.parse_args()
     with bench_stack() as endpoints:
         admin = Admin(endpoints.kafka_config(), redis_url=endpoints.redis_url)
@@ -187,6 +196,10 @@ def main() -> None:
             head_of_line(endpoints, admin, args.workers)
         if "e" in args.scenarios:
             ordered_vs_unordered(endpoints, admin, args.e_messages, args.workers, args.rounds)
+        if "f" in args.scenarios:
+            coroutines(endpoints, admin, args.f_messages)
+        if "g" in args.scenarios:
+            cpu_bound(endpoints, admin, args.g_messages, args.workers)
 
 
 def noop(endpoints: Endpoints, admin: Admin, messages: int, workers: int, rounds: int,
@@ -293,6 +306,94 @@ def head_of_line(endpoints: Endpoints, admin: Admin, workers: int) -> None:
     with_slow = layer_consume(endpoints, admin, slow_topic, fast_count, workers, handler=work,
                               done_when=fast_finished)
     print(ratio_line("(c) fast keys with a 1 s key in the partition", with_slow, without))
+
+
+def acked_rate(handle: Any, count: int) -> float:
+    """msg/s of a running subscription from its first ack to its ``count``-th, read from the
+    engine's settle counter every millisecond (callbacks in worker processes are acked by the
+    subscriber, not by code of this benchmark)."""
+    counts = handle.engine._counts  # a dict the coordinator updates; read without its lock
+    while counts["acked"] == 0:
+        time.sleep(0.001)
+    first = time.perf_counter()
+    deadline = first + 600
+    while counts["acked"] < count and time.perf_counter() < deadline:
+        time.sleep(0.001)
+    return count / (time.perf_counter() - first)
+
+
+def subscribed_rate(endpoints: Endpoints, admin: Admin, topic: str, count: int, callback: Any, **options: Any) -> float:
+    """A new subscription of ``topic`` read through ``subscribe(callback, **options)``: ``acked_rate``."""
+    name = f"bench-{uuid.uuid4().hex[:8]}"
+    admin.create_subscription(name, topic=topic, retry_policy=RetryPolicy(0, 0))
+    subscriber = Subscriber(endpoints.kafka_config(), redis_url=endpoints.redis_url)
+    handle = subscriber.subscribe(name, callback, **options)
+    try:
+        return acked_rate(handle, count)
+    finally:
+        handle.cancel()
+
+
+async def sleep_then_ack(message: Message) -> None:
+    """(f)'s callback."""
+    await asyncio.sleep(0.005)
+    message.ack()
+
+
+def coroutines(endpoints: Endpoints, admin: Admin, messages: int) -> None:
+    """(f): a coroutine callback awaiting 5 ms then acking, 100 and 1,000 keys, 6 partitions."""
+    for keys, goal in ((100, 15_000), (1000, 40_000)):
+        topic = f"bench-aio-{keys}-{uuid.uuid4().hex[:8]}"
+        admin.create_topic(topic, partitions=6)
+        publish(endpoints, topic, [f"key-{i}" for i in range(keys)], messages)
+        rate = subscribed_rate(endpoints, admin, topic, messages, sleep_then_ack,
+                               flow_control=FlowControl(max_messages=1000))
+        print(f"(f) coroutine, 5 ms await, 6 partitions, K={keys:<5} {rate:10,.0f} msg/s   ceiling "
+              f"{min(keys, 1000) / 0.005:8,.0f}   goal >= {goal:,}", flush=True)
+
+
+def burn(iterations: int) -> int:
+    """Pure-Python CPU work (holds the interpreter lock throughout)."""
+    total = 0
+    for i in range(iterations):
+        total = (total * 31 + i) % 1_000_003
+    return total
+
+
+def burn_message(iterations: int, message: Any) -> None:
+    """(g)'s callback, in a thread (then acked here) or a worker process (picklable with
+    ``functools.partial``: returning acks)."""
+    burn(iterations)
+    if isinstance(message, Message):
+        message.ack()
+
+
+def calibrate(seconds: float) -> int:
+    """``burn`` iterations taking about ``seconds`` here."""
+    iterations = 10_000
+    while True:
+        began = time.perf_counter()
+        burn(iterations)
+        took = time.perf_counter() - began
+        if took > 0.05:
+            return max(1, int(iterations * seconds / took))
+        iterations *= 2
+
+
+def cpu_bound(endpoints: Endpoints, admin: Admin, messages: int, workers: int) -> None:
+    """(g): a ~2 ms pure-Python callback over 200 keys: ProcessPoolExecutor(2) vs the thread pool."""
+    iterations = calibrate(0.002)
+    topic = f"bench-cpu-{uuid.uuid4().hex[:8]}"
+    admin.create_topic(topic, partitions=6)
+    publish(endpoints, topic, [f"key-{i}" for i in range(200)], messages)
+    callback = functools.partial(burn_message, iterations)
+    threads = subscribed_rate(endpoints, admin, topic, messages, callback, max_workers=workers)
+    with ProcessPoolExecutor(2) as pool:
+        list(pool.map(burn, [1, 1]))  # the processes started before the clock
+        processes = subscribed_rate(endpoints, admin, topic, messages, callback, executor=pool)
+    print(f"(g) ~2 ms CPU-bound callback, 200 keys: ProcessPoolExecutor(2) {processes:8,.0f} msg/s   "
+          f"thread pool ({workers}) {threads:8,.0f} msg/s   ratio {processes / threads:5.2f} (goal >= 1.6)",
+          flush=True)
 
 
 if __name__ == "__main__":

@@ -2,15 +2,17 @@
 callback on ``MessageCopy``, a picklable copy of each message; returning acks, raising (or
 ``nack()`` on the copy) nacks.
 
-One driver thread starts the messages, at most as many at a time as the pool has processes (so a
-message given to the pool is one a process runs, not one waiting in the pool's queue), and settles
-them as their futures complete. A key's run goes on as ``CallbackPool``'s does (``goes_on``).
+One driver thread starts the messages, at most one more at a time than the pool has processes (a
+message given to the pool is one a process runs, or the one next in line, so that a process finding
+its next message waiting spares the round trip through the driver), and settles them as their
+futures complete. A key's run goes on as ``CallbackPool``'s does (``goes_on``).
 
 A worker process that dies breaks the pool: every message the pool held is nacked (its attempt
 counts, ACK-6, DLQ-3), and a new pool with the same settings replaces it. Which process held the
 culprit is not known, so the messages nacked by a break (the *casualties*) each run alone when they
 come again: a poison that kills its process then takes down no other message, and is dead-lettered
-after exactly ``max_delivery_attempts``; a message that ran beside it is charged one attempt.
+after exactly ``max_delivery_attempts``; a message that ran beside it (or was next in line) is
+charged one attempt.
 """
 
 from __future__ import annotations
@@ -126,7 +128,7 @@ class ProcessCallbacks:
         self._made: list[ProcessPoolExecutor] = []  # the replacements made here (shut down at the end)
         self._callback = callback
         self._hooks = hooks
-        self._limit = getattr(executor, "_max_workers", None) or os.cpu_count() or 1
+        self._limit = (getattr(executor, "_max_workers", None) or os.cpu_count() or 1) + 1
         self._events: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._waiting: deque[list[Message]] = deque()  # runs not started yet (a message: a run of one)
         # A started message's future -> (its run, its index there, when the run began, its pool).
