@@ -138,11 +138,21 @@ class NativeFetch:
     def fetch(self, max: int, timeout: float) -> tuple[list[Any], list[tuple[int, int, str]]]: ...
     def close(self) -> None: ...
 
+OP_LETTERS: dict[str, str]
+"""Each state op's letter in ``apply.lua``'s packed argument, by its ``OpKind`` name (``core/src/ops.rs``)."""
+RECORD_FIELDS: tuple[str, ...]
+"""The ``Record`` slots the core fills and reads, by name, in the order its layout names them."""
+MESSAGE_FIELDS: tuple[str, ...]
+"""The ``Message`` slots the core fills and reads, by name, in the order its layout names them."""
+
 class SlotLayout:
     """Where the named slots of a ``__slots__`` class are (``core/src/slots.rs``); TypeError for a
     class with a ``__dict__`` or a name that is not one slot of it."""
 
     def __init__(self, cls: type, names: list[str]) -> None: ...
+    @property
+    def names(self) -> list[str]:
+        """The slots named, in order."""
     def new_instance(self, *values: Any) -> Any:
         """An instance with ``values`` in the named slots, in order, without running ``__init__``."""
 

@@ -26,7 +26,7 @@ use pyo3::{PyTraverseError, PyVisit};
 use pyo3::types::{PyBool, PyBytes, PyList, PyString, PyTuple};
 
 use crate::moves::{murmur2, Moves};
-use crate::slots::SlotLayout;
+use crate::slots::{SlotLayout, RECORD_FIELDS};
 
 const RTLD_NOW: c_int = 2;
 const RTLD_NOLOAD: c_int = 4;
@@ -384,15 +384,15 @@ impl NativeFetch {
     ///
     /// `consumer` is the `Consumer` (kept until the fetch is dropped), `handle` its `rd_kafka_t` pointer, `library` the path of the librdkafka confluent-kafka
     /// loaded, `name_prefix` how the name librdkafka reports for the handle begins (checked before use),
-    /// `record` the `SlotLayout` of the records made (`Record`'s 12 slots, in `Record.__slots__`'s
-    /// order), `metadata_of(headers, partition, offset)` gives
+    /// `record` the `SlotLayout` of the records made (`Record`'s slots named by `RECORD_FIELDS`, in
+    /// that order), `metadata_of(headers, partition, offset)` gives
     /// `(metadata, headers to keep, shareable)` of a record's header list, `empty` the metadata of a record without headers.
     #[new]
     #[allow(clippy::too_many_arguments)]
     fn new(consumer: Py<PyAny>, handle: usize, library: &str, name_prefix: &str, topic: &str, record: Bound<'_, SlotLayout>, metadata_of: Py<PyAny>,
            empty: Py<PyAny>) -> PyResult<Self> {
-        if record.get().len() != 12 {
-            return Err(PyRuntimeError::new_err("the record layout names 12 slots"));
+        if !record.get().names_are(&RECORD_FIELDS) {
+            return Err(PyRuntimeError::new_err("the record layout names other slots than RECORD_FIELDS"));
         }
         let api = Api::load(library)?;
         let rk = handle as *mut c_void;
@@ -499,7 +499,7 @@ impl NativeFetch {
                     object
                 }
             };
-            // The Record's slots, in RECORD_SLOTS order (see `open_native_fetch`).
+            // The Record's slots, in `RECORD_FIELDS` order.
             let record = layout.make(py, &[item.partition.into_pyobject(py)?.into_any(), item.offset.into_pyobject(py)?.into_any(),
                                            key, value, headers.into_bound(py), metadata.into_bound(py),
                                            size.into_pyobject(py)?.into_any(), timestamp, zero.clone(), none.clone(),

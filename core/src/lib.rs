@@ -27,11 +27,11 @@ use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::{PyTraverseError, PyVisit};
-use pyo3::types::{PyBool, PyBytes, PyDict, PyList};
+use pyo3::types::{PyBool, PyBytes, PyDict, PyList, PyTuple};
 
 use leases::{LeaseSettings, Leases};
 use partition::{Admission, PartitionCore as Core, QueueKey};
-use slots::SlotLayout;
+use slots::{field, SlotLayout, MESSAGE_FIELDS, RECORD_FIELDS};
 
 /// What `release_ready` returns: records, tokens, attempts (parallel lists), payload bytes, the
 /// positions of the suspects among them (rare: after a crash), and the deliveries' lease handles
@@ -123,21 +123,17 @@ struct ReleaseOut {
     bytes: i64,
 }
 
-/// The `Message` slots `Deliveries` fills, in this order (`ordering_layer.subscriber.message`).
-const MESSAGE_SLOTS: usize = 9;
-const MESSAGE_LEASE: usize = 4;
-/// The `Record` slots `fetch` fills, in this order (`ordering_layer.subscriber.key_queue`), and the
-/// positions of those a release sets.
-const RECORD_SLOTS: usize = 12;
-const RECORD_PARTITION: usize = 0;
-const RECORD_OFFSET: usize = 1;
-const RECORD_KEY: usize = 2;
-const RECORD_METADATA: usize = 5;
-const RECORD_SIZE: usize = 6;
-const RECORD_TIMESTAMP: usize = 7;
+/// Positions in the names the layouts are built from (`slots::MESSAGE_FIELDS`, `slots::RECORD_FIELDS`).
+const MESSAGE_LEASE: usize = field(&MESSAGE_FIELDS, "lease");
+const RECORD_PARTITION: usize = field(&RECORD_FIELDS, "partition");
+const RECORD_OFFSET: usize = field(&RECORD_FIELDS, "offset");
+const RECORD_KEY: usize = field(&RECORD_FIELDS, "key");
+const RECORD_METADATA: usize = field(&RECORD_FIELDS, "metadata");
+const RECORD_SIZE: usize = field(&RECORD_FIELDS, "size");
+const RECORD_TIMESTAMP: usize = field(&RECORD_FIELDS, "timestamp_ms");
 const METADATA_PARTITION_COUNT: usize = 1; // `RecordMetadata.partition_count`
-const RECORD_ATTEMPTS: usize = 8;
-const RECORD_SUSPECT: usize = 10;
+const RECORD_ATTEMPTS: usize = field(&RECORD_FIELDS, "attempts");
+const RECORD_SUSPECT: usize = field(&RECORD_FIELDS, "suspect");
 
 /// How one partition's released records become `Message`s: the layouts of `Message`
 /// (`record, queue_key, token, attempt, lease, _topic, _epoch, _submit, settled`) and `Record`
@@ -158,8 +154,8 @@ impl Deliveries {
     #[new]
     fn new(messages: Bound<'_, SlotLayout>, records: Bound<'_, SlotLayout>, topic: Py<PyAny>, submit: Py<PyAny>,
            ordered: bool) -> PyResult<Self> {
-        if messages.get().len() != MESSAGE_SLOTS || records.get().len() != RECORD_SLOTS {
-            return Err(PyValueError::new_err("Deliveries needs the 9 Message slots and the 12 Record slots"));
+        if !messages.get().names_are(&MESSAGE_FIELDS) || !records.get().names_are(&RECORD_FIELDS) {
+            return Err(PyValueError::new_err("Deliveries needs layouts of MESSAGE_FIELDS and RECORD_FIELDS"));
         }
         Ok(Deliveries { messages: messages.unbind(), records: records.unbind(), topic, submit, ordered })
     }
@@ -868,6 +864,13 @@ fn ordering_layer_core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<PartitionCore>()?;
     module.add_class::<LeaseTable>()?;
     module.add_class::<SlotLayout>()?;
+    module.add("RECORD_FIELDS", PyTuple::new(module.py(), RECORD_FIELDS)?)?;
+    module.add("MESSAGE_FIELDS", PyTuple::new(module.py(), MESSAGE_FIELDS)?)?;
+    let letters = PyDict::new(module.py());
+    for (name, letter) in ops::LETTERS {
+        letters.set_item(name, letter.to_string())?;
+    }
+    module.add("OP_LETTERS", letters)?;
     module.add_class::<Deliveries>()?;
     module.add_function(wrap_pyfunction!(partition_runs, module)?)?;
     module.add_function(wrap_pyfunction!(kafka_partition_runs, module)?)?;

@@ -1,7 +1,7 @@
 //! State ops of one partition, packed `"<letter>,<offset>,<value>;"` each; the state store sends
 //! them to `apply.lua` as the Redis command runs they make (`runs.rs`).
 //!
-//! The letters are `OpKind`'s (`ordering_layer/state/store.py`). Every op of a partition goes through
+//! The letters are defined here; `OpKind` (`ordering_layer/state/store.py`) reads them (`LETTERS`). Every op of a partition goes through
 //! one buffer, in the order decided, because their writes are applied in sequence (a lease extension
 //! queued after a settle would bring the lease back).
 
@@ -47,6 +47,15 @@ pub const UNSETTLED: char = 'u';
 pub const CASCADE_FROM: char = 'c';
 pub const CASCADE_DONE: char = 'x';
 pub const FLOOR: char = 'f';
+
+/// Every op, by its `OpKind` name (exported to Python as `OP_LETTERS`, which `OpKind` reads).
+pub const LETTERS: [(&str, char); 17] = [
+    ("DELIVERED", DELIVERED), ("LEASE", LEASE), ("BATCH_LEASE", BATCH_LEASE), ("BATCH_DELIVERED", BATCH_DELIVERED),
+    ("RELEASED", RELEASED), ("BATCH_RELEASED", BATCH_RELEASED), ("FIRST_DELIVERED", FIRST_DELIVERED),
+    ("FIRST_RELEASED", FIRST_RELEASED), ("BATCH_FIRST_DELIVERED", BATCH_FIRST_DELIVERED),
+    ("BATCH_FIRST_RELEASED", BATCH_FIRST_RELEASED), ("STARTED", STARTED), ("SETTLED", SETTLED), ("NACKED", NACKED),
+    ("UNSETTLED", UNSETTLED), ("CASCADE_FROM", CASCADE_FROM), ("CASCADE_DONE", CASCADE_DONE), ("FLOOR", FLOOR),
+];
 
 /// Ops queued since the last `take`.
 #[derive(Default)]

@@ -18,11 +18,46 @@ use pyo3::types::{PyList, PyTuple, PyType};
 
 const POINTER: usize = std::mem::size_of::<*mut ffi::PyObject>();
 
+/// The `Record` slots the core fills and reads (`ordering_layer.subscriber.key_queue.Record`), by
+/// name: a layout's values come in this order, whatever the order of the class's fields.
+pub const RECORD_FIELDS: [&str; 12] = ["partition", "offset", "key", "value", "headers", "metadata", "size",
+                                       "timestamp_ms", "attempts", "last_error", "suspect", "quarantined"];
+/// The `Message` slots the core fills and reads (`ordering_layer.subscriber.message.Message`), by name.
+pub const MESSAGE_FIELDS: [&str; 9] = ["record", "queue_key", "token", "attempt", "lease", "_topic", "_epoch",
+                                       "_submit", "settled"];
+
+/// The position of `name` in `names`, at compile time (a misspelt name does not build).
+pub const fn field(names: &[&str], name: &str) -> usize {
+    let mut index = 0;
+    while index < names.len() {
+        if same(names[index].as_bytes(), name.as_bytes()) {
+            return index;
+        }
+        index += 1;
+    }
+    panic!("no such field");
+}
+
+const fn same(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    let mut index = 0;
+    while index < a.len() {
+        if a[index] != b[index] {
+            return false;
+        }
+        index += 1;
+    }
+    true
+}
+
 /// Where the named slots of one class are, in the order named.
 #[pyclass(module = "ordering_layer._core", name = "SlotLayout", frozen)]
 pub struct SlotLayout {
     class: Py<PyType>,
     offsets: Vec<usize>,
+    names: Vec<String>,
 }
 
 impl SlotLayout {
@@ -70,9 +105,10 @@ impl SlotLayout {
         }
     }
 
-    /// How many slots are named.
-    pub fn len(&self) -> usize {
-        self.offsets.len()
+    /// Whether the layout names exactly `expected`, in that order (the core reads slots by position
+    /// in its own list of names).
+    pub fn names_are(&self, expected: &[&str]) -> bool {
+        self.names.len() == expected.len() && self.names.iter().zip(expected).all(|(name, wanted)| name == wanted)
     }
 
     /// Whether `object` is an instance of exactly this layout's class (not a subclass).
@@ -122,7 +158,13 @@ impl SlotLayout {
                 _ => return Err(not_a_slot()),
             }
         }
-        Ok(SlotLayout { class: class.clone().unbind(), offsets })
+        Ok(SlotLayout { class: class.clone().unbind(), offsets, names })
+    }
+
+    /// The slots named, in order.
+    #[getter]
+    fn names(&self) -> Vec<String> {
+        self.names.clone()
     }
 
     /// A new instance with `values` in the named slots, in order, without running `__init__`.

@@ -28,7 +28,7 @@ from typing import Any, Concatenate, Final, Literal, ParamSpec, TypeVar, cast
 import redis
 from redis.cluster import RedisCluster
 
-from ordering_layer._core import command_runs
+from ordering_layer._core import OP_LETTERS, command_runs
 from ordering_layer.config import SubscriptionSettings
 from ordering_layer.errors import OrderingLayerError, SubscriptionNotFoundError
 from ordering_layer.state.client import mask_url, redis_client, retry_policy, verify_redis
@@ -37,6 +37,11 @@ from ordering_layer.state.durable import SettingsLog
 _LOGGER = logging.getLogger(__name__)
 
 OpLetter = Literal["d", "l", "b", "e", "r", "q", "D", "E", "R", "Q", "s", "a", "n", "u", "c", "x", "f"]
+
+
+def _letter(name: str) -> OpLetter:
+    """The letter of op ``name``, as the core defines it (``core/src/ops.rs``)."""
+    return cast(OpLetter, OP_LETTERS[name])
 
 
 class OpKind:
@@ -79,23 +84,23 @@ class OpKind:
       (``ClaimedPartition.floor``) and the new owner skips the records below it.
     """
 
-    DELIVERED: Final = "d"
-    LEASE: Final = "l"
-    BATCH_LEASE: Final = "b"
-    BATCH_DELIVERED: Final = "e"
-    RELEASED: Final = "r"
-    BATCH_RELEASED: Final = "q"
-    FIRST_DELIVERED: Final = "D"
-    BATCH_FIRST_DELIVERED: Final = "E"
-    FIRST_RELEASED: Final = "R"
-    BATCH_FIRST_RELEASED: Final = "Q"
-    STARTED: Final = "s"
-    SETTLED: Final = "a"
-    NACKED: Final = "n"
-    UNSETTLED: Final = "u"
-    CASCADE_FROM: Final = "c"
-    CASCADE_DONE: Final = "x"
-    FLOOR: Final = "f"
+    DELIVERED: Final = _letter("DELIVERED")
+    LEASE: Final = _letter("LEASE")
+    BATCH_LEASE: Final = _letter("BATCH_LEASE")
+    BATCH_DELIVERED: Final = _letter("BATCH_DELIVERED")
+    RELEASED: Final = _letter("RELEASED")
+    BATCH_RELEASED: Final = _letter("BATCH_RELEASED")
+    FIRST_DELIVERED: Final = _letter("FIRST_DELIVERED")
+    BATCH_FIRST_DELIVERED: Final = _letter("BATCH_FIRST_DELIVERED")
+    FIRST_RELEASED: Final = _letter("FIRST_RELEASED")
+    BATCH_FIRST_RELEASED: Final = _letter("BATCH_FIRST_RELEASED")
+    STARTED: Final = _letter("STARTED")
+    SETTLED: Final = _letter("SETTLED")
+    NACKED: Final = _letter("NACKED")
+    UNSETTLED: Final = _letter("UNSETTLED")
+    CASCADE_FROM: Final = _letter("CASCADE_FROM")
+    CASCADE_DONE: Final = _letter("CASCADE_DONE")
+    FLOOR: Final = _letter("FLOOR")
 
 
 Op = tuple[OpLetter, int, int]

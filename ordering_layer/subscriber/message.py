@@ -36,10 +36,6 @@ def unattached(_: Settle | Message | list[Message]) -> None:
     raise RuntimeError("this message was not released by a subscriber")
 
 
-# The slots ``Message`` objects are made with by the core (``OwnedPartition``), in its order.
-MESSAGE_SLOTS = ("record", "queue_key", "token", "attempt", "lease", "_topic", "_epoch", "_submit", "settled")
-
-
 class Message(Delivery):
     """A delivered message: a Kafka record, with Pub/Sub fields and confluent-kafka accessors.
 
@@ -56,7 +52,7 @@ class Message(Delivery):
 
     def __init__(self, record: Record, queue_key: QueueKey, token: int, attempt: int, topic: str, epoch: int,
                  submit: Callable[[Settle | Message | list[Message]], None] = unattached, lease: int = 0) -> None:
-        # The subscriber's releases do not call this: the core fills the slots (MESSAGE_SLOTS) of
+        # The subscriber's releases do not call this: the core fills the slots (``_core.MESSAGE_FIELDS``) of
         # each message it releases directly. Delivery's fields are set here, not by its __init__.
         self.record = record
         self.queue_key = queue_key

@@ -19,17 +19,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ordering_layer._core import Deliveries, LeaseTable, PartitionCore, SlotLayout
+from ordering_layer._core import MESSAGE_FIELDS, RECORD_FIELDS, Deliveries, LeaseTable, PartitionCore, SlotLayout
 from ordering_layer.state.store import OpLetter
 from ordering_layer.subscriber.key_queue import Delivery, QueueKey, Record
-from ordering_layer.subscriber.message import MESSAGE_SLOTS, Message, unattached
+from ordering_layer.subscriber.message import Message, unattached
 
 __all__ = ["MESSAGE_LAYOUT", "RECORD_LAYOUT", "OwnedPartition"]
 
 # Records and messages are made by the core without running ``__init__``, and their fields read from
-# their slots (``core/src/slots.rs``).
-RECORD_LAYOUT = SlotLayout(Record, list(Record.__slots__))
-MESSAGE_LAYOUT = SlotLayout(Message, list(MESSAGE_SLOTS))
+# their slots (``core/src/slots.rs``), found by the names the core gives: the order of the classes'
+# fields does not matter.
+RECORD_LAYOUT = SlotLayout(Record, list(RECORD_FIELDS))
+MESSAGE_LAYOUT = SlotLayout(Message, list(MESSAGE_FIELDS))
 
 
 class OwnedPartition:

@@ -11,10 +11,18 @@ from typing import Any
 
 import pytest
 
-from ordering_layer._core import Deliveries, LeaseTable, PartitionCore, SlotLayout, partition_runs
+from ordering_layer._core import (
+    MESSAGE_FIELDS,
+    RECORD_FIELDS,
+    Deliveries,
+    LeaseTable,
+    PartitionCore,
+    SlotLayout,
+    partition_runs,
+)
 from ordering_layer.record import RecordMetadata
 from ordering_layer.subscriber.key_queue import Delivery, Record
-from ordering_layer.subscriber.message import MESSAGE_SLOTS, Message
+from ordering_layer.subscriber.message import Message
 from ordering_layer.subscriber.owned_partition import MESSAGE_LAYOUT, RECORD_LAYOUT, OwnedPartition
 
 _META = RecordMetadata(None, 1, None)
@@ -83,12 +91,56 @@ def test_a_made_record_is_the_one_the_class_makes() -> None:
     made, called = RECORD_LAYOUT.new_instance(*values), Record(*values[:8])
     assert type(made) is Record
     assert [getattr(made, f.name) for f in fields(Record)] == [getattr(called, f.name) for f in fields(Record)]
-    assert list(Record.__slots__) == [f.name for f in fields(Record)]  # the order the fetch fills them in
     assert SlotLayout(Twin, ["x", "y"]).new_instance(1, b"2") == Twin(1, b"2")
 
 
-def test_message_slots_are_every_slot_of_a_message() -> None:
-    assert sorted(MESSAGE_SLOTS) == sorted((*Delivery.__slots__, *Message.__slots__))
+def test_the_core_names_every_slot_of_a_message_and_a_record() -> None:
+    assert sorted(MESSAGE_FIELDS) == sorted((*Delivery.__slots__, *Message.__slots__))
+    assert sorted(RECORD_FIELDS) == sorted(f.name for f in fields(Record))
+    assert MESSAGE_LAYOUT.names == list(MESSAGE_FIELDS) and RECORD_LAYOUT.names == list(RECORD_FIELDS)
+
+
+@dataclass(slots=True, eq=False)
+class ShuffledRecord:
+    """``Record``'s fields in another order: the core finds them by name."""
+
+    quarantined: bool
+    suspect: bool
+    last_error: str | None
+    attempts: int
+    timestamp_ms: int
+    size: int
+    metadata: RecordMetadata
+    headers: Any
+    value: bytes | None
+    key: bytes | None
+    offset: int
+    partition: int
+
+
+def test_fields_in_another_order_are_read_and_written_by_name() -> None:
+    """The slot contract is by name: a record class whose fields are declared in another order is
+    made, queued, released and acked as ``Record`` is (the key it orders by, the attempts written
+    on release, the suspect mark); a layout that names other slots, or the same in another order, is
+    refused where the core reads by position."""
+    shuffled = SlotLayout(ShuffledRecord, list(RECORD_FIELDS))
+    values = dict(zip(RECORD_FIELDS, (0, 0, b"k", b"v", None, _META, 1, 5, 0, None, False, False), strict=True))
+    made = [shuffled.new_instance(*{**values, "offset": offset, "key": key}.values())
+            for offset, key in enumerate([b"k", b"j", b"k"])]
+    assert [(r.partition, r.offset, r.key, r.timestamp_ms, r.quarantined) for r in made] == [
+        (0, 0, b"k", 5, False), (0, 1, b"j", 5, False), (0, 2, b"k", 5, False)]
+    core: PartitionCore[Any] = PartitionCore(ordered=True, attempts_before={0: 1}, suspects=True)
+    core.add(made, 0, None, shuffled)
+    deliveries = Deliveries(MESSAGE_LAYOUT, shuffled, "orders", lambda message: None, True)
+    messages, _ = core.release_messages(0.0, 10, 1, 10**6, None, pooled=True, leases=None, partition=0, epoch=1,
+                                        deliveries=deliveries)
+    assert [(m.record.offset, m.queue_key, m.attempt, m.record.attempts, m.record.suspect) for m in messages] == [
+        (0, b"k", 2, 2, True), (1, b"j", 1, 1, False)]  # one per key in callback mode: 2 waits for 0
+    assert partition_runs(made, shuffled) == [(0, 0, 3)]
+    with pytest.raises(ValueError):
+        Deliveries(MESSAGE_LAYOUT, SlotLayout(ShuffledRecord, list(reversed(RECORD_FIELDS))), "t", print, True)
+    with pytest.raises(ValueError):
+        Deliveries(SlotLayout(Message, list(MESSAGE_FIELDS[:-1])), RECORD_LAYOUT, "t", print, True)
 
 
 def records(partition: int, keys: list[bytes | None]) -> list[Record]:

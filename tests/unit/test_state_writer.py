@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from concurrent.futures import Future
-from typing import cast
+from typing import cast, get_args
 
 import pytest
 import redis
 
-from ordering_layer._core import evalsha_commands
+from ordering_layer._core import OP_LETTERS, evalsha_commands
 from ordering_layer.state import ApplyResult, StateStore
 from ordering_layer.state.store import Op, OpKind, OpLetter, unpack_ops
 from ordering_layer.subscriber.message import AckResponse
@@ -109,3 +109,12 @@ def test_the_cores_encoding_of_a_flush_is_redis_pys() -> None:
     assert evalsha_commands(sha, StateStore.apply_packed_calls(batches)) == expected
     with pytest.raises(ValueError):
         evalsha_commands(sha, [(["k"], 1, "z,1,1;")])
+
+
+def test_the_op_alphabet_is_the_cores() -> None:
+    """``OpKind`` reads each op's letter from the core (``core/src/ops.rs``); the ``OpLetter`` type
+    names exactly those letters, once each."""
+    names = [name for name in vars(OpKind) if name.isupper()]
+    assert {name: getattr(OpKind, name) for name in names} == OP_LETTERS
+    assert sorted(get_args(OpLetter)) == sorted(OP_LETTERS.values())
+    assert len(set(OP_LETTERS.values())) == len(OP_LETTERS)
