@@ -11,6 +11,8 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -33,9 +35,9 @@ NACK_FIRST = 7  # a key's message at this index is nacked on its first delivery 
 
 
 # -- the callback run in worker processes (top-level: picklable) -------------------------------------
-def _log(copy: MessageCopy, action: str) -> None:
+def _log(copy: MessageCopy | Message, action: str) -> None:
     line = json.dumps({"id": copy.message_id, "attempt": copy.delivery_attempt, "action": action,
-                       "at": time.time(), "pid": os.getpid()}) + "\n"
+                       "at": time.time(), "pid": os.getpid(), "sub": os.environ.get("OL_TEST_SUB", "s1")}) + "\n"
     with open(os.environ["OL_TEST_EVENTS"], "a") as events:
         events.write(line)
 
@@ -288,3 +290,75 @@ def test_sub9_coroutines_many_keys_in_flight_on_one_thread(
         wait_until(lambda: checker.acked_count() == 200, 30, "all acked")
     assert len(threads) == 1 and 50 <= most[0] <= 100
     assert checker.verify() == []
+
+
+# -- kill -9 of the subscriber process ------------------------------------------------------------------
+async def coroutine_callback(message: Message) -> None:
+    """``process_callback``'s ``hold`` mode as a coroutine (for the subscriber process below)."""
+    _log(message, "deliver")
+    if message.data == b"key-0:1" and message.delivery_attempt == 1:
+        Path(os.environ["OL_TEST_EVENTS"] + ".pid").write_text(str(os.getpid()))
+        await asyncio.sleep(120)
+    await asyncio.sleep(0.001)
+    _log(message, "ack")
+    message.ack()
+
+
+def subscriber_process() -> None:
+    """``python -m tests.integration.test_executors KIND SUBSCRIPTION KAFKA_JSON REDIS_URL``: a
+    subscriber with KIND's executor, the events in ``$OL_TEST_EVENTS``, until killed."""
+    kind, name, kafka_json, redis_url = sys.argv[1:5]
+    kafka = {**json.loads(kafka_json), "session.timeout.ms": 6000, "heartbeat.interval.ms": 1000}
+    subscriber = Subscriber(kafka, redis_url=redis_url)
+    if kind == "coroutine":
+        subscriber.subscribe(name, coroutine_callback)
+    else:
+        subscriber.subscribe(name, cast(Any, process_callback), executor=ProcessPoolExecutor(2))
+    time.sleep(600)
+
+
+@pytest.mark.parametrize("kind", ["coroutine", "processes"])
+def test_sub9_kill_9_of_the_subscriber_redelivers_in_order_with_the_attempt_counted(
+        kind: str, kafka_config: dict[str, Any], endpoints: Any, events: Path,
+        subscription: Callable[..., tuple[str, str]]) -> None:
+    """SUB-9, SUB-3, SUB-4, ACK-6: kill -9 of a subscriber process (with its worker processes) while
+    its callback holds ``key-0:1``; the next subscriber delivers it again as attempt 2, and every
+    message is acked in per-key order (the subscribers' events checked together)."""
+    topic, name = subscription(partitions=2)
+    checker = publish_keys(kafka_config, topic, keys=10, per_key=20)
+    held = checker.published["key-0"][1]
+    pid_file = Path(str(events) + ".pid")
+    root = Path(__file__).resolve().parents[2]
+
+    def start(sub: str) -> subprocess.Popen[bytes]:
+        env = {**os.environ, "PYTHONPATH": str(root), "OL_TEST_EVENTS": str(events), "OL_TEST_MODE": "hold",
+               "OL_TEST_SUB": sub}
+        return subprocess.Popen([sys.executable, "-m", "tests.integration.test_executors", kind, name,
+                                 json.dumps(kafka_config), endpoints.redis_url], cwd=root, env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+    def acked() -> int:
+        return len({e["id"] for e in _events(events) if e["action"] == "ack"})
+
+    first = start("w1")
+    second = None
+    try:
+        wait_until(lambda: pid_file.exists() and pid_file.read_text() != "", 60, "key-0:1 held by w1")
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait(30)
+        checker.subscriber_died("w1")
+        second = start("w2")
+        wait_until(lambda: acked() == checker.total(), 120, "every message acked by w1 or w2")
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(30)
+    for event in _events(events):
+        checker.record(event["id"], event["sub"], event["attempt"], event["action"], at=event["at"])
+    assert [(e.subscriber, e.attempt) for e in checker.deliveries() if e.message_id == held] == [("w1", 1), ("w2", 2)]
+    assert checker.verify() == []
+
+
+if __name__ == "__main__":
+    subscriber_process()
