@@ -107,7 +107,12 @@ class ExecutorCallbacks:
 
     def submit(self, messages: list[Message]) -> None:
         for item in items_of(messages):
-            task = self._executor.submit(run_item, item, self._run, self._hooks)
+            try:
+                task = self._executor.submit(run_item, item, self._run, self._hooks)
+            except RuntimeError as exc:  # the executor was shut down: the messages go back unstarted
+                _LOGGER.error("the executor refused a callback (%r); giving its messages back", exc)
+                self._hooks.give_back(item if isinstance(item, list) else [item])
+                continue
             with self._lock:
                 self._tasks.add(task)
             task.add_done_callback(self._done)

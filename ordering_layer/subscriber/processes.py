@@ -205,6 +205,11 @@ class ProcessCallbacks:
             except BrokenProcessPool:
                 self._replace(pool)
                 continue
+            except RuntimeError as exc:  # the pool was shut down: the run's rest goes back unstarted
+                _LOGGER.error("the process pool refused a callback (%r); giving its messages back", exc)
+                self._alone = False
+                self._hooks.give_back(run[index:])
+                return
             self._running[future] = (run, index, began, pool)
             future.add_done_callback(self._events.put)
             return

@@ -198,3 +198,15 @@ def test_executor_refused_with_a_coroutine_function() -> None:
     with ThreadPoolExecutor(1) as executor, pytest.raises(ConfigError):
         handoff_for("test", callback, executor=executor, max_workers=1, run=lambda m: None,
                     hooks=Recorder().hooks(), tracing=None)
+
+
+def test_a_shut_down_executor_gives_the_messages_back() -> None:
+    """An executor shut down under a running subscription refuses the callbacks: their messages go
+    back unstarted (redelivered later), the coordinator is not stopped by it."""
+    recorder = Recorder()
+    executor = ThreadPoolExecutor(1)
+    executor.shutdown()
+    pool = ExecutorCallbacks(executor, lambda m: m.ack(), recorder.hooks())
+    pool.submit([message(recorder, 0, b"a"), message(recorder, 1, b"a"), message(recorder, 2, b"b")])
+    pool.shutdown()
+    assert recorder.given_back == [[0, 1], [2]] and recorder.settled() == 0
