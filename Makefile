@@ -103,6 +103,7 @@ compat: system-deps
 lint: python-deps core
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy ordering_layer tests bench spark
+	$(VENV)/bin/lint-imports --no-cache
 	PYO3_PYTHON=$(abspath $(PY)) cargo clippy --release --locked --quiet --manifest-path core/Cargo.toml -- -D warnings
 
 # The docs site (mkdocs.yml, docs/): mkdocs-material, the API reference generated from the docstrings

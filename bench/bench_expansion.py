@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import bench_stack
 from ordering_layer import Admin, Message, OrderedProducer, RetryPolicy, Subscriber
-from ordering_layer.publisher.partitioner import partition_for
+from ordering_layer.kafka.partitioner import partition_for
 from ordering_layer.stack import Endpoints
 from ordering_layer.state.client import redis_client
 from ordering_layer.state.counts import moves_key

@@ -10,8 +10,8 @@ from ordering_layer.config import (
     SubscriptionSettings,
 )
 from ordering_layer.publisher import OrderedProducer, PublishResult
+from ordering_layer.publisher.activation import Scheduler
 from ordering_layer.scheduler.records import CancelResult
-from ordering_layer.scheduler.scheduler import Scheduler
 from ordering_layer.scheduler.settings import SchedulerSettings
 from ordering_layer.subscriber import AckResponse, Message, OrderedConsumer, StreamingPullFuture, Subscriber
 

@@ -20,9 +20,9 @@ from typing import Any
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, Producer, TopicPartition
 
 from ordering_layer.errors import ConfigError, PublishError, RecordFormatError
+from ordering_layer.kafka.offsets import retrying, watermarks
+from ordering_layer.kafka.partitioner import partition_for
 from ordering_layer.kafka_config import connection_settings
-from ordering_layer.offsets import retrying, watermarks
-from ordering_layer.publisher.partitioner import partition_for
 from ordering_layer.record import HEADER_MESSAGE_ID, HEADER_PARTITION_COUNT, decode, display_key
 
 _LOGGER = logging.getLogger(__name__)

@@ -144,7 +144,7 @@ def _subscribe(endpoints: Endpoints, topic: str, last_number: dict[str, int],
 def _spark_step(endpoints: Endpoints, topic: str, out: Callable[[str], None]) -> tuple[str, bool]:
     """Spark reads the same topic with its Kafka source and restores per-key order (SPK-1, SPK-2)."""
     try:
-        from ordering_layer.spark import demo_step
+        from ordering_layer.spark import demo_step  # needs pyspark: the optional spark extra
     except ImportError as exc:
         out(f"[skipped] Spark step: {exc} (install the 'spark' extra)")
         return ("Spark step skipped", True)

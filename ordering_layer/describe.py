@@ -20,9 +20,9 @@ from confluent_kafka import Consumer, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from ordering_layer.config import SubscriptionSettings
+from ordering_layer.kafka.offsets import PartitionOffsets, partition_offsets
+from ordering_layer.kafka.partitioner import murmur2
 from ordering_layer.kafka_config import connection_settings
-from ordering_layer.offsets import PartitionOffsets, partition_offsets
-from ordering_layer.publisher.partitioner import murmur2
 from ordering_layer.record import display_key
 from ordering_layer.state import StateStore
 from ordering_layer.state.counts import moves_key

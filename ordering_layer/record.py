@@ -14,6 +14,9 @@ Without an ``ol-message-id`` header the message id is the decimal sequence numbe
 producer is a message. Malformed ``ol-`` metadata is never a reason to refuse a record: it is
 reported in ``RecordMetadata.malformed`` and the record is read as a plain record (DLQ-4).
 
+``encode_ordering_key`` and ``attribute_headers`` check what a publish or a schedule writes (PUB-4);
+Kafka's key partitioner is ``kafka.partitioner``.
+
 Avro (fastavro, ``schemas/``) is only for the layer's own records: dead letters, schedules,
 snapshots (``encode``/``decode`` below).
 """
@@ -31,7 +34,8 @@ from typing import Any, NamedTuple
 
 import fastavro
 
-from ordering_layer.errors import RecordFormatError
+from ordering_layer.config import MAX_ORDERING_KEY_BYTES
+from ordering_layer.errors import InvalidMessageError, InvalidOrderingKeyError, RecordFormatError
 
 RESERVED_PREFIX = "ol-"
 HEADER_PARTITION_COUNT = "ol-partition-count"
@@ -149,6 +153,47 @@ def header_pairs(headers: Headers | None) -> list[tuple[str, HeaderValue]]:
     if isinstance(headers, Mapping):
         return list(headers.items())
     return list(headers)
+
+
+def encode_ordering_key(ordering_key: str | bytes | None) -> tuple[str | None, bytes | None]:
+    """Validate an ordering key (PUB-4); return it as text and as the Kafka record key.
+
+    Empty or absent means unordered. Raises ``InvalidOrderingKeyError`` for a key that is not
+    valid UTF-8 or is longer than 1024 bytes.
+    """
+    if ordering_key is None or ordering_key in ("", b""):
+        return None, None
+    if isinstance(ordering_key, bytes):
+        try:
+            text = ordering_key.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise InvalidOrderingKeyError("ordering key is not valid UTF-8", key=ordering_key) from exc
+        raw = ordering_key
+    elif isinstance(ordering_key, str):
+        try:
+            raw = ordering_key.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise InvalidOrderingKeyError("ordering key is not valid UTF-8", key=ordering_key) from exc
+        text = ordering_key
+    else:
+        raise InvalidOrderingKeyError(
+            f"ordering key must be str or bytes, not {type(ordering_key).__name__}", key=ordering_key)
+    if len(raw) > MAX_ORDERING_KEY_BYTES:
+        raise InvalidOrderingKeyError(
+            f"ordering key is {len(raw)} bytes; at most {MAX_ORDERING_KEY_BYTES} are allowed", key=text)
+    return text, raw
+
+
+def attribute_headers(attributes: Mapping[str, str]) -> list[tuple[str, HeaderValue]]:
+    """Attributes (str -> str) as record headers; refuses other types and ``ol-`` names (PUB-4, PUB-6)."""
+    headers: list[tuple[str, HeaderValue]] = []
+    for name, value in attributes.items():
+        if not isinstance(name, str) or not isinstance(value, str):
+            raise InvalidMessageError(f"attributes must map str to str; got {name!r}: {value!r}")
+        if name.startswith(RESERVED_PREFIX):
+            raise InvalidMessageError(f"attribute name {name!r} uses the reserved prefix {RESERVED_PREFIX!r}")
+        headers.append((name, value.encode()))
+    return headers
 
 
 def reserved_names(names: Iterable[str]) -> list[str]:

@@ -141,6 +141,7 @@ class _Otel(NamedTuple):
 
 @functools.cache
 def _otel() -> _Otel:
+    # opentelemetry-api: the optional tracing extra, imported once tracing is switched on.
     from opentelemetry import context, propagate, trace
     from opentelemetry.trace import Status, StatusCode
 

@@ -25,8 +25,8 @@ from ordering_layer.aio.calls import COMMON_CALLBACKS, CallGate, Lazy, callbacks
 from ordering_layer.config import PublisherSettings
 from ordering_layer.errors import PublishError, UnsupportedOperationError
 from ordering_layer.publisher import OrderedProducer
-from ordering_layer.publisher.producer import DeliveryCallback, ProduceHeaders, encode_ordering_key, produce_headers
-from ordering_layer.record import HeaderValue
+from ordering_layer.publisher.producer import DeliveryCallback, ProduceHeaders, produce_headers
+from ordering_layer.record import HeaderValue, encode_ordering_key
 
 if TYPE_CHECKING:
     from opentelemetry.trace import TracerProvider

@@ -10,8 +10,8 @@ from typing import Any
 
 from confluent_kafka import Consumer, KafkaException
 
+from ordering_layer.kafka.offsets import partition_offsets
 from ordering_layer.kafka_config import connection_settings
-from ordering_layer.offsets import partition_offsets
 
 _LOGGER = logging.getLogger(__name__)
 

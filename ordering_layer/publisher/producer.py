@@ -22,7 +22,6 @@ from confluent_kafka import KafkaError, KafkaException, Producer
 from confluent_kafka import Message as KafkaMessage
 
 from ordering_layer import metrics
-from ordering_layer.auth import verify_kafka
 from ordering_layer.config import (
     MAX_ORDERING_KEY_BYTES,
     PublisherSettings,
@@ -32,24 +31,27 @@ from ordering_layer.config import (
 from ordering_layer.errors import (
     ConfigError,
     InvalidMessageError,
-    InvalidOrderingKeyError,
     MessageTooLargeError,
     OrderingKeyPausedError,
     PublishError,
     TopicError,
     UnsupportedOperationError,
 )
+from ordering_layer.kafka.auth import verify_kafka
+from ordering_layer.kafka.partitioner import murmur2
 from ordering_layer.kafka_config import flag, integer, read_kafka_config
 from ordering_layer.publisher.future import FINISHED, RUNNING, LightFuture
-from ordering_layer.publisher.partitioner import murmur2
 from ordering_layer.record import (
     HEADER_MESSAGE_ID,
     HEADER_PARTITION_COUNT,
     MAX_MESSAGE_ID_BYTES,
     RESERVED_PREFIX,
     HeaderValue,
+    attribute_headers,
     display_key,
+    encode_ordering_key,
 )
+from ordering_layer.scheduler.book import ScheduleBook
 from ordering_layer.scheduler.participant import join_activation
 from ordering_layer.scheduler.records import CancelResult
 from ordering_layer.scheduler.settings import SchedulerSettings, redis_url_or_env
@@ -58,8 +60,6 @@ from ordering_layer.worker import Worker
 
 if TYPE_CHECKING:
     from opentelemetry.trace import TracerProvider
-
-    from ordering_layer.scheduler.book import ScheduleBook
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -98,47 +98,6 @@ class PublishResult(NamedTuple):
 def sequence_number(partition: int, offset: int) -> int:
     """The 64-bit sequence number of a record: partition in the upper 16 bits, offset below."""
     return (partition << 48) | offset
-
-
-def encode_ordering_key(ordering_key: str | bytes | None) -> tuple[str | None, bytes | None]:
-    """Validate an ordering key (PUB-4); return it as text and as the Kafka record key.
-
-    Empty or absent means unordered. Raises ``InvalidOrderingKeyError`` for a key that is not
-    valid UTF-8 or is longer than 1024 bytes.
-    """
-    if ordering_key is None or ordering_key in ("", b""):
-        return None, None
-    if isinstance(ordering_key, bytes):
-        try:
-            text = ordering_key.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise InvalidOrderingKeyError("ordering key is not valid UTF-8", key=ordering_key) from exc
-        raw = ordering_key
-    elif isinstance(ordering_key, str):
-        try:
-            raw = ordering_key.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise InvalidOrderingKeyError("ordering key is not valid UTF-8", key=ordering_key) from exc
-        text = ordering_key
-    else:
-        raise InvalidOrderingKeyError(
-            f"ordering key must be str or bytes, not {type(ordering_key).__name__}", key=ordering_key)
-    if len(raw) > MAX_ORDERING_KEY_BYTES:
-        raise InvalidOrderingKeyError(
-            f"ordering key is {len(raw)} bytes; at most {MAX_ORDERING_KEY_BYTES} are allowed", key=text)
-    return text, raw
-
-
-def attribute_headers(attributes: Mapping[str, str]) -> list[tuple[str, HeaderValue]]:
-    """Attributes (str -> str) as record headers; refuses other types and ``ol-`` names (PUB-4, PUB-6)."""
-    headers: list[tuple[str, HeaderValue]] = []
-    for name, value in attributes.items():
-        if not isinstance(name, str) or not isinstance(value, str):
-            raise InvalidMessageError(f"attributes must map str to str; got {name!r}: {value!r}")
-        if name.startswith(RESERVED_PREFIX):
-            raise InvalidMessageError(f"attribute name {name!r} uses the reserved prefix {RESERVED_PREFIX!r}")
-        headers.append((name, value.encode()))
-    return headers
 
 
 def produce_headers(headers: ProduceHeaders | None) -> list[tuple[str, HeaderValue]]:
@@ -345,8 +304,6 @@ class OrderedProducer:
             if not self._redis_url:
                 raise ConfigError("scheduled messages need the layer's Redis: pass OrderedProducer(..., "
                                   "redis_url=...) or set $ORDERING_LAYER_REDIS_URL")
-            from ordering_layer.scheduler.book import ScheduleBook
-
             self._book = ScheduleBook(self._config, self._redis_url,
                                       SchedulerSettings(schedule_topic=self.settings.schedule_topic))
         return self._book

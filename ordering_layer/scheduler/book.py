@@ -14,8 +14,7 @@ from datetime import datetime
 from typing import Any
 
 from ordering_layer.errors import ConfigError, InvalidMessageError
-from ordering_layer.publisher.producer import attribute_headers, encode_ordering_key
-from ordering_layer.record import now_ms
+from ordering_layer.record import attribute_headers, encode_ordering_key, now_ms
 from ordering_layer.scheduler.index import ScheduleIndex
 from ordering_layer.scheduler.log import ScheduleLog
 from ordering_layer.scheduler.records import (

@@ -11,8 +11,8 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ordering_layer.compacted import CompactedTopic
 from ordering_layer.errors import RecordFormatError
+from ordering_layer.kafka.compacted import CompactedTopic
 from ordering_layer.scheduler.records import ScheduledMessage
 
 _LOGGER = logging.getLogger(__name__)

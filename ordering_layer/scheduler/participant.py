@@ -3,7 +3,9 @@
 Service Bus needs no extra process for scheduled messages, so every running ``OrderedProducer``,
 ``Subscriber`` and ``OrderedConsumer`` activates due messages by default. ``join_activation`` is
 the one call a front end makes: it starts a ``Scheduler`` when a Redis URL is known and taking
-part is not switched off, and returns something to ``close()`` in any case.
+part is not switched off, and returns something to ``close()`` in any case. ``OrderedProducer``
+passes itself as the producer; the subscriber's front ends call it through
+``publisher.activation``, which makes them a producer of their own.
 """
 
 from __future__ import annotations
@@ -11,13 +13,11 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
+from ordering_layer.scheduler.book import ScheduleBook
+from ordering_layer.scheduler.scheduler import MakePublisher, Publisher, Scheduler
 from ordering_layer.scheduler.settings import SchedulerSettings, redis_url_or_env
-
-if TYPE_CHECKING:
-    from ordering_layer.publisher.producer import OrderedProducer
-    from ordering_layer.scheduler.book import ScheduleBook
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ class _NotTakingPart:
 
 
 class _TakingPart:
-    def __init__(self, scheduler: Any) -> None:
+    def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
 
     def close(self) -> None:
@@ -51,8 +51,8 @@ def switched_on(enabled: bool = True) -> bool:
 
 
 def join_activation(kafka_config: Mapping[str, Any], redis_url: str | None = None, *, enabled: bool = True,
-                    producer: OrderedProducer | None = None, book: ScheduleBook | None = None,
-                    settings: SchedulerSettings | None = None) -> Activation:
+                    producer: Publisher | None = None, make_producer: MakePublisher | None = None,
+                    book: ScheduleBook | None = None, settings: SchedulerSettings | None = None) -> Activation:
     """Start activating due scheduled messages from this client, if it can and may.
 
     Args:
@@ -60,7 +60,8 @@ def join_activation(kafka_config: Mapping[str, Any], redis_url: str | None = Non
         redis_url: the layer's Redis (default ``$ORDERING_LAYER_REDIS_URL``); without one the
             client does not take part.
         enabled: False switches taking part off (as does ``$ORDERING_LAYER_SCHEDULER=0``).
-        producer: publish through this producer; otherwise one is made on the first activation.
+        producer, make_producer: publish through this producer, or one ``make_producer`` makes on the
+            first activation (``Scheduler``).
         book, settings: share the caller's ``ScheduleBook``; the schedule topic and leases.
 
     Returns:
@@ -69,9 +70,7 @@ def join_activation(kafka_config: Mapping[str, Any], redis_url: str | None = Non
     url = redis_url_or_env(redis_url)
     if not url or not switched_on(enabled):
         return _NotTakingPart()
-    from ordering_layer.scheduler.scheduler import Scheduler
-
-    scheduler = Scheduler(kafka_config, url, producer=producer, settings=settings or (book.settings if book else None),
-                          book=book)
+    scheduler = Scheduler(kafka_config, url, producer=producer, make_producer=make_producer,
+                          settings=settings or (book.settings if book else None), book=book)
     scheduler.start()
     return _TakingPart(scheduler)

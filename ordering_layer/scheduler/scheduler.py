@@ -1,10 +1,11 @@
 """``Scheduler``: activates due scheduled messages (PUB-5).
 
 Each step claims due ids in Redis with a lease (several schedulers share the work; a crashed one's
-claims come back when its lease ends), publishes each through ``OrderedProducer.publish`` with
-``message_id=<schedule id>`` (a new sequence number, the same ordering key, and an id that makes a
-duplicate after a crash detectable), then marks them activated in Redis and in the schedule topic.
-A missing index (Redis lost or flushed) is rebuilt from the schedule topic first.
+claims come back when its lease ends), publishes each through the producer it was given (an
+``OrderedProducer``: ``publisher.activation`` binds it) with ``message_id=<schedule id>`` (a new
+sequence number, the same ordering key, and an id that makes a duplicate after a crash
+detectable), then marks them activated in Redis and in the schedule topic. A missing index (Redis
+lost or flushed) is rebuilt from the schedule topic first.
 """
 
 from __future__ import annotations
@@ -13,23 +14,20 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import redis
 
 from ordering_layer.config import from_mapping
-from ordering_layer.errors import OrderingLayerError
+from ordering_layer.errors import ConfigError, OrderingLayerError
 from ordering_layer.kafka_config import connection_settings
 from ordering_layer.record import now_ms
 from ordering_layer.scheduler.book import ScheduleBook
 from ordering_layer.scheduler.records import ScheduledMessage, ScheduleState
 from ordering_layer.scheduler.settings import SchedulerSettings
 from ordering_layer.worker import Worker
-
-if TYPE_CHECKING:
-    from ordering_layer.publisher.producer import OrderedProducer, PublishResult
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -38,25 +36,43 @@ _SWEEP_EVERY = 60.0
 REDIS_RETRY = 1.0  # seconds between steps while Redis does not answer
 
 
+class Publisher(Protocol):
+    """What the scheduler publishes through (``OrderedProducer`` is one)."""
+
+    def publish(self, topic: str, data: bytes, ordering_key: str | bytes | None = None,
+                attributes: Mapping[str, str] | None = None, *, message_id: str | None = None) -> Future[Any]:
+        """Publish one message; the future resolves once the broker has it."""
+
+    def close(self, timeout: float | None = ...) -> Any:
+        """Flush and close."""
+
+
+MakePublisher = Callable[[Mapping[str, Any]], Publisher]  # connection settings -> a publisher of its own
+
+
 class Scheduler:
     """Activates due scheduled messages on a named daemon thread until ``stop``.
 
     Args:
         kafka_config: confluent-kafka settings (``bootstrap.servers`` at least).
         redis_url: the Redis holding the time index.
-        producer: the ``OrderedProducer`` to publish through; without one the scheduler makes its
-            own on the first activation and closes it at ``stop``.
+        producer: the producer to publish through (shared: not closed at ``stop``).
+        make_producer: without ``producer``, makes the scheduler's own on the first activation (from
+            the connection settings of ``kafka_config``); it is closed at ``stop``.
         settings: ``SchedulerSettings`` or a mapping of its fields.
         book: a ``ScheduleBook`` to share (e.g. the producer's own); made from the above otherwise.
 
     Raises:
-        ConfigError: an unknown or invalid setting.
+        ConfigError: an unknown or invalid setting; neither ``producer`` nor ``make_producer``.
     """
 
     def __init__(self, kafka_config: Mapping[str, Any], redis_url: str, *,
-                 producer: OrderedProducer | None = None,
+                 producer: Publisher | None = None, make_producer: MakePublisher | None = None,
                  settings: SchedulerSettings | Mapping[str, Any] | None = None,
                  book: ScheduleBook | None = None, name: str = "ordering-layer-scheduler") -> None:
+        if producer is None and make_producer is None:
+            raise ConfigError("a Scheduler publishes through producer= or one made by make_producer=")
+        self._make_producer = make_producer
         self.settings = from_mapping(SchedulerSettings, settings)
         self._kafka = dict(kafka_config)
         self.book = book or ScheduleBook(kafka_config, redis_url, self.settings)
@@ -81,12 +97,11 @@ class Scheduler:
             producer.close(timeout)
         self.book.close()
 
-    def _publisher(self) -> OrderedProducer:
+    def _publisher(self) -> Publisher:
         with self._lock:
             if self._producer is None:
-                from ordering_layer.publisher.producer import OrderedProducer
-
-                self._producer = OrderedProducer(connection_settings(self._kafka), settings={"scheduler": False})
+                assert self._make_producer is not None
+                self._producer = self._make_producer(connection_settings(self._kafka))
             return self._producer
 
     # -- one step --------------------------------------------------------------------------------
@@ -129,7 +144,7 @@ class Scheduler:
         A message whose publish fails stays claimed: it is tried again when its lease ends.
         """
         producer = self._publisher()
-        sent: list[tuple[ScheduledMessage, Future[PublishResult]]] = []
+        sent: list[tuple[ScheduledMessage, Future[Any]]] = []
         for message in messages:
             try:
                 sent.append((message, producer.publish(message.topic, message.data, message.ordering_key,

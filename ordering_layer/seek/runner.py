@@ -23,8 +23,8 @@ from confluent_kafka import Consumer, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from ordering_layer.errors import SeekTimeoutError, TopicError
+from ordering_layer.kafka.offsets import PartitionOffsets, partition_offsets, seek_tag
 from ordering_layer.kafka_config import connection_settings
-from ordering_layer.offsets import PartitionOffsets, partition_offsets, seek_tag
 from ordering_layer.record import now_ms
 from ordering_layer.seek.snapshots import Snapshot
 from ordering_layer.seek.targets import SeekTarget, snapshot_state, time_targets

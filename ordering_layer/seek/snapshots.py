@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from ordering_layer.compacted import CompactedTopic
 from ordering_layer.errors import ConfigError, RecordFormatError, SnapshotExistsError, SnapshotNotFoundError
+from ordering_layer.kafka.compacted import CompactedTopic
 from ordering_layer.record import decode, encode, now_ms
 
 _LOGGER = logging.getLogger(__name__)

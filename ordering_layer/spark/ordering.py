@@ -42,7 +42,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import pandas as pd
 
-from ordering_layer.publisher.partitioner import partition_for
+from ordering_layer.kafka.partitioner import partition_for
 
 _LOGGER = logging.getLogger(__name__)
 

@@ -94,7 +94,7 @@ def _single_broker(number: int | None) -> None:
 
 @contextmanager
 def _without_ryuk() -> Iterator[None]:
-    from testcontainers.core.config import testcontainers_config
+    from testcontainers.core.config import testcontainers_config  # optional: the test extra
 
     previous = testcontainers_config.ryuk_disabled
     testcontainers_config.ryuk_disabled = True
@@ -129,7 +129,7 @@ class ContainerStack(FolderStateBackend):
         return client
 
     def _container(self, state: dict[str, Any], service: str) -> Any:
-        import docker.errors
+        import docker.errors  # optional: the test extra (docker comes with testcontainers)
 
         try:
             return self._client().containers.get(state[service]["id"])
@@ -138,7 +138,7 @@ class ContainerStack(FolderStateBackend):
                              "run 'ordering-layer stack down' then 'up'") from exc
 
     def _image(self, service: str) -> str:
-        import docker.errors
+        import docker.errors  # optional: the test extra (docker comes with testcontainers)
 
         configured = os.environ.get(f"ORDERING_LAYER_{service.upper()}_IMAGE")
         if configured:
@@ -180,7 +180,7 @@ class ContainerStack(FolderStateBackend):
         return self.endpoints()
 
     def _run_redis(self, state: dict[str, Any]) -> dict[str, Any]:
-        from testcontainers.community.redis import RedisContainer
+        from testcontainers.community.redis import RedisContainer  # optional: the test extra
 
         image = self._image("redis")
         container = RedisContainer(image).with_command(REDIS_COMMAND)
@@ -191,7 +191,7 @@ class ContainerStack(FolderStateBackend):
         return {"id": container.get_container_id(), "image": image}
 
     def _run_kafka(self, state: dict[str, Any]) -> dict[str, Any]:
-        from testcontainers.core.container import DockerContainer
+        from testcontainers.core.container import DockerContainer  # optional: the test extra
 
         image = self._image("kafka")
         port = state["kafka"]["port"]
@@ -203,7 +203,7 @@ class ContainerStack(FolderStateBackend):
         return {"id": container.get_container_id(), "image": image}
 
     def down(self) -> None:
-        import docker.errors
+        import docker.errors  # optional: the test extra (docker comes with testcontainers)
 
         state = self._load()
         for service in ("kafka", "redis"):

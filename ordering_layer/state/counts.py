@@ -20,8 +20,8 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from ordering_layer.compacted import CompactedTopic
 from ordering_layer.errors import OrderingLayerError
+from ordering_layer.kafka.compacted import CompactedTopic
 
 _LOGGER = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ordering_layer.compacted import CompactedTopic
+from ordering_layer.kafka.compacted import CompactedTopic
 
 _LOGGER = logging.getLogger(__name__)
 

@@ -14,9 +14,9 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from ordering_layer.compacted import CompactedTopic
 from ordering_layer.config import SUBSCRIPTIONS_TOPIC, DeadLetterPolicy, PushConfig, RetryPolicy, SubscriptionSettings
 from ordering_layer.errors import RecordFormatError
+from ordering_layer.kafka.compacted import CompactedTopic
 from ordering_layer.record import decode, encode
 
 _LOGGER = logging.getLogger(__name__)

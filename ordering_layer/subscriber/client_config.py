@@ -11,8 +11,8 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from ordering_layer.auth import verify_kafka
 from ordering_layer.errors import ConfigError
+from ordering_layer.kafka.auth import verify_kafka
 from ordering_layer.kafka_config import connection_settings, read_kafka_config
 from ordering_layer.scheduler.settings import REDIS_URL_ENV, redis_url_or_env
 

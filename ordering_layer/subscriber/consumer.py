@@ -34,11 +34,12 @@ from ordering_layer.errors import (
     UnsupportedOperationError,
 )
 from ordering_layer.kafka_config import CONSUMER_HONOURS, flag, offset_reset, read_kafka_config, refuse_unhonoured
-from ordering_layer.scheduler.participant import join_activation
+from ordering_layer.publisher.activation import join_activation
 from ordering_layer.state import StateStore
 from ordering_layer.subscriber.client_config import redis_url_from, verify_credentials
 from ordering_layer.subscriber.engine import Engine, RebalanceHooks
 from ordering_layer.subscriber.message import AckResponse, Message
+from ordering_layer.subscriptions import Subscriptions as Admin
 from ordering_layer.tracing import DeliveryTracing, tracer
 
 if TYPE_CHECKING:
@@ -139,8 +140,6 @@ class OrderedConsumer:
             metrics.register(self._engine, kafka_config=self._config)
 
     def _create(self, name: str, topic: str) -> SubscriptionSettings:
-        from ordering_layer.admin import Admin  # the admin client is needed only for a new subscription
-
         admin = Admin(self._config, redis_url=self._redis_url)
         with contextlib.suppress(SubscriptionExistsError):  # created meanwhile by another consumer
             admin.create_subscription(name, topic=topic, start=self._start)

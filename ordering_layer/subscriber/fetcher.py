@@ -22,7 +22,7 @@ from typing import Any, NamedTuple, Protocol
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
-from ordering_layer.offsets import tagged_generation
+from ordering_layer.kafka.offsets import tagged_generation
 from ordering_layer.subscriber.fetched import to_record
 from ordering_layer.subscriber.flow import FlowGate, Gate
 from ordering_layer.subscriber.native_fetch import open_native_fetch

@@ -21,7 +21,7 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 
 from ordering_layer._core import NativeFetch
-from ordering_layer.publisher.partitioner import murmur2, partition_for
+from ordering_layer.kafka.partitioner import murmur2, partition_for
 from ordering_layer.record import read_metadata
 from ordering_layer.state import StateStore
 from ordering_layer.state.counts import History

@@ -28,7 +28,7 @@ from confluent_kafka import TopicPartition
 from ordering_layer._core import LeaseTable, partition_runs
 from ordering_layer.config import SubscriptionSettings
 from ordering_layer.errors import OrderingLayerError
-from ordering_layer.offsets import seek_tag
+from ordering_layer.kafka.offsets import seek_tag
 from ordering_layer.state import ClaimedPartition, StateStore
 from ordering_layer.state.departed import Departed
 from ordering_layer.subscriber.message import Message, unattached

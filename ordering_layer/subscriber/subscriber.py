@@ -12,7 +12,8 @@ from ordering_layer import metrics
 from ordering_layer.config import FlowControl, require_bootstrap
 from ordering_layer.errors import ConfigError
 from ordering_layer.kafka_config import read_kafka_config
-from ordering_layer.scheduler.participant import Activation, join_activation
+from ordering_layer.publisher.activation import join_activation
+from ordering_layer.scheduler.participant import Activation
 from ordering_layer.state import StateStore
 from ordering_layer.subscriber.client_config import redis_url_from, verify_credentials
 from ordering_layer.subscriber.engine import Engine

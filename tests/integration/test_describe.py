@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from ordering_layer import Admin, DeadLetterPolicy, Message, Subscriber
 from ordering_layer.cli import main
-from ordering_layer.publisher.partitioner import murmur2
+from ordering_layer.kafka.partitioner import murmur2
 from tests.checker import wait_until
 from tests.integration.conftest import cli_servers, publish_keys
 

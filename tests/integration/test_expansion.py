@@ -15,7 +15,7 @@ import pytest
 from confluent_kafka.admin import AdminClient, NewPartitions  # type: ignore[attr-defined]
 
 from ordering_layer import Admin, DeadLetterPolicy, Message, OrderedProducer, RetryPolicy, Subscriber
-from ordering_layer.publisher.partitioner import partition_for
+from ordering_layer.kafka.partitioner import partition_for
 from ordering_layer.record import sequence_number
 from ordering_layer.state.client import redis_client
 from tests.checker import DeliveryChecker, wait_until

@@ -19,10 +19,10 @@ import pytest
 import redis
 
 from ordering_layer import CancelResult, OrderedProducer, Scheduler, Subscriber
+from ordering_layer.publisher.activation import join_activation
 from ordering_layer.pytest_plugin import CreatedSubscription
 from ordering_layer.record import HEADER_MESSAGE_ID, now_ms
 from ordering_layer.scheduler.index import ScheduleIndex
-from ordering_layer.scheduler.participant import join_activation
 from ordering_layer.scheduler.records import ScheduledMessage, ScheduleState
 from ordering_layer.scheduler.settings import SchedulerSettings
 from ordering_layer.stack import Endpoints

@@ -22,9 +22,9 @@ import pytest
 from click.testing import CliRunner
 
 from ordering_layer import Admin, DeadLetterPolicy, Message, OrderedConsumer, OrderedProducer, Subscriber
-from ordering_layer.auth import verify_kafka
 from ordering_layer.cli import main
 from ordering_layer.errors import AuthenticationError, OrderingLayerError, SubscriptionNotFoundError
+from ordering_layer.kafka.auth import verify_kafka
 from ordering_layer.stack import Endpoints, LocalStack
 from ordering_layer.stack.certs import make_certificates
 from ordering_layer.state import StateStore

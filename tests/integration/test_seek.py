@@ -18,7 +18,7 @@ from confluent_kafka import Consumer, TopicPartition
 from ordering_layer import Admin, Message, OrderedProducer, RetryPolicy, Subscriber
 from ordering_layer.cli import main
 from ordering_layer.errors import ConfigError, SnapshotExistsError, SnapshotNotFoundError
-from ordering_layer.offsets import partition_offsets, tagged_generation
+from ordering_layer.kafka.offsets import partition_offsets, tagged_generation
 from ordering_layer.pytest_plugin import CreatedSubscription
 from ordering_layer.stack import Endpoints
 from tests.checker import wait_until

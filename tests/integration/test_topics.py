@@ -12,7 +12,7 @@ import pytest
 
 from ordering_layer import Admin
 from ordering_layer.admin import TopicDescription
-from ordering_layer.compacted import CompactedTopic
+from ordering_layer.kafka.compacted import CompactedTopic
 
 pytestmark = pytest.mark.integration
 

@@ -11,7 +11,7 @@ import pytest
 from pyspark.sql import SparkSession
 
 from ordering_layer import Admin, Message, OrderedProducer, Subscriber
-from ordering_layer.publisher.partitioner import partition_for
+from ordering_layer.kafka.partitioner import partition_for
 from ordering_layer.spark import read_ordered, restore_order
 from tests.checker import wait_until
 

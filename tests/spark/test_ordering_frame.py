@@ -11,7 +11,7 @@ import pytest
 from pyspark.sql import Row
 from pyspark.sql.streaming.state import GroupState, GroupStateTimeout
 
-from ordering_layer.publisher.partitioner import partition_for
+from ordering_layer.kafka.partitioner import partition_for
 from ordering_layer.spark.ordering import KeyProgress, restore_frame
 from ordering_layer.spark.restore import STATE, _restore_group, _restore_partition
 

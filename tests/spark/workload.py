@@ -21,7 +21,7 @@ from confluent_kafka import KafkaError, Producer
 from confluent_kafka import Message as KafkaMessage
 
 from ordering_layer import Admin, OrderedProducer, PublishResult
-from ordering_layer.publisher.partitioner import partition_for
+from ordering_layer.kafka.partitioner import partition_for
 from ordering_layer.record import HEADER_MESSAGE_ID, HeaderPairs, sequence_number
 from tests.kafka_helpers import headers_of, read_topic
 

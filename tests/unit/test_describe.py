@@ -5,7 +5,7 @@ from __future__ import annotations
 from ordering_layer.config import DeadLetterPolicy, SubscriptionSettings
 from ordering_layer.describe import PartitionDescription, SubscriptionDescription, _first_unsettled, _RedisState
 from ordering_layer.describe_table import COLUMNS, render_description
-from ordering_layer.offsets import PartitionOffsets
+from ordering_layer.kafka.offsets import PartitionOffsets
 
 
 def test_backlog_counts_from_committed_or_log_start() -> None:

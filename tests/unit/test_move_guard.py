@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ordering_layer.publisher.partitioner import partition_for
+from ordering_layer.kafka.partitioner import partition_for
 from ordering_layer.state.counts import History
 from ordering_layer.subscriber.moves import MoveGuard
 from ordering_layer.subscriber.requests import MovesCleared

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from confluent_kafka import KafkaError, KafkaException
 
-from ordering_layer.offsets import retrying
+from ordering_layer.kafka.offsets import retrying
 
 
 class Flaky:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ordering_layer.publisher.partitioner import murmur2, partition_for
+from ordering_layer.kafka.partitioner import murmur2, partition_for
 
 
 def _signed(value: int) -> int:

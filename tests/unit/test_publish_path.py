@@ -18,8 +18,8 @@ from ordering_layer.errors import (
     PublishError,
     UnsupportedOperationError,
 )
+from ordering_layer.kafka.partitioner import partition_for
 from ordering_layer.publisher import producer as producer_module
-from ordering_layer.publisher.partitioner import partition_for
 from ordering_layer.record import HEADER_MESSAGE_ID, HEADER_PARTITION_COUNT
 
 

@@ -9,9 +9,10 @@ import pytest
 from click.testing import CliRunner
 
 from ordering_layer import OrderedProducer
+from ordering_layer.cli.schedule import parse_when, schedule
+from ordering_layer.cli.servers import render_table
 from ordering_layer.config import PublisherSettings, from_mapping
 from ordering_layer.errors import ConfigError, RecordFormatError
-from ordering_layer.scheduler.cli import parse_when, render_table, schedule
 from ordering_layer.scheduler.index import index_keys
 from ordering_layer.scheduler.records import ScheduledMessage, ScheduleState, epoch_ms
 from ordering_layer.scheduler.settings import SchedulerSettings

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import logging
-from typing import cast
+from collections.abc import Mapping
+from typing import Any, cast
 
 import pytest
 import redis
 
 from ordering_layer.scheduler.book import ScheduleBook
 from ordering_layer.scheduler.index import Claim
-from ordering_layer.scheduler.scheduler import REDIS_RETRY, Scheduler
+from ordering_layer.scheduler.scheduler import REDIS_RETRY, Publisher, Scheduler
 
 
 class FlakyIndex:
@@ -41,11 +42,17 @@ class Book:
         """The schedule topic's tombstones: nothing to forget here."""
 
 
+def no_producer(connection: Mapping[str, Any]) -> Publisher:
+    """The steps here claim nothing, so they publish nothing."""
+    raise AssertionError(f"no publish expected ({connection})")
+
+
 def test_redis_down_is_one_warning_per_outage_and_a_slower_step(caplog: pytest.LogCaptureFixture) -> None:
     """PUB-5: while Redis does not answer, the scheduler's step logs one warning (no traceback per
     step) and steps every ``REDIS_RETRY`` s; once Redis answers it says so and polls as usual."""
     book = Book()
-    scheduler = Scheduler({"bootstrap.servers": "127.0.0.1:1"}, "redis://127.0.0.1:1/0", book=cast(ScheduleBook, book))
+    scheduler = Scheduler({"bootstrap.servers": "127.0.0.1:1"}, "redis://127.0.0.1:1/0", book=cast(ScheduleBook, book),
+                          make_producer=no_producer)
     with caplog.at_level(logging.INFO, logger="ordering_layer.scheduler.scheduler"):
         assert [scheduler._step() for _ in range(3)] == [REDIS_RETRY] * 3
         book.index.down = False

@@ -7,9 +7,9 @@ from datetime import UTC, datetime, timedelta, timezone
 import click
 import pytest
 
+from ordering_layer.cli.seek import parse_time, snapshot_rows, summary
 from ordering_layer.errors import ConfigError, RecordFormatError
-from ordering_layer.offsets import seek_tag, tagged_generation
-from ordering_layer.seek.cli import parse_time, snapshot_rows, summary
+from ordering_layer.kafka.offsets import seek_tag, tagged_generation
 from ordering_layer.seek.runner import PartitionSeek, SeekResult
 from ordering_layer.seek.snapshots import Snapshot, SnapshotPartition, check_name, live_snapshots
 from ordering_layer.seek.targets import SeekTarget, snapshot_state, snapshot_targets, time_targets

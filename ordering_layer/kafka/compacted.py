@@ -19,6 +19,8 @@ from typing import Any
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
 from ordering_layer.errors import ConfigError, PublishError, TopicError
+from ordering_layer.kafka.auth import verify_kafka
+from ordering_layer.kafka.topics import Topics
 from ordering_layer.kafka_config import connection_settings
 
 _LOGGER = logging.getLogger(__name__)
@@ -64,15 +66,12 @@ class CompactedTopic:
         """
         if self._ready:
             return
-        # Imported here: the admin module needs the state store, whose durable settings copy is one
-        # of these topics.
-        from ordering_layer.admin import Admin
-
-        admin = Admin(connection_settings(self._config))
+        verify_kafka(connection_settings(self._config))
+        topics = Topics(self._config)
         try:
-            described = admin.describe_topic(self.topic)
+            described = topics.describe(self.topic)
         except TopicError:
-            described = admin.create_topic(self.topic, partitions=1, config=_TOPIC_CONFIG, exist_ok=True)
+            described = topics.create(self.topic, partitions=1, config=_TOPIC_CONFIG, exist_ok=True)
         if described.config.get("cleanup.policy", "compact") != "compact":
             raise TopicError(f"{self._what} topic {self.topic!r} must have cleanup.policy=compact", topic=self.topic)
         self._ready = True

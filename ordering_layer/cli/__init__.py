@@ -2,33 +2,29 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
 import click
 
 from ordering_layer.admin import Admin
+from ordering_layer.cli import schedule as schedule_commands
+from ordering_layer.cli.seek import seek_command, snapshot_group
+from ordering_layer.cli.servers import ENV_REDIS, ServerOptions, server_options
 from ordering_layer.config import DEFAULT_SNAPSHOT_TOPIC, DeadLetterPolicy, PushConfig, RetryPolicy, StartPosition
+from ordering_layer.demo import run as run_demo
 from ordering_layer.describe_table import render_description
 from ordering_layer.errors import OrderingLayerError
 from ordering_layer.prober.cli import prober_command
 from ordering_layer.publisher import OrderedProducer
 from ordering_layer.push.cli import push_command
-from ordering_layer.scheduler import cli as schedule_commands
-from ordering_layer.seek.cli import seek_command, snapshot_group
-from ordering_layer.stack import Endpoints, get_backend
+from ordering_layer.stack import get_backend
 from ordering_layer.stack.base import BROKER_COUNTS
 from ordering_layer.state.client import mask_url
 from ordering_layer.subscriber import Subscriber
-
-_ENV_BOOTSTRAP = "ORDERING_LAYER_BOOTSTRAP"
-_ENV_REDIS = "ORDERING_LAYER_REDIS_URL"
-_ENV_KAFKA_CONFIG = "ORDERING_LAYER_KAFKA_CONFIG"
 
 
 def _stack_option(func: Any) -> Any:
@@ -37,57 +33,6 @@ def _stack_option(func: Any) -> Any:
                              "or ~/.cache/ordering-layer/stack).")(func)
     return click.option("--backend", default=None, help="Stack backend (default: $ORDERING_LAYER_STACK or local).")(
         func)
-
-
-@dataclass(frozen=True)
-class ServerOptions:
-    """The server options of a command, resolved to endpoints on demand."""
-
-    bootstrap: str | None
-    redis_url: str | None
-    kafka_config: str | None
-
-    def __repr__(self) -> str:
-        return f"ServerOptions({self.bootstrap!r}, {mask_url(self.redis_url or '')!r}, {self.kafka_config!r})"
-
-    def endpoints(self) -> Endpoints:
-        """See ``resolve_endpoints``."""
-        return resolve_endpoints(self.bootstrap, self.redis_url, self.kafka_config)
-
-
-def _server_options(command: Any) -> Any:
-    """Adds --bootstrap, --kafka-config and --redis-url; the command gets them as ``servers``."""
-
-    @functools.wraps(command)
-    def with_servers(*args: Any, bootstrap: str | None, redis_url: str | None, kafka_config: str | None,
-                     **kwargs: Any) -> Any:
-        return command(*args, servers=ServerOptions(bootstrap, redis_url, kafka_config), **kwargs)
-
-    func: Any = with_servers
-    func = click.option("--bootstrap", envvar=_ENV_BOOTSTRAP, default=None,
-                        help=f"Kafka bootstrap servers (default: ${_ENV_BOOTSTRAP}, then the local stack).")(func)
-    func = click.option("--kafka-config", envvar=_ENV_KAFKA_CONFIG, default=None,
-                        type=click.Path(exists=True, dir_okay=False),
-                        help="Properties file of further Kafka client settings (security.protocol, sasl.*, "
-                             f"ssl.*; default: ${_ENV_KAFKA_CONFIG}, then the local stack's).")(func)
-    return click.option("--redis-url", envvar=_ENV_REDIS, default=None,
-                        help=f"Redis URL (default: ${_ENV_REDIS}, then the local stack).")(func)
-
-
-def resolve_endpoints(bootstrap: str | None, redis_url: str | None, kafka_config: str | None = None) -> Endpoints:
-    """Explicit addresses, else the environment, else the running local stack."""
-    if bootstrap and redis_url:
-        return Endpoints(bootstrap, redis_url, kafka_config or "")
-    try:
-        local = get_backend().endpoints()
-    except OrderingLayerError as exc:
-        if bootstrap:
-            return Endpoints(bootstrap, redis_url or "", kafka_config or "")
-        raise click.ClickException(
-            f"no servers named (--bootstrap/--redis-url or ${_ENV_BOOTSTRAP}/${_ENV_REDIS}) and {exc}") from exc
-    if bootstrap:
-        return Endpoints(bootstrap, redis_url or local.redis_url, kafka_config or "")
-    return Endpoints(local.bootstrap, redis_url or local.redis_url, kafka_config or local.kafka_config_file)
 
 
 @click.group()
@@ -200,7 +145,7 @@ def topic() -> None:
 @topic.command("create")
 @click.argument("name")
 @click.option("--partitions", type=click.IntRange(min=1), default=1, show_default=True)
-@_server_options
+@server_options
 def topic_create(name: str, partitions: int, servers: ServerOptions) -> None:
     """Create topic NAME."""
     endpoints = servers.endpoints()
@@ -214,7 +159,7 @@ def topic_create(name: str, partitions: int, servers: ServerOptions) -> None:
 @topic.command("expand")
 @click.argument("name")
 @click.option("--partitions", type=click.IntRange(min=2), required=True, help="The new partition count.")
-@_server_options
+@server_options
 def topic_expand(name: str, partitions: int, servers: ServerOptions) -> None:
     """Add partitions to topic NAME, recording the growth so that running subscribers keep each moved
     key in order (SUB-8)."""
@@ -230,7 +175,7 @@ def topic_expand(name: str, partitions: int, servers: ServerOptions) -> None:
 
 @topic.command("describe")
 @click.argument("name")
-@_server_options
+@server_options
 def topic_describe(name: str, servers: ServerOptions) -> None:
     """Describe topic NAME (JSON)."""
     endpoints = servers.endpoints()
@@ -250,7 +195,7 @@ def topic_describe(name: str, servers: ServerOptions) -> None:
 @click.option("--ordering-key", default=None, help="One ordering key for every line.")
 @click.option("--key-separator", default=None,
               help="Split each line at the first SEPARATOR into ordering key and data (e.g. a tab).")
-@_server_options
+@server_options
 def publish(topic_name: str, source: TextIO, ordering_key: str | None, key_separator: str | None,
             servers: ServerOptions) -> None:
     """Publish each line of a file or stdin as one message of TOPIC_NAME."""
@@ -281,15 +226,13 @@ def publish(topic_name: str, source: TextIO, ordering_key: str | None, key_separ
 @click.option("--keys", type=click.IntRange(min=1), default=500, show_default=True)
 @click.option("--partitions", type=click.IntRange(min=1), default=6, show_default=True)
 @click.option("--spark/--no-spark", default=True, show_default=True, help="Include the Spark step.")
-@_server_options
+@server_options
 def demo(messages: int, keys: int, partitions: int, spark: bool, servers: ServerOptions) -> None:
     """The main job end to end on the local stack (started if needed)."""
-    from ordering_layer.demo import run
-
     if not servers.bootstrap:
         get_backend().up()
     endpoints = servers.endpoints()
-    ok = run(endpoints, messages=messages, keys=keys, partitions=partitions, out=click.echo, spark=spark)
+    ok = run_demo(endpoints, messages=messages, keys=keys, partitions=partitions, out=click.echo, spark=spark)
     if not ok:
         sys.exit(1)
 
@@ -298,7 +241,7 @@ def demo(messages: int, keys: int, partitions: int, spark: bool, servers: Server
 def _admin(servers: ServerOptions, snapshot_topic: str = DEFAULT_SNAPSHOT_TOPIC) -> Admin:
     endpoints = servers.endpoints()
     if not endpoints.redis_url:
-        raise click.ClickException(f"subscriptions need Redis: --redis-url or ${_ENV_REDIS}")
+        raise click.ClickException(f"subscriptions need Redis: --redis-url or ${ENV_REDIS}")
     return Admin(endpoints.kafka_config(), redis_url=endpoints.redis_url, snapshot_topic=snapshot_topic)
 
 
@@ -333,7 +276,7 @@ def subscription() -> None:
 @click.option("--push-jwt-key-id", default=None, help="The JWT header's kid.")
 @click.option("--push-ca-bundle", type=click.File("r"), default=None,
               help="PEM CA certificates to verify the endpoint's certificate with (default: the system's).")
-@_server_options
+@server_options
 def subscription_create(name: str, topic: str, ordering: bool, ack_deadline: float, min_backoff: float,
                         max_backoff: float, dead_letter_topic: str | None, max_delivery_attempts: int,
                         dead_letter_mode: str, start: str, push_endpoint: str | None, push_no_wrapper: bool,
@@ -364,7 +307,7 @@ def subscription_create(name: str, topic: str, ordering: bool, ack_deadline: flo
 @subscription.command("describe")
 @click.argument("name")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-@_server_options
+@server_options
 def subscription_describe(name: str, as_json: bool, servers: ServerOptions) -> None:
     """Settings and, per partition: owner, epoch, committed offset, log end, backlog, outstanding
     messages, oldest unacked age, held and parked keys."""
@@ -377,7 +320,7 @@ def subscription_describe(name: str, as_json: bool, servers: ServerOptions) -> N
 
 @subscription.command("delete")
 @click.argument("name")
-@_server_options
+@server_options
 def subscription_delete(name: str, servers: ServerOptions) -> None:
     """Delete subscription NAME (its settings, state and consumer group)."""
     try:
@@ -392,7 +335,7 @@ def subscription_delete(name: str, servers: ServerOptions) -> None:
 @click.option("--max-messages", type=click.IntRange(min=1), default=10, show_default=True)
 @click.option("--timeout", type=float, default=5.0, show_default=True, help="Seconds to wait for messages.")
 @click.option("--ack/--no-ack", default=True, show_default=True)
-@_server_options
+@server_options
 def pull(subscription_name: str, max_messages: int, timeout: float, ack: bool, servers: ServerOptions) -> None:
     """Pull up to --max-messages of SUBSCRIPTION_NAME, print them, and ack them."""
     endpoints = servers.endpoints()
@@ -420,7 +363,7 @@ def deadletter() -> None:
 
 @deadletter.command("list")
 @click.argument("subscription_name")
-@_server_options
+@server_options
 def deadletter_list(subscription_name: str, servers: ServerOptions) -> None:
     """List the dead letters of SUBSCRIPTION_NAME, in order."""
     try:
@@ -437,7 +380,7 @@ def deadletter_list(subscription_name: str, servers: ServerOptions) -> None:
 @deadletter.command("redrive")
 @click.argument("subscription_name")
 @click.option("--topic", default=None, help="Republish here instead of the source topic.")
-@_server_options
+@server_options
 def deadletter_redrive(subscription_name: str, topic: str | None, servers: ServerOptions) -> None:
     """Republish the dead letters not redriven yet, per key in their original order."""
     try:
@@ -449,9 +392,9 @@ def deadletter_redrive(subscription_name: str, topic: str | None, servers: Serve
 
 main.add_command(schedule_commands.schedule)
 main.add_command(schedule_commands.scheduler)
-subscription.add_command(seek_command(_server_options, _admin))
-main.add_command(snapshot_group(_server_options, _admin))
+subscription.add_command(seek_command(server_options, _admin))
+main.add_command(snapshot_group(server_options, _admin))
 
 # -- push and prober -------------------------------------------------------------------------------
-main.add_command(push_command(_server_options))
-main.add_command(prober_command(_server_options))
+main.add_command(push_command(server_options))
+main.add_command(prober_command(server_options))

@@ -1,17 +1,18 @@
-"""``Admin.describe_topic`` while a new topic's metadata reaches the brokers (no Kafka needed)."""
+"""``Topics.describe`` while a new topic's metadata reaches the brokers (no Kafka needed)."""
 
 from __future__ import annotations
 
 from concurrent.futures import Future
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from confluent_kafka import KafkaError
+from confluent_kafka.admin import AdminClient
 
-from ordering_layer import admin as admin_module
-from ordering_layer.admin import Admin
 from ordering_layer.errors import TopicError
+from ordering_layer.kafka.topics import Topics
+from ordering_layer.subscriptions import METADATA_SETTLE
 
 
 class MetadataAnswers:
@@ -40,22 +41,20 @@ def test_a_topic_unknown_for_a_moment_to_the_broker_asked_is_described_once_know
     the cluster): with ``settle`` it is asked about again (``create_subscription`` does so, right
     after a ``create_topic`` maybe); without, the first answer stands (``ensure_topic`` of the
     compacted topics creates a topic it is told is missing, at once)."""
-    admin = Admin({"bootstrap.servers": "127.0.0.1:1"})
     answers = MetadataAnswers(unknown=3)
-    admin._admin = answers  # type: ignore[assignment]
+    topics = Topics({}, client=cast(AdminClient, answers))
     with pytest.raises(TopicError, match="fresh"):
-        admin.describe_topic("fresh")
+        topics.describe("fresh")
     assert answers.asked == 1
-    described = admin.describe_topic("fresh", settle=admin_module._METADATA_SETTLE)
+    described = topics.describe("fresh", settle=METADATA_SETTLE)
     assert (described.partitions, described.replication_factor, described.partitions_with_leader) == (2, 3, 2)
     assert answers.asked == 4
 
 
 def test_a_topic_that_stays_unknown_raises_after_the_settle_time() -> None:
     """A topic that does not exist is still a ``TopicError``, once the settle time passed."""
-    admin = Admin({"bootstrap.servers": "127.0.0.1:1"})
     answers = MetadataAnswers(unknown=10**6)
-    admin._admin = answers  # type: ignore[assignment]
+    topics = Topics({}, client=cast(AdminClient, answers))
     with pytest.raises(TopicError, match="missing"):
-        admin.describe_topic("missing", settle=0.3)
+        topics.describe("missing", settle=0.3)
     assert answers.asked >= 2

@@ -1,9 +1,9 @@
-"""Fail fast, and by name, when a server refuses our credentials or certificate.
+"""Fail fast, and by name, when Kafka refuses our credentials or certificate.
 
 librdkafka retries a refused SASL login or TLS handshake forever and reports it only to an error
 callback, so a wrong password looks like a broker that does not answer. ``verify_kafka`` makes one
-short-lived metadata request and turns those reports into ``AuthenticationError(server="kafka")``;
-``verify_redis`` does the same for Redis (``server="redis"``). Neither message carries a secret.
+short-lived metadata request and turns those reports into ``AuthenticationError(server="kafka")``
+(``state.client.verify_redis`` does the same for Redis). The message carries no secret.
 """
 
 from __future__ import annotations
@@ -18,9 +18,8 @@ from confluent_kafka.admin import AdminClient
 
 from ordering_layer.errors import AuthenticationError, ConfigError
 from ordering_layer.kafka_config import connection_settings
-from ordering_layer.state.client import verify_redis
 
-__all__ = ["verify_kafka", "verify_redis"]
+__all__ = ["verify_kafka"]
 
 _LOGGER = logging.getLogger(__name__)
 

@@ -4,40 +4,35 @@ from __future__ import annotations
 
 import signal
 import threading
-from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any, BinaryIO
 
 import click
 
+from ordering_layer.cli.servers import ENV_BOOTSTRAP, ENV_REDIS, render_table, resolve_endpoints
 from ordering_layer.config import DEFAULT_SCHEDULE_TOPIC
 from ordering_layer.errors import OrderingLayerError
 from ordering_layer.publisher import OrderedProducer
+from ordering_layer.publisher.activation import Scheduler
 from ordering_layer.record import display_key
 from ordering_layer.scheduler.book import ScheduleBook
-from ordering_layer.scheduler.scheduler import Scheduler
 from ordering_layer.scheduler.settings import SchedulerSettings
 from ordering_layer.stack import Endpoints
-
-_ENV_BOOTSTRAP = "ORDERING_LAYER_BOOTSTRAP"
-_ENV_REDIS = "ORDERING_LAYER_REDIS_URL"
 
 
 def _options(func: Any) -> Any:
     func = click.option("--schedule-topic", default=DEFAULT_SCHEDULE_TOPIC, show_default=True,
                         help="The compacted topic of scheduled messages.")(func)
-    func = click.option("--bootstrap", envvar=_ENV_BOOTSTRAP, default=None,
-                        help=f"Kafka bootstrap servers (default: ${_ENV_BOOTSTRAP}, then the local stack).")(func)
-    return click.option("--redis-url", envvar=_ENV_REDIS, default=None,
-                        help=f"Redis URL (default: ${_ENV_REDIS}, then the local stack).")(func)
+    func = click.option("--bootstrap", envvar=ENV_BOOTSTRAP, default=None,
+                        help=f"Kafka bootstrap servers (default: ${ENV_BOOTSTRAP}, then the local stack).")(func)
+    return click.option("--redis-url", envvar=ENV_REDIS, default=None,
+                        help=f"Redis URL (default: ${ENV_REDIS}, then the local stack).")(func)
 
 
 def _endpoints(bootstrap: str | None, redis_url: str | None) -> Endpoints:
-    from ordering_layer.cli import resolve_endpoints
-
     endpoints = resolve_endpoints(bootstrap, redis_url)
     if not endpoints.redis_url:
-        raise click.ClickException(f"scheduled messages need Redis: --redis-url or ${_ENV_REDIS}")
+        raise click.ClickException(f"scheduled messages need Redis: --redis-url or ${ENV_REDIS}")
     return endpoints
 
 
@@ -59,15 +54,6 @@ def parse_when(at: str | None, delay: float | None, now: datetime) -> datetime:
     except ValueError as exc:
         raise click.BadParameter(f"not an ISO 8601 time: {at!r}", param_hint="--at") from exc
     return when if when.tzinfo is not None else when.replace(tzinfo=UTC)
-
-
-def render_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """A plain text table: a header line, a rule, and left-aligned columns."""
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip(),
-             "  ".join("-" * w for w in widths)]
-    lines.extend("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows)
-    return "\n".join(lines)
 
 
 class _PublishByDefault(click.Group):

@@ -14,9 +14,9 @@ from typing import Any
 import click
 
 from ordering_layer.admin import Admin
+from ordering_layer.cli.servers import render_table
 from ordering_layer.config import DEFAULT_SNAPSHOT_TOPIC, DEFAULT_SNAPSHOT_TTL
 from ordering_layer.errors import OrderingLayerError
-from ordering_layer.scheduler.cli import render_table
 from ordering_layer.seek.runner import SeekResult
 from ordering_layer.seek.snapshots import Snapshot
 
