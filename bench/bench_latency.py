@@ -63,7 +63,7 @@ from bench.bench_subscribe import layer_consume, layer_ordered_consumer, layer_p
 from bench.common import bench_stack
 from ordering_layer import Admin, Message, OrderedConsumer, OrderedProducer, RetryPolicy, Subscriber
 from ordering_layer.stack import Endpoints
-from ordering_layer.subscriber import dispatch, ownership, settlement
+from ordering_layer.subscriber import dispatch, flushes, settlement
 from ordering_layer.subscriber import engine as engine_module
 from ordering_layer.subscriber import fetcher as fetcher_module
 from ordering_layer.subscriber import flow as flow_module
@@ -440,7 +440,7 @@ def instrumented() -> Iterator[None]:
     patch(fetcher_module.Fetcher, "fetched", fetched)
     patch(engine_module.Engine, "_route", route)
     patch(dispatch.Dispatcher, "release", release)
-    patch(ownership.Ownership, "_take", take)
+    patch(flushes.Flushes, "_take", take)
     patch(dispatch.Dispatcher, "hand_out", hand_out)
     patch(settlement.Settlement, "acks", acks)
     patch(inbox_module.Inbox, "wait", wait)

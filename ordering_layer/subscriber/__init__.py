@@ -7,15 +7,16 @@ a record read once) -> ``inbox`` ->
 ``engine`` -> ``partitions`` / ``owned_partition`` (the partition's bookkeeping in the compiled core,
 ``core/src/partition.rs``, whose pure-Python reference is ``partition`` with ``key_queue`` and
 ``commit_point``) -> ``dispatch`` (released as a ``Message`` within ``flow``, made outstanding in
-``leases``, its attempt queued in the core and flushed by ``state_writer`` through ``ownership``,
+``leases``, its attempt queued in the core and flushed by ``state_writer`` through ``flushes``,
 one or two flushes in flight, written and their answers read by the coordinator, ``state/pipe.py``;
 on a cluster a thread of its own makes each round trip) -> ``dead_letters`` or ``handoff`` once the
 flush answered; its ack comes back through ``message`` -> ``inbox`` -> ``settlement``. The
 coordinator's rules live in ``dispatch`` (release, hand-out),
 ``settlement`` (acks, nacks, deadlines, lapses, dead-letter reports, start notes), ``starts`` (a
 worker's start of a delivery: written first for a suspect, noted under a dead-letter policy),
-``commits`` (commit points, commit reports, seek look-ups) and ``ownership`` (claims on assignment,
-revocation, loss, fencing verdicts of each flush); the engine hands them the components they act on.
+``commits`` (commit points, commit reports, seek look-ups), ``ownership`` (claims on assignment,
+revocation, loss, fencing) and ``flushes`` (the Redis writes and their verdicts); the engine hands
+them the components they act on.
 
 Which module keeps which property of ``SEMANTICS.md``. "The core" is ``owned_partition`` and the
 compiled ``core/src/partition.rs`` it holds (``key_queue.rs``, ``tracker.rs``); the pure-Python
@@ -43,18 +44,18 @@ rules under the same names, checked against it by ``tests/unit/test_core.py``:
   ``message``, ``settlement`` (lease ops, lapses)
 - ACK-4 state in Redis, batched; commit of the lowest unsettled offset: the core (ops queued in
   decision order), ``state_writer``, ``state/`` (``pipe``: flushes back to back on one
-  connection); ``settlement`` (ops), ``ownership`` (``flush``; leases of deliveries held past
+  connection); ``settlement`` (ops), ``flushes`` (``flush``; leases of deliveries held past
   ``LEASE_WRITE_AGE``, ``leases.write_leases``; each partition's commit point as its floor in
   Redis, the core's ``take_ops(floor=True)``, so the settled set keeps only what is above it),
   ``commits`` (commit interval, commit reports), ``partitions`` (``commit_offsets``; a claim's
   floor skips what an earlier owner settled below it), ``fetcher`` (commits)
-- ACK-5 fencing, ``ack_with_response``: ``partitions`` (epochs), ``ownership`` (fencing verdicts),
+- ACK-5 fencing, ``ack_with_response``: ``partitions`` (epochs), ``flushes`` and ``ownership`` (fencing verdicts),
   ``settlement`` and ``leases`` (stale epochs and lease handles refused), ``state_writer`` (answers),
   ``state/lua/apply.lua``
   (the ops' Redis writes, grouped into command runs by ``core/src/runs.rs``)
 - ACK-6 delivery attempt survives crashes (counted before hand-off): the core (release ops; a
   record's first attempt goes to a run of consecutive offsets, ``core/src/runs.rs``),
-  ``ownership`` (releases held until their flush answered, then ``dispatch.hand_out``),
+  ``flushes`` (releases held until their flush answered, then ``dispatch.hand_out``),
   ``starts`` (``begin``: a suspect's start written first; the start notes of callbacks and of pulls
   answered from releases ahead, ``handoff``), ``settlement`` (the notes written), ``partitions``
   (claim, ``charged_attempts``; in pull mode nothing released ahead from a partition with charged

@@ -38,6 +38,7 @@ from ordering_layer.subscriber.dead_letters import DeadLetters
 from ordering_layer.subscriber.dispatch import Dispatcher
 from ordering_layer.subscriber.fetcher import Fetcher, RebalanceHooks
 from ordering_layer.subscriber.flow import FlowGate, Gate
+from ordering_layer.subscriber.flushes import Flushes
 from ordering_layer.subscriber.handoff import PullWaiters
 from ordering_layer.subscriber.inbox import Inbox
 from ordering_layer.subscriber.leases import lease_table
@@ -110,9 +111,11 @@ class Engine:
         self._dispatcher = Dispatcher(settings, self._owned, self._gate, self._leases, self._writer, self._pulls,
                                       self._dead_letters, self._counts, on_messages, self._settlement.give_back)
         self._commits = Commits(self._owned, self.topic, subscription)
+        self._flushes = Flushes(subscription, self._owned, self._leases, self._writer,
+                                fenced=lambda partition: self._ownership.fenced(partition),
+                                deliver=self._dispatcher.deliver, wake=self._inbox.nudge)
         self._ownership = Ownership(subscription, settings, self._changed, self._owned, self._leases, self._writer,
-                                    self._commits, deliver=self._dispatcher.deliver, wake=self._inbox.nudge,
-                                    withdraw=self._dispatcher.withdraw)
+                                    self._commits, self._flushes, withdraw=self._dispatcher.withdraw)
         self._starts = Starts(subscription, settings, self._lock, store, self._owned, self._settlement,
                               self._ownership)
         self.notes_starts = self._starts.notes  # whether ``begin`` has anything to do for a non-suspect
@@ -144,10 +147,10 @@ class Engine:
             self._handle(self._inbox.take(), now)
             self._starts.note(self._pulls.take_served())
             self._settlement.write_starts(now)
-            self._ownership.flush()
+            self._flushes.flush()
             self._pulls.close()
             offsets = self._commits.offsets(sync=True)
-        self._ownership.close()
+        self._flushes.close()
         self._moves.close()
         # The last commit and the group leave wait for the group coordinator with no timeout (45 s
         # with the broker down); the acks are in Redis (the floors), so they may end in the background.
@@ -239,7 +242,7 @@ class Engine:
     # -- engine thread ---------------------------------------------------------------------------
     def _step(self) -> float:
         with self._lock:
-            wait, answer = self._wait_time(time.monotonic()), self._ownership.answer_socket()
+            wait, answer = self._wait_time(time.monotonic()), self._flushes.answer_socket()
         inbox = self._inbox
         # A step takes what is there: batches (one Redis round trip for many messages, ACK-4) form
         # from the events that came while the last step and its flush ran, never from waiting.
@@ -250,14 +253,14 @@ class Engine:
             self._handle(events, now)
             self._settlement.write_starts(now)
             self._settlement.expire(now)
-            ownership, dispatcher = self._ownership, self._dispatcher
-            ownership.poll()
+            flushes, dispatcher = self._flushes, self._dispatcher
+            flushes.poll()
             if not self._closing:
-                ownership.hold(dispatcher.release(now))
+                flushes.hold(dispatcher.release(now))
             else:
                 dispatcher.withdraw()
             self._dead_letters.poll()
-            ownership.start(now)
+            flushes.start(now)
             self._pulls.expire(now)
             commits = self._commits
             if commits.due(now):
@@ -279,7 +282,7 @@ class Engine:
         return 0.0
 
     def _wait_time(self, now: float) -> float:
-        times = [self._ownership.next_due(), self._leases.next_check(), self._pulls.next_deadline(), self._watch_due,
+        times = [self._flushes.next_due(), self._leases.next_check(), self._pulls.next_deadline(), self._watch_due,
                  *(state.next_wake() for state in self._partitions.values())]
         return min([0.1, *(max(0.0, t - now) for t in times if t is not None)])
 

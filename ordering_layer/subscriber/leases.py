@@ -17,7 +17,7 @@ client keeps), clamped to the subscription's per-extension bounds, unless it has
 (SUB-4). The table only keeps the books: the coordinator writes what it returns to Redis.
 
 A delivery's lease reaches Redis (ACK-4) only if the delivery is still outstanding
-``ownership.LEASE_WRITE_AGE`` after its release (``write_leases``, called by ``ownership`` as each
+``flushes.LEASE_WRITE_AGE`` after its release (``write_leases``, called by ``flushes`` as each
 flush begins): most deliveries are settled sooner, and their settle deletes no lease (``ack_run``
 queues a ``SETTLED`` op with bit 1 of its value set). An extension or a manual deadline writes the
 lease itself.

@@ -136,7 +136,7 @@ class Process:
     def step(self) -> None:
         """One coordinator step, then a flush of what it queued (a step flushes only when due)."""
         self.engine._step()
-        self.engine._ownership.flush()
+        self.engine._flushes.flush()
 
     def crash(self) -> None:
         self.engine.consumer.close()

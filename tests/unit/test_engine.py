@@ -87,7 +87,7 @@ def make_engine(store: FakeStore, on_messages: Callable[[list[Message]], None] |
 def step(engine: Engine) -> None:
     """One coordinator step, then the answer of the flush it sent (released messages go out with it)."""
     engine._step()
-    engine._ownership.settle_in_flight()
+    engine._flushes.settle_in_flight()
 
 
 def hand_out(engine: Engine, count: int) -> None:
@@ -436,7 +436,7 @@ def test_ack_all_posts_one_list_per_engine_which_settles_it_as_a_run_of_acks(sto
         assert len(engine._inbox) == 1 and elsewhere == [[foreign]]
         step(engine)
         assert engine._partitions[0].watermark == 3 and engine._counts["acked"] == 3
-        engine._ownership.flush()
+        engine._flushes.flush()
         assert sorted(op[1] for _, op in store.op_log if op[0] == OpKind.SETTLED) == [0, 1, 2]
     finally:
         engine.consumer.close()

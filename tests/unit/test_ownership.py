@@ -15,6 +15,7 @@ from ordering_layer.state import ApplyResult, StateStore
 from ordering_layer.state.pipe import Sent
 from ordering_layer.state.store import ClaimedPartition, Op, OpKind, unpack_ops
 from ordering_layer.subscriber.commits import Commits
+from ordering_layer.subscriber.flushes import Flushes
 from ordering_layer.subscriber.leases import lease_table
 from ordering_layer.subscriber.message import AckResponse
 from ordering_layer.subscriber.ownership import Ownership
@@ -52,7 +53,9 @@ class Rig:
         self.writer = StateWriter(store, "sub")
         self.changed = threading.Condition(threading.RLock())
         self.commits = Commits(self.owned, "t", "sub")
-        self.ownership = Ownership("sub", SETTINGS, self.changed, self.owned, self.leases, self.writer, self.commits)
+        self.flushes = Flushes("sub", self.owned, self.leases, self.writer, fenced=lambda p: self.ownership.fenced(p))
+        self.ownership = Ownership("sub", SETTINGS, self.changed, self.owned, self.leases, self.writer, self.commits,
+                                   self.flushes)
 
     def deliver(self, partition: int, offset: int) -> None:
         """One record fetched and handed out in ``partition``."""
@@ -120,12 +123,12 @@ def test_a_flush_drops_fenced_partitions_and_adopts_lost_state() -> None:
     rig.writer.push(rig.owned.owned[0], OpKind.SETTLED, 0, 0, 0.0)
     rig.writer.push(rig.owned.owned[1], OpKind.SETTLED, 0, 0, 0.0)
     rig.store.verdicts = {0: ApplyResult.FENCED, 1: ApplyResult.ADOPTED}
-    assert rig.ownership.flush()
+    assert rig.flushes.flush()
     assert sorted(rig.owned.owned) == [1] and rig.leases.count == 0
     assert rig.store.settings_stored == 1
     rig.store.failing = True
     rig.writer.push(rig.owned.owned[1], OpKind.SETTLED, 1, 0, 0.0)
-    assert not rig.ownership.flush()
+    assert not rig.flushes.flush()
 
 
 def test_a_seek_voids_the_deliveries_of_the_partitions_it_restarts() -> None:
@@ -160,16 +163,18 @@ class GatedStore(VerdictStore):
 
 
 class DeliveringRig(Rig):
-    """``Rig`` whose ``Ownership`` records the deliveries it hands back and calls ``wake`` when a flush
+    """``Rig`` whose ``Flushes`` records the deliveries it hands back and calls ``wake`` when a flush
     in flight answers; partition 0 assigned."""
 
     def __init__(self, fake: VerdictStore | None, wake: Callable[[], Any]) -> None:
         super().__init__(fake)
         self.delivered: list[tuple[list[int], bool]] = []
+        self.flushes = Flushes("sub", self.owned, self.leases, self.writer, fenced=lambda p: self.ownership.fenced(p),
+                               deliver=lambda released, ok: self.delivered.append(
+                                   ([m.record.offset for _, batch in released for m in batch], ok)),
+                               wake=wake)
         self.ownership = Ownership("sub", SETTINGS, self.changed, self.owned, self.leases, self.writer, self.commits,
-                                   deliver=lambda released, ok: self.delivered.append(
-                                       ([m.record.offset for _, batch in released for m in batch], ok)),
-                                   wake=wake)
+                                   self.flushes)
         self.ownership.assigned([0], {0: 1})
 
     def release(self, offsets: list[int]) -> None:
@@ -177,7 +182,7 @@ class DeliveringRig(Rig):
         state = self.owned.owned[0]
         state.add([record(o, b"k%d" % o) for o in offsets])
         batch, _ = state.release_ready(0.0, 100, 1, 10**9, None, pooled=True, leases=self.leases)
-        self.ownership.hold([(state, batch)])
+        self.flushes.hold([(state, batch)])
 
 
 class AsyncRig(DeliveringRig):
@@ -201,19 +206,19 @@ def test_a_flush_is_sent_on_its_own_thread_one_at_a_time_and_delivers_after_its_
     meanwhile waits for the next flush, so a partition's ops reach Redis in the order queued."""
     rig = AsyncRig()
     rig.release([0, 1])
-    rig.ownership.start(0.0)
+    rig.flushes.start(0.0)
     assert rig.gated.entered.wait(10) and rig.delivered == []  # Redis at work, the caller free
     rig.writer.push(rig.owned.owned[0], OpKind.SETTLED, 7, 0, 0.0)
     rig.release([2])
-    rig.ownership.start(0.0)  # one in flight: nothing more is sent
-    rig.ownership.poll()
-    assert rig.delivered == [] and rig.ownership.next_due() is None
+    rig.flushes.start(0.0)  # one in flight: nothing more is sent
+    rig.flushes.poll()
+    assert rig.delivered == [] and rig.flushes.next_due() is None
     rig.answer()
-    rig.ownership.poll()
+    rig.flushes.poll()
     assert rig.delivered == [([0, 1], True)]
-    rig.ownership.start(0.0)
+    rig.flushes.start(0.0)
     rig.answer()
-    rig.ownership.poll()
+    rig.flushes.poll()
     assert rig.delivered == [([0, 1], True), ([2], True)]
     [first], [second] = rig.gated.written
     # The commit point (0) goes last as the partition's floor, once.
@@ -230,16 +235,16 @@ def test_a_failed_flush_in_flight_gives_back_and_keeps_its_ops_ahead_of_later_on
     future: Future[AckResponse] = Future()
     rig.writer.add_future(0, future)
     rig.gated.failing = True
-    rig.ownership.start(0.0)
+    rig.flushes.start(0.0)
     assert rig.gated.entered.wait(10)
     rig.writer.push(rig.owned.owned[0], OpKind.SETTLED, 9, 0, 0.0)
     rig.answer()
-    rig.ownership.poll()
+    rig.flushes.poll()
     assert rig.delivered == [([0], False)] and not future.done()
     rig.gated.failing = False
     assert rig.writer.due(1.0)  # the failed ops make the next flush due
     rig.gated.gate.set()
-    assert rig.ownership.flush()
+    assert rig.flushes.flush()
     [[(_, ops)]] = rig.gated.written
     assert [(op[0], op[1]) for op in ops] == [(OpKind.FIRST_RELEASED, 0), (OpKind.FLOOR, 0), (OpKind.SETTLED, 9)]
     assert future.result(0) is AckResponse.SUCCESS
@@ -251,26 +256,26 @@ def test_a_verdict_in_flight_applies_only_to_the_ownership_that_sent_it() -> Non
     rig = AsyncRig()
     rig.release([0])
     rig.gated.verdicts = {0: ApplyResult.FENCED}
-    rig.ownership.start(0.0)
+    rig.flushes.start(0.0)
     assert rig.gated.entered.wait(10)
     rig.ownership.lost([0])
     rig.ownership.assigned([0], {0: 2})
     claimed = rig.owned.owned[0]
     rig.answer()
-    rig.ownership.poll()
+    rig.flushes.poll()
     assert rig.owned.owned.get(0) is claimed
     rig.gated.verdicts = {}
     rig.gated.failing = True
     rig.release([1])
-    rig.ownership.start(0.0)
+    rig.flushes.start(0.0)
     assert rig.gated.entered.wait(10)
     rig.ownership.lost([0])
     rig.ownership.assigned([0], {0: 3})
     rig.answer()
-    rig.ownership.poll()
+    rig.flushes.poll()
     rig.gated.failing = False
     rig.gated.gate.set()
-    assert rig.ownership.flush()
+    assert rig.flushes.flush()
     assert len(rig.gated.written) == 1  # the first flush; nothing of the ownerships before was kept
 
 
@@ -343,7 +348,7 @@ class PipelinedRig(DeliveringRig):
         deadline = time.monotonic() + 10.0
         while self.pipe.reads <= flush:
             assert time.monotonic() < deadline, f"flush {flush} not read"
-            self.ownership.poll()
+            self.flushes.poll()
             if self.pipe.reads <= flush:
                 self.woken.acquire(timeout=0.01)  # the sending thread's write is done
 
@@ -355,19 +360,19 @@ def test_a_pipelined_flush_goes_out_while_one_is_in_flight_and_answers_apply_in_
     answers applied in the order written; a third waits for a place."""
     rig = PipelinedRig()
     rig.release([0, 1])
-    rig.ownership.start(0.0)
+    rig.flushes.start(0.0)
     rig.writer.push(rig.owned.owned[0], OpKind.SETTLED, 7, 0, 0.0)
-    rig.ownership.start(0.0)  # ops queued, no message waiting: no second flush for them alone
-    assert rig.ownership.in_flight == 1
+    rig.flushes.start(0.0)  # ops queued, no message waiting: no second flush for them alone
+    assert rig.flushes.in_flight == 1
     rig.release([2])
-    rig.ownership.start(0.0)
+    rig.flushes.start(0.0)
     rig.release([3])
-    rig.ownership.start(0.0)
+    rig.flushes.start(0.0)
     # Nothing is due but the oldest answer's timeout (10 s here); the answer itself wakes the coordinator.
-    assert rig.ownership.in_flight == 2 and rig.ownership.next_due() > time.monotonic() + 5
+    assert rig.flushes.in_flight == 2 and rig.flushes.next_due() > time.monotonic() + 5
     rig.answer(0)
     assert rig.delivered == [([0, 1], True)]
-    rig.ownership.start(0.0)  # a place is free: the release waiting goes out
+    rig.flushes.start(0.0)  # a place is free: the release waiting goes out
     rig.answer(1)
     rig.answer(2)
     assert rig.delivered == [([0, 1], True), ([2], True), ([3], True)]
@@ -382,15 +387,15 @@ def test_a_failed_pipelined_flush_fails_the_one_written_after_it_and_their_ops_g
     order first queued, ahead of what was queued since; the flush after that takes them all."""
     rig = PipelinedRig()
     rig.release([0])
-    rig.ownership.start(0.0)
+    rig.flushes.start(0.0)
     rig.release([1])
-    rig.ownership.start(0.0)
+    rig.flushes.start(0.0)
     rig.pipe.failing = {0}
     rig.answer(0)
     rig.answer(1)
     assert rig.delivered == [([0], False), ([1], False)]
     rig.writer.push(rig.owned.owned[0], OpKind.SETTLED, 9, 0, 0.0)
-    rig.ownership.start(1.0)
+    rig.flushes.start(1.0)
     rig.answer(2)
     [[(_, ops)]] = rig.pipe.written[2:]
     assert [(op[0], op[1]) for op in ops] == [(OpKind.FIRST_RELEASED, 0), (OpKind.FLOOR, 0), (OpKind.FIRST_RELEASED, 1),
@@ -404,10 +409,10 @@ def test_a_pipelined_flush_is_written_by_the_coordinator_once_a_connection_is_op
     rig = PipelinedRig()
     rig.pipe.ready = False
     rig.release([0])
-    rig.ownership.start(0.0)
+    rig.flushes.start(0.0)
     rig.answer(0)
     rig.release([1])
-    rig.ownership.start(0.0)
+    rig.flushes.start(0.0)
     rig.answer(1)
     assert rig.delivered == [([0], True), ([1], True)]
     assert rig.pipe.writers[0].startswith("ordering-layer-redis-sub")
@@ -420,9 +425,9 @@ def test_a_pipelined_flush_whose_write_failed_is_settled_at_the_next_step() -> N
     rig = PipelinedRig()
     rig.pipe.write_fails = True
     rig.release([0])
-    rig.ownership.start(0.0)
-    assert rig.ownership.in_flight == 1
-    due = rig.ownership.next_due()
+    rig.flushes.start(0.0)
+    assert rig.flushes.in_flight == 1
+    due = rig.flushes.next_due()
     assert due is not None and due <= time.monotonic()
-    rig.ownership.poll()
-    assert rig.delivered == [([0], False)] and rig.ownership.in_flight == 0
+    rig.flushes.poll()
+    assert rig.delivered == [([0], False)] and rig.flushes.in_flight == 0
