@@ -9,13 +9,15 @@
 (b) Latency at ``--rate`` msg/s for ``--seconds`` over 1,000 keys: publish (``linger.ms=0``) to the
     request's arrival at the endpoint, from the publish time each message carries in an attribute;
     then, alone too, the same path into a plain ``Subscriber`` callback, which is what the pusher
-    adds to. Goal <= 5 ms at p50.
+    adds to. Goal <= 5 ms at p50. With ``--stages``, p50 and p99 of each step of the pusher's path
+    (``ordering_layer.push.stages``), from the subscriber's hand-out to the ack, the endpoint's
+    arrival between.
 
 The endpoint is another process (``python -m tests.push_endpoint``), so that it takes no CPU time
 from the process measured.
 
     .venv/bin/python -u bench/bench_push.py [--messages 20000] [--concurrency 100] [--rounds 3]
-        [--rate 1000] [--seconds 10] [--scenarios ab]
+        [--rate 1000] [--seconds 10] [--scenarios ab] [--stages]
 """
 
 from __future__ import annotations
@@ -44,11 +46,22 @@ from ordering_layer import Admin, Message, OrderedProducer, RetryPolicy, StartPo
 from ordering_layer.config import PushConfig
 from ordering_layer.push import Pusher
 from ordering_layer.push.request import wrapped
+from ordering_layer.push.stages import ANSWERED, HANDED_OUT, ON_LOOP, SENDING, SETTLED, SLOT, StageClock
 from ordering_layer.stack import Endpoints
 from tests.push_endpoint import free_port
 
 KEYS = [f"key-{i}" for i in range(1000)]
 PAYLOAD = b"x" * 100
+PUBLISHED, ARRIVED = "published", "arrived"  # marks of the producer and of the endpoint
+# (row, from mark, to mark) of the --stages table; the pusher's marks are ``StageClock``'s steps.
+STAGES = (("publish -> handed to the pusher", PUBLISHED, HANDED_OUT),
+          ("handed out -> on the event loop", HANDED_OUT, ON_LOOP),
+          ("on the loop -> a request slot", ON_LOOP, SLOT),
+          ("slot -> request built, sending", SLOT, SENDING),
+          ("sending -> arrived at the endpoint", SENDING, ARRIVED),
+          ("arrived -> answer read", ARRIVED, ANSWERED),
+          ("answer read -> acked", ANSWERED, SETTLED),
+          ("publish -> arrived (total)", PUBLISHED, ARRIVED))
 
 
 class Endpoint:
@@ -70,18 +83,19 @@ class Endpoint:
                     raise
                 time.sleep(0.1)
 
-    def stats(self, reset: bool = False) -> dict[str, Any]:
-        url = f"http://127.0.0.1:{self.port}/stats" + ("?reset=1" if reset else "")
+    def stats(self, reset: bool = False, full: bool = False) -> dict[str, Any]:
+        query = "&".join(name + "=1" for name, asked in (("reset", reset), ("full", full)) if asked)
+        url = f"http://127.0.0.1:{self.port}/stats" + (f"?{query}" if query else "")
         with urllib.request.urlopen(url, timeout=10) as reply:
             stats: dict[str, Any] = json.loads(reply.read())
             return stats
 
-    def wait_count(self, count: int, timeout: float = 300.0) -> dict[str, Any]:
+    def wait_count(self, count: int, timeout: float = 300.0, full: bool = False) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
         while True:
             stats = self.stats()
             if stats["count"] >= count:
-                return stats
+                return self.stats(full=True) if full else stats
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{stats['count']} of {count} requests")
             time.sleep(0.05)
@@ -186,23 +200,45 @@ def percentiles(delays: list[float]) -> str:
             f"max {ordered[-1] * 1000:7.2f} ms")
 
 
+def stage_table(clock: StageClock, arrivals: dict[str, list[float]]) -> None:
+    """Print p50 and p99 of each step of the messages the endpoint saw (``STAGES``)."""
+    durations: dict[str, list[float]] = {row: [] for row, _, _ in STAGES}
+    for message_id, (published, arrived) in arrivals.items():
+        marks = {**clock.marks.get(message_id, {}), PUBLISHED: published, ARRIVED: arrived}
+        for row, start, end in STAGES:
+            if start in marks and end in marks:
+                durations[row].append(marks[end] - marks[start])
+    print(f"(b) the pusher's steps ({len(arrivals):,} messages):      p50        p99", flush=True)
+    for row, values in durations.items():
+        if values:
+            ordered = sorted(values)
+            p50, p99 = (ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000 for q in (0.5, 0.99))
+            print(f"    {row:<36} {p50:7.2f} ms {p99:7.2f} ms", flush=True)
+
+
 def latency(endpoints: Endpoints, admin: Admin, endpoint: Endpoint, per_second: float, seconds: float,
-            concurrency: int) -> None:
-    """(b): the pusher, then a plain subscriber, each alone on a fresh topic."""
+            concurrency: int, stages: bool) -> None:
+    """(b): the pusher, then a plain subscriber, each alone on a fresh topic; with ``stages`` the
+    pusher's steps too."""
     kafka = endpoints.kafka_config()
     topic = f"bench-push-lat-{uuid.uuid4().hex[:8]}"
     admin.create_topic(topic, partitions=6)
     name = f"bench-push-lat-{uuid.uuid4().hex[:8]}"
     admin.create_subscription(name, topic=topic, start=StartPosition.LATEST, retry_policy=RetryPolicy(0, 0),
                               push_config=PushConfig(endpoint.url, max_concurrent_requests=concurrency))
-    with Pusher(kafka, name, redis_url=endpoints.redis_url):
+    clock = StageClock() if stages else None
+    with Pusher(kafka, name, redis_url=endpoints.redis_url, stages=clock):
         warm = paced_publish(endpoints, topic, per_second, 2.0)  # joined and warm
         endpoint.wait_count(warm, 60)
         endpoint.stats(reset=True)
+        if clock is not None:
+            clock.clear()
         total = paced_publish(endpoints, topic, per_second, seconds)
-        stats = endpoint.wait_count(total, 60)
+        stats = endpoint.wait_count(total, 60, full=True)
     print(f"(b) {total:,} messages at {per_second:,.0f} msg/s over 1,000 keys, publish to request "
           f"(pusher):            {percentiles(stats['delays'])}", flush=True)
+    if clock is not None:
+        stage_table(clock, stats["arrivals"])
 
     topic = f"bench-sub-lat-{uuid.uuid4().hex[:8]}"
     admin.create_topic(topic, partitions=6)
@@ -241,6 +277,7 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=1000.0)
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--scenarios", default="ab")
+    parser.add_argument("--stages", action="store_true", help="(b): print the pusher's steps, p50 and p99 of each")
     args = parser.parse_args()
     with bench_stack() as endpoints:
         admin = Admin(endpoints.kafka_config(), redis_url=endpoints.redis_url)
@@ -249,7 +286,7 @@ def main() -> None:
             if "a" in args.scenarios:
                 throughput(endpoints, admin, endpoint, args.messages, args.concurrency, args.rounds)
             if "b" in args.scenarios:
-                latency(endpoints, admin, endpoint, args.rate, args.seconds, args.concurrency)
+                latency(endpoints, admin, endpoint, args.rate, args.seconds, args.concurrency, args.stages)
         finally:
             endpoint.close()
 

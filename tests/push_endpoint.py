@@ -7,9 +7,10 @@ are refused) and ``start()`` opens it again on the same port: an endpoint that i
 With ``tls`` (a server context) it serves https.
 
 Run as a process (``python -m tests.push_endpoint --port N``), it answers every POST at once with
-204 and serves ``GET /stats``: request count, first and last arrival time and, for bodies that
-carry a publish time in ``message.attributes.sent`` (seconds since the epoch, as the benchmark
-publishes), the arrival delays; the benchmark reads them there.
+204 and serves ``GET /stats``: request count, first and last arrival time and, with ``?full=1``, for
+bodies that carry a publish time in ``message.attributes.sent`` (seconds since the epoch, as the
+benchmark publishes), the arrival delays and the publish and arrival times by message id; the
+benchmark reads them there.
 """
 
 from __future__ import annotations
@@ -175,8 +176,10 @@ class PushEndpoint:
 # -- as a process, for the benchmark ------------------------------------------------------------------
 def serve(port: int) -> None:
     """Answer every POST at once with 204; ``GET /stats`` gives the count, the first and last arrival
-    times and the arrival delays (``?reset=1`` starts them over)."""
+    times and, with ``?full=1``, the arrival delays and ``arrivals`` (``{messageId: [publish time, arrival time]}``)
+    (``?reset=1`` starts them over)."""
     delays: list[float] = []
+    arrivals: dict[str, tuple[float, float]] = {}
     seen = {"count": 0, "first": 0.0, "last": 0.0}
 
     async def push(request: web.Request) -> web.Response:
@@ -186,15 +189,19 @@ def serve(port: int) -> None:
         seen["first"] = seen["first"] or now
         seen["last"] = now
         if body[:1] == b"{":
-            sent = json.loads(body)["message"].get("attributes", {}).get("sent")
+            message = json.loads(body)["message"]
+            sent = message.get("attributes", {}).get("sent")
             if sent is not None:
                 delays.append(now - float(sent))
+                arrivals[message["messageId"]] = (float(sent), now)
         return web.Response(status=204)
 
     async def stats(request: web.Request) -> web.Response:
-        reply = web.json_response({**seen, "delays": delays[:]})
+        full = {"delays": delays[:], "arrivals": dict(arrivals)} if request.query.get("full") else {}
+        reply = web.json_response({**seen, **full})
         if request.query.get("reset"):
             delays.clear()
+            arrivals.clear()
             seen.update(count=0, first=0.0, last=0.0)
         return reply
 

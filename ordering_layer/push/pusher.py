@@ -34,6 +34,7 @@ from ordering_layer.kafka_config import read_kafka_config
 from ordering_layer.push.auth import Authorizer
 from ordering_layer.push.gate import EndpointGate
 from ordering_layer.push.request import ACK_STATUSES, build
+from ordering_layer.push.stages import ANSWERED, HANDED_OUT, ON_LOOP, SENDING, SETTLED, SLOT, StageClock
 from ordering_layer.state import StateStore
 from ordering_layer.subscriber import Message, StreamingPullFuture, Subscriber
 from ordering_layer.subscriber.client_config import redis_url_from
@@ -68,6 +69,7 @@ class Pusher:
             ``FlowControl()``, raised to twice ``max_concurrent_requests`` when that is more, so
             that every request slot finds a message.
         metrics_port: serve Prometheus metrics (the subscriber's and the pusher's) on this port.
+        stages: mark each message at each step of the pusher on this clock (``stages``).
 
     Raises:
         ConfigError: the subscription has no ``push_config``, its JWT key cannot sign, a setting is
@@ -76,7 +78,8 @@ class Pusher:
     """
 
     def __init__(self, kafka_config: Mapping[str, Any], subscription: str, *, redis_url: str | None = None,
-                 flow_control: FlowControl | None = None, metrics_port: int | None = None) -> None:
+                 flow_control: FlowControl | None = None, metrics_port: int | None = None,
+                 stages: StageClock | None = None) -> None:
         kafka = read_kafka_config(kafka_config)
         url = redis_url_from(redis_url)
         settings = StateStore(url, kafka_config=kafka).settings(subscription)
@@ -92,6 +95,7 @@ class Pusher:
             max_messages=max(FlowControl.max_messages, 2 * self.config.max_concurrent_requests))
         self._subscriber = Subscriber(kafka, redis_url=url, metrics_port=metrics_port)
         self._metrics = metrics_port is not None
+        self._stages = stages
         self._lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"ordering-layer-push-{subscription}",
@@ -203,6 +207,8 @@ class Pusher:
     # -- hand-over: callback thread -> loop ----------------------------------------------------------
     def _receive(self, message: Message) -> None:
         """The subscription's callback: hand the message to the loop and return (it stays outstanding)."""
+        if self._stages is not None:
+            self._stages.mark(message.message_id, HANDED_OUT)
         if self._closing:
             message.nack(error=STOPPING)
             return
@@ -221,6 +227,8 @@ class Pusher:
             if self._closing:
                 message.nack(error=STOPPING)
                 continue
+            if self._stages is not None:
+                self._stages.mark(message.message_id, ON_LOOP)
             self.waiting += 1
             queue.put_nowait(message)
 
@@ -232,6 +240,8 @@ class Pusher:
             message = await queue.get()
             if message is None:
                 return
+            if self._stages is not None:
+                self._stages.mark(message.message_id, SLOT)
             await self._push(message)
 
     async def _push(self, message: Message) -> None:
@@ -249,6 +259,9 @@ class Pusher:
         timed_out = False
         self.in_flight += 1
         started = loop.time()
+        stages = self._stages
+        if stages is not None:
+            stages.mark(message.message_id, SENDING)
         try:
             async with session.post(config.endpoint, data=body, headers=headers, allow_redirects=False) as response:
                 status = response.status
@@ -260,6 +273,8 @@ class Pusher:
             failure = self._describe(exc)
         finally:
             self.in_flight -= 1
+        if stages is not None:
+            stages.mark(message.message_id, ANSWERED)
         self._latencies.append(loop.time() - started)
         self.requests[status_class(status, timed_out)] += 1
         if status is not None:
@@ -269,11 +284,15 @@ class Pusher:
                 message.ack()
             else:
                 message.nack(error=f"HTTP {status}")
+            if stages is not None:
+                stages.mark(message.message_id, SETTLED)
             return
         if await gate.unreachable(probe):
             _LOGGER.warning("%s: endpoint %s unreachable (%s); next try in %.1f s", self.subscription,
                             self.push_endpoint, failure, gate.wait_left())
         message.nack(error=failure)
+        if stages is not None:
+            stages.mark(message.message_id, SETTLED)
 
     def _describe(self, exc: aiohttp.ClientError) -> str:
         """The failure of a request as text, the endpoint's query (which may hold a token) elided."""
