@@ -66,7 +66,7 @@ demo: setup
 	$(VENV)/bin/ordering-layer demo
 
 # The core's own Rust tests link the venv's Python (no extension-module feature); the differential
-# tests against the Python reference are in tests/unit/test_core.py.
+# tests against the Python reference are in tests/model/test_core.py.
 test: setup
 	PYO3_PYTHON=$(abspath $(PY)) cargo test --release --locked --quiet --manifest-path core/Cargo.toml
 	$(PY) -m pytest -ra

@@ -18,7 +18,8 @@ class FetchedRecord(Protocol):
 _R = TypeVar("_R", bound=FetchedRecord)
 
 class PartitionCore(Generic[_R]):
-    """Dispatch state of one owned partition, with ``PartitionState``'s semantics."""
+    """Dispatch state of one owned partition, with the semantics of ``PartitionState``, its reference
+    model (``tests/model/partition.py``)."""
 
     def __init__(self, *, ordered: bool, settled_before: Set[int] | None = None,
                  attempts_before: Mapping[int, int] | None = None, suspects: bool = True,

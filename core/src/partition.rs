@@ -1,7 +1,7 @@
 //! Dispatch state of one owned partition: per-key hold queues, release, settlement, cascade, recovery.
 //!
-//! The same semantics as `ordering_layer/subscriber/partition.py` (`PartitionState`), kept
-//! operation for operation (tests/unit/test_core.py drives both with the same random sequences):
+//! The same semantics as `tests/model/partition.py` (`PartitionState`, the reference model), kept
+//! operation for operation (tests/model/test_core.py drives both with the same random sequences):
 //!
 //! * a queue key is the record's ordering key when ordering is on and the key is not empty, else
 //!   the record's offset (an unordered record queues alone);

@@ -2,26 +2,26 @@
 
 One coordinator (``engine``: its threads, lock and step loop, the routing of typed ``requests``)
 over components that hold no references to each other. A message walks ``fetcher`` (with
-``native_fetch``: the records taken from librdkafka without a Python object per message; ``fetched``:
-a record read once) -> ``inbox`` ->
-``engine`` -> ``partitions`` / ``owned_partition`` (the partition's bookkeeping in the compiled core,
-``core/src/partition.rs``, whose pure-Python reference is ``partition`` with ``key_queue`` and
-``commit_point``) -> ``dispatch`` (released as a ``Message`` within ``flow``, made outstanding in
-``leases``, its attempt queued in the core and flushed by ``state_writer`` through ``flushes``,
-one or two flushes in flight, written and their answers read by the coordinator, ``state/pipe.py``;
-on a cluster a thread of its own makes each round trip) -> ``dead_letters`` or ``handoff`` once the
-flush answered; its ack comes back through ``message`` -> ``inbox`` -> ``settlement``. The
-coordinator's rules live in ``dispatch`` (release, hand-out),
-``settlement`` (acks, nacks, deadlines, lapses, dead-letter reports, start notes), ``starts`` (a
-worker's start of a delivery: written first for a suspect, noted under a dead-letter policy),
-``commits`` (commit points, commit reports, seek look-ups), ``ownership`` (claims on assignment,
-revocation, loss, fencing) and ``flushes`` (the Redis writes and their verdicts); the engine hands
-them the components they act on.
+``native_fetch``: the records taken from librdkafka without a Python object per message;
+``fetched``: a record read once) -> ``inbox`` -> ``engine`` -> ``partitions`` / ``owned_partition``
+(the partition's bookkeeping in the compiled core, ``core/src/partition.rs``, whose pure-Python
+reference model is in ``tests/model``; the records and deliveries it queues are ``records``) ->
+``dispatch`` (released as a ``Message`` within ``flow``, made outstanding in ``leases``, its attempt
+queued in the core and flushed by ``state_writer`` through ``flushes``, one or two flushes in
+flight, written and their answers read by the coordinator, ``state/pipe.py``; on a cluster a thread
+of its own makes each round trip) -> ``dead_letters`` or ``handoff`` once the flush answered; its
+ack comes back through ``message`` -> ``inbox`` -> ``settlement``. The coordinator's rules live in
+``dispatch`` (release, hand-out), ``settlement`` (acks, nacks, deadlines, lapses, dead-letter
+reports, start notes), ``starts`` (a worker's start of a delivery: written first for a suspect,
+noted under a dead-letter policy), ``commits`` (commit points, commit reports, seek look-ups),
+``ownership`` (claims on assignment, revocation, loss, fencing) and ``flushes`` (the Redis writes
+and their verdicts); the engine hands them the components they act on.
 
 Which module keeps which property of ``SEMANTICS.md``. "The core" is ``owned_partition`` and the
 compiled ``core/src/partition.rs`` it holds (``key_queue.rs``, ``tracker.rs``); the pure-Python
-``partition`` (``key_queue``, ``commit_point``, ``recovery_walk``) is its reference, with the same
-rules under the same names, checked against it by ``tests/unit/test_core.py``:
+model in ``tests/model`` (``partition``, ``key_queue``, ``commit_point``, ``recovery_walk``) is its
+reference, with the same rules under the same names, checked against it by
+``tests/model/test_core.py``:
 
 - SUB-1 in-key order (one outstanding per key; one batch per key in pull mode): the core
   (``release_ready``; reference ``PartitionState.release``), ``dispatch`` (per-key release size)

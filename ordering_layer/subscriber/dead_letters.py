@@ -21,7 +21,7 @@ from ordering_layer.config import DEAD_LETTER_MAX_BYTES, SubscriptionSettings
 from ordering_layer.kafka_config import connection_settings
 from ordering_layer.record import display_key, encode
 from ordering_layer.state import StateStore
-from ordering_layer.subscriber.partition import Delivery
+from ordering_layer.subscriber.records import Delivery
 from ordering_layer.subscriber.requests import DeadLettered
 
 _LOGGER = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ from typing import cast
 from confluent_kafka import Message as KafkaMessage
 
 from ordering_layer.record import HEADER_PARTITION_COUNT, HeaderPairs, RecordMetadata, read_metadata
-from ordering_layer.subscriber.key_queue import Record
+from ordering_layer.subscriber.records import Record
 
 
 def read_headers(headers: HeaderPairs) -> tuple[RecordMetadata, HeaderPairs, bool]:

@@ -26,7 +26,7 @@ from ordering_layer.kafka.offsets import tagged_generation
 from ordering_layer.subscriber.fetched import to_record
 from ordering_layer.subscriber.flow import FlowGate, Gate
 from ordering_layer.subscriber.native_fetch import open_native_fetch
-from ordering_layer.subscriber.partition import Record
+from ordering_layer.subscriber.records import Record
 from ordering_layer.subscriber.requests import Committed, Fetched, SeekPartition, Sought
 from ordering_layer.worker import Worker
 

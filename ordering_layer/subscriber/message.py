@@ -15,7 +15,7 @@ from datetime import UTC, datetime
 from confluent_kafka import TIMESTAMP_LOG_APPEND_TIME, KafkaError
 
 from ordering_layer.record import HeaderPairs, attributes_of, display_key
-from ordering_layer.subscriber.key_queue import Delivery, QueueKey, Record
+from ordering_layer.subscriber.records import Delivery, QueueKey, Record
 from ordering_layer.subscriber.requests import Settle, SettleKind
 
 _ACK, _NACK, _DEADLINE = SettleKind.ACK, SettleKind.NACK, SettleKind.DEADLINE

@@ -39,8 +39,8 @@ from confluent_kafka import Consumer
 from ordering_layer._core import NativeFetch
 from ordering_layer.record import HeaderPairs, RecordMetadata, read_metadata
 from ordering_layer.subscriber.fetched import read_headers
-from ordering_layer.subscriber.key_queue import Record
 from ordering_layer.subscriber.owned_partition import RECORD_LAYOUT
+from ordering_layer.subscriber.records import Record
 
 _LOGGER = logging.getLogger(__name__)
 

@@ -3,10 +3,10 @@
 The per-message bookkeeping of a partition (key queues, the recovery walk, release, cascade
 rewinds, backoff, the quarantine of suspects, the commit point, and the Redis ops those decisions
 make) runs in ``ordering_layer._core.PartitionCore`` (``core/``), which keeps ``PartitionState``'s
-semantics: ``PartitionState`` is the pure-Python reference it is tested against
-(``tests/unit/test_core.py``). What stays here is what the engine knows about the ownership: the
-owner epoch (ACK-5), the assignment generation records must be fetched under (SUB-3), the seek the
-partition was restarted by (GRP-3), and whether it is being revoked (SUB-5).
+semantics: ``PartitionState`` (``tests/model/partition.py``) is the pure-Python reference it is
+tested against (``tests/model/test_core.py``). What stays here is what the engine knows about the
+ownership: the owner epoch (ACK-5), the assignment generation records must be fetched under
+(SUB-3), the seek the partition was restarted by (GRP-3), and whether it is being revoked (SUB-5).
 
 Every state op of the partition is queued in the core, in decision order: the core queues those of
 its own decisions (``RELEASED``/``DELIVERED`` with the batch lease, ``SETTLED``, ``NACKED``), the
@@ -21,8 +21,8 @@ from typing import Any
 
 from ordering_layer._core import MESSAGE_FIELDS, RECORD_FIELDS, Deliveries, LeaseTable, PartitionCore, SlotLayout
 from ordering_layer.state.store import OpLetter
-from ordering_layer.subscriber.key_queue import Delivery, QueueKey, Record
 from ordering_layer.subscriber.message import Message, unattached
+from ordering_layer.subscriber.records import Delivery, QueueKey, Record
 
 __all__ = ["MESSAGE_LAYOUT", "RECORD_LAYOUT", "OwnedPartition"]
 

@@ -33,7 +33,7 @@ from ordering_layer.state import ClaimedPartition, StateStore
 from ordering_layer.state.departed import Departed
 from ordering_layer.subscriber.message import Message, unattached
 from ordering_layer.subscriber.owned_partition import RECORD_LAYOUT, OwnedPartition
-from ordering_layer.subscriber.partition import AWAITING_SEEK, Record
+from ordering_layer.subscriber.records import AWAITING_SEEK, Record
 from ordering_layer.subscriber.requests import Fetched, SeekPartition
 
 _LOGGER = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ def charged_attempts(claimed: ClaimedPartition, max_attempts: int | None) -> dic
     is dead-lettered only after an attempt whose start is recorded. In callback mode the records charged
     are suspects: the new owner records the start of each of their deliveries before user code runs
     (``Starts.begin``), and lets those charged two attempts or more out one at a time per partition
-    (``key_queue.Quarantine``); in pull mode they go out only to a waiting pull, written as delivered
+    (the core's ``Quarantine``); in pull mode they go out only to a waiting pull, written as delivered
     (``release``, not ``ahead``). So a message that crashes every process it runs in is dead-lettered
     after exactly ``max_attempts`` deliveries; in callback mode one that waited or ran beside it is
     charged for two crashes at most and never dead-lettered for them. A message whose dead letter was being written when

@@ -13,7 +13,7 @@ from __future__ import annotations
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Final, NamedTuple
 
-from ordering_layer.subscriber.partition import Delivery, QueueKey, Record
+from ordering_layer.subscriber.records import Delivery, QueueKey, Record
 
 if TYPE_CHECKING:
     from ordering_layer.subscriber.message import AckResponse, Message

@@ -26,7 +26,7 @@ from ordering_layer.state.store import OpKind
 from ordering_layer.subscriber.leases import LeaseTable
 from ordering_layer.subscriber.message import AckResponse, Message
 from ordering_layer.subscriber.owned_partition import MESSAGE_LAYOUT, OwnedPartition
-from ordering_layer.subscriber.partition import Delivery
+from ordering_layer.subscriber.records import Delivery
 from ordering_layer.subscriber.requests import DeadLettered, SettleKind
 from ordering_layer.subscriber.state_writer import StateWriter, resolve
 

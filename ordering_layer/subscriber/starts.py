@@ -22,8 +22,8 @@ from ordering_layer.state import ApplyResult, StateStore
 from ordering_layer.state.store import OpKind
 from ordering_layer.subscriber.message import Message
 from ordering_layer.subscriber.ownership import Ownership
-from ordering_layer.subscriber.partition import Delivery
 from ordering_layer.subscriber.partitions import Partitions
+from ordering_layer.subscriber.records import Delivery
 from ordering_layer.subscriber.settlement import Settlement
 
 _LOGGER = logging.getLogger(__name__)

@@ -25,7 +25,7 @@ from ordering_layer.subscriber import native_fetch
 from ordering_layer.subscriber.fetched import to_record
 from ordering_layer.subscriber.fetcher import Fetcher, RebalanceHooks
 from ordering_layer.subscriber.flow import FlowGate
-from ordering_layer.subscriber.key_queue import Record
+from ordering_layer.subscriber.records import Record
 from ordering_layer.subscriber.requests import Fetched
 from tests.checker import wait_until
 from tests.fetch_helpers import OwnAll, report_release

@@ -14,8 +14,8 @@ from ordering_layer.subscriber.commits import COMMIT_INTERVAL, Commits
 from ordering_layer.subscriber.partitions import Partitions
 from ordering_layer.subscriber.requests import Committed, SeekPartition
 from ordering_layer.subscriber.state_writer import StateWriter
+from tests.model.test_partition import record
 from tests.unit.test_engine_seek import SeekStore
-from tests.unit.test_partition import record
 
 
 class OpsSeekStore(SeekStore):

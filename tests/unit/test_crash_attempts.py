@@ -21,8 +21,8 @@ from ordering_layer.state import ApplyResult, ClaimedPartition, StateStore
 from ordering_layer.state.store import Op, OpKind, parse_claim, unpack_ops
 from ordering_layer.subscriber.engine import Engine
 from ordering_layer.subscriber.message import Message
-from ordering_layer.subscriber.partition import Delivery, Record
 from ordering_layer.subscriber.partitions import charged_attempts
+from ordering_layer.subscriber.records import Delivery, Record
 from ordering_layer.subscriber.requests import DeadLettered, Pull
 
 TOPIC = "orders"

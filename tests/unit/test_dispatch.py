@@ -17,13 +17,13 @@ from ordering_layer.subscriber.handoff import AHEAD_AT_LEAST, PullWaiters
 from ordering_layer.subscriber.leases import lease_table
 from ordering_layer.subscriber.message import Message
 from ordering_layer.subscriber.owned_partition import OwnedPartition
-from ordering_layer.subscriber.partition import Delivery
 from ordering_layer.subscriber.partitions import Partitions, Released
+from ordering_layer.subscriber.records import Delivery
 from ordering_layer.subscriber.requests import Pull
 from ordering_layer.subscriber.settlement import REQUEUE_DELAY
 from ordering_layer.subscriber.state_writer import StateWriter
+from tests.model.test_partition import record
 from tests.unit.test_engine import FakeStore
-from tests.unit.test_partition import record
 
 
 class HeldDeadLetters(DeadLetters):

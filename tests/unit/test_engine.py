@@ -21,7 +21,7 @@ from ordering_layer.subscriber.engine import Engine
 from ordering_layer.subscriber.handoff import AHEAD_AT_LEAST
 from ordering_layer.subscriber.message import Message, ack_all
 from ordering_layer.subscriber.owned_partition import OwnedPartition
-from ordering_layer.subscriber.partition import Delivery, Record
+from ordering_layer.subscriber.records import Delivery, Record
 from ordering_layer.subscriber.requests import DeadLettered, Pull
 from ordering_layer.subscriber.settlement import REQUEUE_DELAY
 from tests.checker import wait_until

@@ -11,7 +11,7 @@ import redis
 from ordering_layer.state.store import ClaimedPartition
 from ordering_layer.subscriber.engine import Engine
 from ordering_layer.subscriber.message import AckResponse, Message
-from ordering_layer.subscriber.partition import AWAITING_SEEK
+from ordering_layer.subscriber.records import AWAITING_SEEK
 from ordering_layer.subscriber.requests import Committed, SeekPartition, Sought
 from tests.unit.test_engine import P0, FakeStore, make_engine, record, step
 

@@ -9,7 +9,7 @@ from ordering_layer.state.store import OpKind, unpack_ops
 from ordering_layer.subscriber.leases import LeaseTable, lease_table
 from ordering_layer.subscriber.message import Message
 from ordering_layer.subscriber.owned_partition import OwnedPartition
-from ordering_layer.subscriber.partition import Delivery, Record
+from ordering_layer.subscriber.records import Delivery, Record
 
 
 def table(ack_deadline: float = 10, max_lease_duration: float = 3600, *, track: bool = True,

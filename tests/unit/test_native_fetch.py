@@ -16,7 +16,7 @@ from ordering_layer.subscriber import native_fetch
 from ordering_layer.subscriber.fetched import to_record
 from ordering_layer.subscriber.fetcher import Fetcher, RebalanceHooks
 from ordering_layer.subscriber.flow import FlowGate
-from ordering_layer.subscriber.key_queue import Record
+from ordering_layer.subscriber.records import Record
 from tests.fetch_helpers import OwnAll, report_release
 
 CONFIG = {"bootstrap.servers": "127.0.0.1:9", "group.id": "native-unit", "client.id": "native-unit"}

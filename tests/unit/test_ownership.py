@@ -21,8 +21,8 @@ from ordering_layer.subscriber.message import AckResponse
 from ordering_layer.subscriber.ownership import Ownership
 from ordering_layer.subscriber.partitions import Partitions
 from ordering_layer.subscriber.state_writer import StateWriter
+from tests.model.test_partition import record
 from tests.unit.test_engine_seek import SeekStore
-from tests.unit.test_partition import record
 
 SETTINGS = SubscriptionSettings(topic="t")
 

@@ -41,6 +41,17 @@ def test_the_wheel_carries_the_compiled_core_the_scripts_and_the_schemas(wheel: 
         assert f"ordering_layer/_schemas/{schema}.avsc" in names
 
 
+def test_the_wheel_carries_no_reference_model_and_no_tests(wheel: Path) -> None:
+    """The pure-Python model of the core lives in ``tests/model`` and is not shipped: the package's
+    modules are only what the engine runs."""
+    names = set(zipfile.ZipFile(wheel).namelist())
+    model = {f"ordering_layer/subscriber/{name}.py" for name in ("partition", "key_queue", "recovery_walk",
+                                                                  "commit_point")}
+    assert not names & model
+    assert not [name for name in names if name.startswith("tests/") or "/tests/" in name]
+    assert "ordering_layer/subscriber/records.py" in names
+
+
 def test_the_unpacked_wheel_imports_its_own_core(wheel: Path, tmp_path: Path) -> None:
     zipfile.ZipFile(wheel).extractall(tmp_path)
     probe = ("import ordering_layer._core as core, ordering_layer.record as record, ordering_layer.subscriber;"

@@ -8,8 +8,8 @@ from ordering_layer.config import SubscriptionSettings
 from ordering_layer.record import RecordMetadata
 from ordering_layer.state import StateStore
 from ordering_layer.state.store import ClaimedPartition
-from ordering_layer.subscriber.partition import Record
 from ordering_layer.subscriber.partitions import Partitions
+from ordering_layer.subscriber.records import Record
 from ordering_layer.subscriber.requests import Fetched
 
 

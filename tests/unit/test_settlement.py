@@ -13,7 +13,7 @@ from ordering_layer.state.store import Op, OpKind, unpack_ops
 from ordering_layer.subscriber.leases import lease_table
 from ordering_layer.subscriber.message import AckResponse, Message
 from ordering_layer.subscriber.owned_partition import OwnedPartition
-from ordering_layer.subscriber.partition import Record
+from ordering_layer.subscriber.records import Record
 from ordering_layer.subscriber.requests import DeadLettered, SettleKind
 from ordering_layer.subscriber.settlement import REQUEUE_DELAY, Settlement
 from ordering_layer.subscriber.state_writer import StateWriter

@@ -21,9 +21,9 @@ from ordering_layer._core import (
     partition_runs,
 )
 from ordering_layer.record import RecordMetadata
-from ordering_layer.subscriber.key_queue import Delivery, Record
 from ordering_layer.subscriber.message import Message
 from ordering_layer.subscriber.owned_partition import MESSAGE_LAYOUT, RECORD_LAYOUT, OwnedPartition
+from ordering_layer.subscriber.records import Delivery, Record
 
 _META = RecordMetadata(None, 1, None)
 

@@ -25,7 +25,7 @@ from ordering_layer.errors import ConfigError
 from ordering_layer.publisher import producer as producer_module
 from ordering_layer.record import HEADER_PARTITION_COUNT, RecordMetadata
 from ordering_layer.subscriber.message import AckResponse, Message
-from ordering_layer.subscriber.partition import Record
+from ordering_layer.subscriber.records import Record
 from ordering_layer.subscriber.requests import Settle, SettleKind
 from ordering_layer.tracing import TRACING_ENV, DeliveryTracing, span_of, tracer
 from tests.unit.test_publish_path import FakeMessage

@@ -2,10 +2,9 @@
 (SUB-1, SUB-2, DLQ-1, DLQ-3).
 
 Pure bookkeeping, used by ``PartitionState``, the pure-Python reference of the compiled core
-(``core/src/key_queue.rs`` is what the engine runs). ``Record`` and ``Delivery`` are the engine's own:
+(``core/src/key_queue.rs`` is what the engine runs); its records and deliveries are the engine's
+(``ordering_layer.subscriber.records``).
 
-* ``Record`` is a fetched record as queued; ``Delivery`` one hand-off of it (``message.Message``
-  is the engine's).
 * ``KeyQueue`` holds the fetched records of one ordering key from its first unsettled one. The
   first ``cursor`` records have been delivered since the key's last reset; a nack or expiry of one
   of them rewinds the cursor to it, so it and every later delivered record go out again in order
@@ -24,11 +23,10 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
-from dataclasses import dataclass
 
-from ordering_layer.record import HeaderPairs, RecordMetadata
+from ordering_layer.subscriber.records import Delivery, QueueKey, Record
 
-QueueKey = bytes | int
+__all__ = ["QUARANTINE_FROM", "Delivery", "KeyBackoff", "KeyQueue", "Quarantine", "QueueKey", "Record"]
 
 # Suspects charged this many attempts or more go out one at a time. One crash charges what was out
 # one attempt: those suspects go out together, so that the next owner recovers from a single crash
@@ -36,55 +34,6 @@ QueueKey = bytes | int
 # attempt; from then on each goes out alone, so an innocent is charged for two crashes at most,
 # below any dead-letter limit (5 at least), and the poison for every crash.
 QUARANTINE_FROM = 2
-
-
-@dataclass(slots=True, eq=False)
-class Record:
-    """A fetched Kafka record, as fetched, and the layer metadata read from it once.
-
-    ``headers`` are the record's header pairs (records with the same headers may share one
-    immutable sequence: ``Message.headers()`` returns a list of its own).
-
-    ``key`` is the ordering key as the record's bytes (None when absent or empty: unordered); keys
-    are compared as bytes, so a key of any producer is an ordering key (PUB-7). ``suspect``: it was
-    handed out by an earlier owner of the partition and not settled (maybe it crashed that owner),
-    so a callback worker records the start of each of its deliveries in Redis before user code runs.
-    ``quarantined``: a suspect charged ``QUARANTINE_FROM`` attempts or more; it goes out alone
-    (``Quarantine``).
-    """
-
-    partition: int
-    offset: int
-    key: bytes | None
-    value: bytes | None
-    headers: HeaderPairs | None
-    metadata: RecordMetadata
-    size: int
-    timestamp_ms: int
-    attempts: int = 0
-    last_error: str | None = None
-    suspect: bool = False
-    quarantined: bool = False
-
-
-class Delivery:
-    """One hand-off of a record; ``token`` identifies it for acks (stale tokens are refused). One
-    object per hand-off: it is made for every message. ``lease`` is its handle in the engine's
-    ``LeaseTable`` (``leases``) while it is outstanding there (0: not taken by one).
-    """
-
-    __slots__ = ("attempt", "lease", "queue_key", "record", "token")
-
-    def __init__(self, record: Record, queue_key: QueueKey, token: int, attempt: int) -> None:
-        self.record = record
-        self.queue_key = queue_key
-        self.token = token
-        self.attempt = attempt
-        self.lease = 0
-
-    def __repr__(self) -> str:
-        return (f"Delivery({self.record.partition}:{self.record.offset}, key={self.queue_key!r}, "
-                f"token={self.token}, attempt={self.attempt})")
 
 
 class KeyQueue:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ordering_layer.subscriber.commit_point import OffsetTracker
+from tests.model.commit_point import OffsetTracker
 
 
 def test_offset_tracker_commits_lowest_unsettled() -> None:

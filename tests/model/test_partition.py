@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from ordering_layer.config import RetryPolicy
 from ordering_layer.record import RecordMetadata
-from ordering_layer.subscriber.partition import PartitionState, Record
+from ordering_layer.subscriber.records import Record
+from tests.model.partition import PartitionState
 
 NO_BACKOFF = RetryPolicy(0, 0).backoff
 

@@ -1,7 +1,7 @@
 """Per-partition dispatch state: routing to per-key hold queues, release, cascade bookkeeping.
 
 Pure logic, no I/O: the pure-Python reference of the compiled core the engine runs
-(``owned_partition``, ``core/src/partition.rs``); ``tests/unit/test_core.py`` drives both with the
+(``owned_partition``, ``core/src/partition.rs``); ``tests/model/test_core.py`` drives both with the
 same operations and checks they agree. ``PartitionState`` routes records to key queues
 (``key_queue.KeyQueue``), runs the recovery walk after a claim (``recovery_walk.RecoveryWalk``; its
 ops and the rewinds' ``UNSETTLED`` are listed in ``cascade_ops``), releases what may go out, rewinds
@@ -15,8 +15,9 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 
-from ordering_layer.subscriber.commit_point import OffsetTracker
-from ordering_layer.subscriber.key_queue import (
+from ordering_layer.subscriber.records import AWAITING_SEEK
+from tests.model.commit_point import OffsetTracker
+from tests.model.key_queue import (
     QUARANTINE_FROM,
     Delivery,
     KeyBackoff,
@@ -25,14 +26,13 @@ from ordering_layer.subscriber.key_queue import (
     QueueKey,
     Record,
 )
-from ordering_layer.subscriber.recovery_walk import RecoveryWalk
+from tests.model.recovery_walk import RecoveryWalk
 
 __all__ = ["AWAITING_SEEK", "Delivery", "PartitionState", "QueueKey", "Record"]
 
 
 _tokens = itertools.count(1)
 
-AWAITING_SEEK = -1  # the generation of a partition state whose consumer has not sought yet
 
 
 class PartitionState:

@@ -25,7 +25,8 @@ from hypothesis import strategies as st
 from ordering_layer._core import PartitionCore, kafka_partition_runs, partition_runs
 from ordering_layer.record import RecordMetadata
 from ordering_layer.subscriber.owned_partition import OwnedPartition
-from ordering_layer.subscriber.partition import PartitionState, QueueKey, Record
+from ordering_layer.subscriber.records import QueueKey, Record
+from tests.model.partition import PartitionState
 
 _KEYS = [None, b"", b"a", b"b", b"c", b"d", b"\x00k"]
 _META = RecordMetadata(None, 1, None)

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from ordering_layer.record import RecordMetadata
-from ordering_layer.subscriber.key_queue import KeyBackoff, KeyQueue, Quarantine, QueueKey
-from ordering_layer.subscriber.partition import Record
+from ordering_layer.subscriber.records import QueueKey, Record
+from tests.model.key_queue import KeyBackoff, KeyQueue, Quarantine
 
 
 def test_a_key_queue_is_releasable_only_with_nothing_outstanding_after_its_backoff() -> None:

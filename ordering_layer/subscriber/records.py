@@ -1,0 +1,64 @@
+"""What the subscriber queues and hands out: a fetched ``Record`` and one hand-off of it, a ``Delivery``
+(``message.Message`` is the engine's). Records are made and read by the compiled core
+(``core/src/partition.rs``) through their slots, by name (``_core.RECORD_FIELDS``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ordering_layer.record import HeaderPairs, RecordMetadata
+
+__all__ = ["AWAITING_SEEK", "Delivery", "QueueKey", "Record"]
+
+QueueKey = bytes | int  # a key's queue: its key bytes, or the record's offset when it has none (unordered)
+
+AWAITING_SEEK = -1  # the generation of a partition state whose consumer has not sought yet
+
+
+@dataclass(slots=True, eq=False)
+class Record:
+    """A fetched Kafka record, as fetched, and the layer metadata read from it once.
+
+    ``headers`` are the record's header pairs (records with the same headers may share one
+    immutable sequence: ``Message.headers()`` returns a list of its own).
+
+    ``key`` is the ordering key as the record's bytes (None when absent or empty: unordered); keys
+    are compared as bytes, so a key of any producer is an ordering key (PUB-7). ``suspect``: it was
+    handed out by an earlier owner of the partition and not settled (maybe it crashed that owner),
+    so a callback worker records the start of each of its deliveries in Redis before user code runs.
+    ``quarantined``: a suspect charged two attempts or more; it goes out alone (the core's
+    ``Quarantine``, ``core/src/key_queue.rs``).
+    """
+
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+    headers: HeaderPairs | None
+    metadata: RecordMetadata
+    size: int
+    timestamp_ms: int
+    attempts: int = 0
+    last_error: str | None = None
+    suspect: bool = False
+    quarantined: bool = False
+
+
+class Delivery:
+    """One hand-off of a record; ``token`` identifies it for acks (stale tokens are refused). One
+    object per hand-off: it is made for every message. ``lease`` is its handle in the engine's
+    ``LeaseTable`` (``leases``) while it is outstanding there (0: not taken by one).
+    """
+
+    __slots__ = ("attempt", "lease", "queue_key", "record", "token")
+
+    def __init__(self, record: Record, queue_key: QueueKey, token: int, attempt: int) -> None:
+        self.record = record
+        self.queue_key = queue_key
+        self.token = token
+        self.attempt = attempt
+        self.lease = 0
+
+    def __repr__(self) -> str:
+        return (f"Delivery({self.record.partition}:{self.record.offset}, key={self.queue_key!r}, "
+                f"token={self.token}, attempt={self.attempt})")
