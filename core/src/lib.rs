@@ -274,23 +274,6 @@ impl PartitionCore {
         })
     }
 
-    /// Take confluent-kafka `Message`s `messages[start:stop]` as they come from `consume()`: the
-    /// core calls `offset()`, `key()` and `value()` itself, so no `Record` is made per message.
-    /// Returns the offsets skipped, as `add` does.
-    #[pyo3(signature = (messages, start = 0, stop = None))]
-    fn add_kafka(&mut self, messages: &Bound<'_, PyList>, start: usize, stop: Option<usize>) -> PyResult<Vec<i64>> {
-        let py = messages.py();
-        self.take(messages, start, stop, |message| {
-            let offset: i64 = message.call_method0(intern!(py, "offset"))?.extract()?;
-            let value = message.call_method0(intern!(py, "value"))?;
-            let size = if value.is_none() { 0 } else { value.len()? as i64 };
-            Ok((offset, size, message.call_method0(intern!(py, "key"))?))
-        }, |message| {
-            let (_, timestamp): (i32, i64) = message.call_method0(intern!(py, "timestamp"))?.extract()?;
-            Ok((0, timestamp))
-        })
-    }
-
     /// Release from the ready keys, oldest first: up to `per_key` records of each, `budget` in all,
     /// no further key once `byte_budget` bytes are used up; a quarantined suspect goes out alone, one
     /// at a time per partition. Returns (records, tokens, attempts, payload bytes, positions of the
@@ -599,13 +582,6 @@ fn partition_runs(records: &Bound<'_, PyList>, layout: Option<&Bound<'_, SlotLay
     })
 }
 
-/// `partition_runs` for confluent-kafka `Message`s (`partition()` is a method there).
-#[pyfunction]
-fn kafka_partition_runs(messages: &Bound<'_, PyList>) -> PyResult<Vec<(i64, usize, usize)>> {
-    let py = messages.py();
-    runs_of(messages, |message| message.call_method0(intern!(py, "partition"))?.extract())
-}
-
 /// The Redis command runs of packed state ops, as `apply.lua` takes them (see `runs.rs`): the header
 /// (`"<key>,<COMMAND>;"` per run) and each run's arguments as a MessagePack array of strings.
 #[pyfunction]
@@ -873,7 +849,6 @@ fn ordering_layer_core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add("OP_LETTERS", letters)?;
     module.add_class::<Deliveries>()?;
     module.add_function(wrap_pyfunction!(partition_runs, module)?)?;
-    module.add_function(wrap_pyfunction!(kafka_partition_runs, module)?)?;
     module.add_function(wrap_pyfunction!(command_runs, module)?)?;
     module.add_function(wrap_pyfunction!(evalsha_commands, module)?)?;
     Ok(())

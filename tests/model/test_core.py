@@ -22,7 +22,7 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ordering_layer._core import PartitionCore, kafka_partition_runs, partition_runs
+from ordering_layer._core import PartitionCore, partition_runs
 from ordering_layer.record import RecordMetadata
 from ordering_layer.subscriber.owned_partition import OwnedPartition
 from ordering_layer.subscriber.records import QueueKey, Record
@@ -282,45 +282,6 @@ def test_partition_runs_split_a_fetched_batch() -> None:
     core: PartitionCore[Record] = PartitionCore(ordered=True)
     assert core.add(records, 2, 5) == []
     assert (core.next_offset, core.buffered) == (5, 3)
-
-
-class KafkaShaped:
-    """A record shaped as confluent-kafka's ``Message``: methods, not attributes; a null value."""
-
-    def __init__(self, record: Record) -> None:
-        self._record = record
-
-    def partition(self) -> int:
-        return self._record.partition
-
-    def offset(self) -> int:
-        return self._record.offset
-
-    def key(self) -> bytes | None:
-        return self._record.key
-
-    def value(self) -> bytes | None:
-        return self._record.value or None
-
-
-def test_confluent_messages_are_taken_as_records() -> None:
-    """SUB-1, SUB-7: ``add_kafka`` reads partition, offset, key and payload size through confluent's
-    accessors (a null value is 0 bytes) and decides exactly as ``add`` over the same records."""
-    partitions = [1, 1, 0, 0, 1]
-    keys = [b"a", b"a", None, b"b", b"b"]
-    records = [record(offset, key, offset % 3, partition)
-               for offset, (partition, key) in enumerate(zip(partitions, keys, strict=True))]
-    shaped = [KafkaShaped(r) for r in records]
-    assert kafka_partition_runs(shaped) == partition_runs(records) == [(1, 0, 2), (0, 2, 4), (1, 4, 5)]
-    plain: PartitionCore[Record] = PartitionCore(ordered=True)
-    kafka: PartitionCore[Any] = PartitionCore(ordered=True)
-    for _, start, stop in partition_runs(records):
-        assert plain.add(records, start, stop) == kafka.add_kafka(shaped, start, stop) == []
-    assert kafka.add_kafka(shaped, 0, 1) == [0]  # a duplicate, as add reports it
-    released = plain.release_ready(0.0, 10, 1, 100)
-    taken = kafka.release_ready(0.0, 10, 1, 100)
-    assert [m.offset() for m in taken[0]] == [r.offset for r in released[0]] == [0, 2, 3]
-    assert taken[2:] == released[2:]
 
 
 def test_handed_out_messages_are_out_of_the_cyclic_collectors_sight() -> None:
