@@ -6,10 +6,8 @@ thread of its own), ``ExecutorCallbacks`` (any ``concurrent.futures.Executor`` r
 this process, such as a ``ThreadPoolExecutor``) or ``ProcessCallbacks`` (``processes``: a
 ``ProcessPoolExecutor``, the callback on a picklable copy of each message).
 
-Every hand-out keeps ``CallbackPool``'s rule for a key's run (consecutive messages of one key
-released together when few keys are ready): one at a time, each started once the one before it is
-acked, while the run is young (``RUN_SPAN``) and its partition still owned; the rest go back
-unstarted through ``give_back``. So no two messages of one key are in user code at once (SUB-1).
+Every hand-out keeps ``CallbackPool``'s rule for a key's run (``runs``). So no two messages of one
+key are in user code at once (SUB-1).
 """
 
 from __future__ import annotations
@@ -22,23 +20,20 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
-from dataclasses import dataclass
-from itertools import groupby
-from operator import attrgetter
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from ordering_layer.errors import ConfigError
-from ordering_layer.subscriber.handoff import RUN_SPAN, CallbackPool
+from ordering_layer.subscriber.handoff import CallbackPool
 from ordering_layer.subscriber.message import Message
+from ordering_layer.subscriber.processes import ProcessCallbacks
+from ordering_layer.subscriber.runs import Hooks, Item, goes_on, items_of, run_item
 
 if TYPE_CHECKING:
     from ordering_layer.subscriber.processes import MessageCopy
     from ordering_layer.tracing import DeliveryTracing
 
 _LOGGER = logging.getLogger(__name__)
-_QUEUE_KEY = attrgetter("queue_key")
 
-Item = Message | list[Message]  # one message, or a key's run of consecutive messages
 # What ``subscribe`` takes: a function or coroutine function of a ``Message``, or, for worker
 # processes, a function of a ``MessageCopy``.
 Callback = Callable[["Message"], Any] | Callable[["MessageCopy"], Any]
@@ -52,45 +47,6 @@ class Handoff(Protocol):
     def watch(self, now: float) -> float | None: ...
 
     def shutdown(self) -> None: ...
-
-
-@dataclass(frozen=True)
-class Hooks:
-    """The engine's side of a hand-out: ``begin`` (False: user code must not run, see
-    ``Engine.begin``; True at once when there is nothing to do), ``give_back`` (messages of a run
-    left unstarted) and ``current`` (the message's partition is still owned, ``Engine.owns``)."""
-
-    begin: Callable[[Message], bool]
-    give_back: Callable[[list[Message]], None]
-    current: Callable[[Message], bool]
-
-
-def items_of(messages: list[Message]) -> list[Item]:
-    """A released batch as ``CallbackPool.submit`` queues it: a key's consecutive messages as one run."""
-    items: list[Item] = []
-    for _, group in groupby(messages, _QUEUE_KEY):
-        run = list(group)
-        items.append(run[0] if len(run) == 1 else run)
-    return items
-
-
-def goes_on(previous: Message, began: float, message: Message, hooks: Hooks) -> bool:
-    """Whether a key's run goes on with ``message`` (the rule of ``CallbackPool``'s runs)."""
-    return previous.settled is True and time.monotonic() - began <= RUN_SPAN and hooks.current(message)
-
-
-def run_item(item: Item, run: Callable[[Message], None], hooks: Hooks) -> None:
-    """Run one item on this thread: a message, or a run's messages in order while ``goes_on``."""
-    if isinstance(item, Message):
-        run(item)
-        return
-    began = time.monotonic()
-    run(item[0])
-    for index in range(1, len(item)):
-        if not goes_on(item[index - 1], began, item[index], hooks):
-            hooks.give_back(item[index:])
-            return
-        run(item[index])
 
 
 class ExecutorCallbacks:
@@ -231,8 +187,6 @@ def handoff_for(name: str, callback: Callback, *, executor: Executor | None, max
         handler = coroutine if tracing is None else traced_coroutine(tracing, coroutine)
         return LoopCallbacks(name, handler, hooks)
     if isinstance(executor, ProcessPoolExecutor):
-        from ordering_layer.subscriber.processes import ProcessCallbacks
-
         if tracing is not None:
             _LOGGER.warning("%s: delivery spans are not made for callbacks run in worker processes", name)
         return ProcessCallbacks(name, executor, callback, hooks)

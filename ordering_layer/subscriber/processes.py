@@ -2,10 +2,10 @@
 callback on ``MessageCopy``, a picklable copy of each message; returning acks, raising (or
 ``nack()`` on the copy) nacks.
 
-One driver thread starts the messages, at most one more at a time than the pool has processes (a
-message given to the pool is one a process runs, or the one next in line, so that a process finding
-its next message waiting spares the round trip through the driver), and settles them as their
-futures complete. A key's run goes on as ``CallbackPool``'s does (``goes_on``).
+One driver thread starts the messages, at most two per process of the pool at a time (one a process
+runs, one next in line: a process finds its next message waiting instead of idling through the round
+trip to the driver, whose threads share the interpreter lock with the subscriber's), and settles
+them as their futures complete. A key's run goes on as ``CallbackPool``'s does (``goes_on``).
 
 A worker process that dies breaks the pool: every message the pool held is nacked (its attempt
 counts, ACK-6, DLQ-3), and a new pool with the same settings replaces it. Which process held the
@@ -32,8 +32,8 @@ from typing import Any
 
 from ordering_layer.errors import ConfigError
 from ordering_layer.record import HeaderPairs
-from ordering_layer.subscriber.executors import Hooks, goes_on, items_of
 from ordering_layer.subscriber.message import Message
+from ordering_layer.subscriber.runs import Hooks, goes_on, items_of
 
 _LOGGER = logging.getLogger(__name__)
 _CASUALTIES_MAX = 10_000  # casualties remembered at most (one that never comes back here is dropped)
@@ -128,7 +128,7 @@ class ProcessCallbacks:
         self._made: list[ProcessPoolExecutor] = []  # the replacements made here (shut down at the end)
         self._callback = callback
         self._hooks = hooks
-        self._limit = (getattr(executor, "_max_workers", None) or os.cpu_count() or 1) + 1
+        self._limit = 2 * (getattr(executor, "_max_workers", None) or os.cpu_count() or 1)
         self._events: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._waiting: deque[list[Message]] = deque()  # runs not started yet (a message: a run of one)
         # A started message's future -> (its run, its index there, when the run began, its pool).

@@ -6,7 +6,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Executor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from ordering_layer import metrics
 from ordering_layer.config import FlowControl, require_bootstrap
@@ -17,8 +17,9 @@ from ordering_layer.scheduler.participant import Activation
 from ordering_layer.state import StateStore
 from ordering_layer.subscriber.client_config import redis_url_from, verify_credentials
 from ordering_layer.subscriber.engine import Engine
-from ordering_layer.subscriber.executors import Handoff, Hooks, handoff_for
+from ordering_layer.subscriber.executors import Callback, Handoff, handoff_for
 from ordering_layer.subscriber.message import Message, ack_all
+from ordering_layer.subscriber.runs import Hooks
 from ordering_layer.tracing import DeliveryTracing, tracer
 
 if TYPE_CHECKING:
@@ -115,7 +116,7 @@ class Subscriber:
         if metrics_port is not None:
             metrics.start_metrics_server(metrics_port)
 
-    def subscribe(self, subscription: str, callback: Callable[[Message], Any], *,
+    def subscribe(self, subscription: str, callback: Callback, *,
                   flow_control: FlowControl | None = None, max_workers: int = 10,
                   track_leases: bool = True, executor: Executor | None = None) -> StreamingPullFuture:
         """Deliver the subscription's messages to ``callback`` on a pool of ``max_workers`` threads.
@@ -141,7 +142,8 @@ class Subscriber:
         """
         settings = self._store.settings(subscription)
         tracing = None if self._tracer is None else DeliveryTracing(self._tracer, subscription)
-        handler = callback if tracing is None else tracing.wrap(callback)
+        plain = cast(Callable[[Message], Any], callback)  # a MessageCopy's only with worker processes
+        handler = plain if tracing is None else tracing.wrap(plain)
 
         def begin(message: Message) -> bool:
             # ACK-6: the start counts the attempt (written first for a suspect, noted under a

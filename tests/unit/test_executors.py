@@ -15,12 +15,13 @@ import pytest
 
 from ordering_layer.errors import ConfigError
 from ordering_layer.record import RecordMetadata
-from ordering_layer.subscriber.executors import ExecutorCallbacks, Hooks, LoopCallbacks, handoff_for, items_of
+from ordering_layer.subscriber.executors import ExecutorCallbacks, LoopCallbacks, handoff_for
 from ordering_layer.subscriber.handoff import CallbackPool
-from ordering_layer.subscriber.key_queue import Record
 from ordering_layer.subscriber.message import Message
 from ordering_layer.subscriber.processes import MessageCopy, ProcessCallbacks
+from ordering_layer.subscriber.records import Record
 from ordering_layer.subscriber.requests import Settle, SettleKind
+from ordering_layer.subscriber.runs import Hooks, items_of
 from tests.checker import wait_until
 
 

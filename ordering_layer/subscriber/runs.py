@@ -1,0 +1,61 @@
+"""A key's run in the hand-outs of ``executors`` and ``processes`` (SUB-1, SUB-9).
+
+When few keys are ready the engine releases a *run*: consecutive messages of one key in one
+hand-out. As in ``CallbackPool``, a run's messages start one at a time, each once the one before it
+is acked, while the run is young (``RUN_SPAN``) and its partition still owned; the rest go back
+unstarted through ``Hooks.give_back`` (their attempts taken back).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from itertools import groupby
+from operator import attrgetter
+
+from ordering_layer.subscriber.handoff import RUN_SPAN
+from ordering_layer.subscriber.message import Message
+
+_QUEUE_KEY = attrgetter("queue_key")
+
+Item = Message | list[Message]  # one message, or a key's run of consecutive messages
+
+
+@dataclass(frozen=True)
+class Hooks:
+    """The engine's side of a hand-out: ``begin`` (False: user code must not run, see
+    ``Engine.begin``; True at once when there is nothing to do), ``give_back`` (messages of a run
+    left unstarted) and ``current`` (the message's partition is still owned, ``Engine.owns``)."""
+
+    begin: Callable[[Message], bool]
+    give_back: Callable[[list[Message]], None]
+    current: Callable[[Message], bool]
+
+
+def items_of(messages: list[Message]) -> list[Item]:
+    """A released batch as ``CallbackPool.submit`` queues it: a key's consecutive messages as one run."""
+    items: list[Item] = []
+    for _, group in groupby(messages, _QUEUE_KEY):
+        run = list(group)
+        items.append(run[0] if len(run) == 1 else run)
+    return items
+
+
+def goes_on(previous: Message, began: float, message: Message, hooks: Hooks) -> bool:
+    """Whether a key's run goes on with ``message`` (the rule of ``CallbackPool``'s runs)."""
+    return previous.settled is True and time.monotonic() - began <= RUN_SPAN and hooks.current(message)
+
+
+def run_item(item: Item, run: Callable[[Message], None], hooks: Hooks) -> None:
+    """Run one item on this thread: a message, or a run's messages in order while ``goes_on``."""
+    if isinstance(item, Message):
+        run(item)
+        return
+    began = time.monotonic()
+    run(item[0])
+    for index in range(1, len(item)):
+        if not goes_on(item[index - 1], began, item[index], hooks):
+            hooks.give_back(item[index:])
+            return
+        run(item[index])
