@@ -151,7 +151,7 @@ class Subscriber:
             return not (message.record.suspect or engine.notes_starts) or engine.begin(message)
 
         def run(message: Message) -> None:
-            if not begin(message):
+            if (message.record.suspect or engine.notes_starts) and not engine.begin(message):  # ``begin``, inline
                 return
             try:
                 handler(message)
