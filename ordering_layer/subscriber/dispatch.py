@@ -106,7 +106,12 @@ class Dispatcher:
         self._give_back_messages(self._pulls.withdraw(partitions), time.monotonic())
 
     def give_back(self, messages: list[Message], now: float) -> None:
-        """Messages a callback worker did not start go back to their keys, uncounted."""
+        """Messages a callback worker did not start go back to their keys, uncounted, and out of the
+        delivered (and redelivered) counts: user code never had them (a nack's rewind may have taken
+        them back already)."""
+        counts = self._counts
+        counts["delivered"] -= len(messages)
+        counts["redelivered"] -= sum(map(_AFTER_FIRST, map(_ATTEMPT, messages)))
         self._give_back_messages(messages, now)
 
     def _give_back_messages(self, messages: list[Message], now: float) -> None:
