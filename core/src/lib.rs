@@ -201,7 +201,7 @@ impl Deliveries {
             // bytes, its topic and its engine inbox's bound `put`; the only cycle it can be part of runs
             // through that inbox while it waits there as an ack, and the engine drains its inbox, so
             // reference counting alone frees it. Thousands of messages are outstanding at a time:
-            // tracked, each young collection walked them (`bench/RESULTS.md`).
+            // tracked, each young collection walked them (measured: the history of `bench/RESULTS.md`).
             // SAFETY: the message is alive (we hold it) and was allocated tracked, with the GIL held.
             unsafe { pyo3::ffi::PyObject_GC_UnTrack(message.as_ptr().cast()) };
             messages.append(message)?;

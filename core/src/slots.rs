@@ -2,7 +2,7 @@
 //!
 //! The subscriber makes two Python objects per message: a `Record` at the fetch and a `Message` at
 //! the release. Calling the class runs its `__init__`, a Python frame that stores each slot in turn
-//! (about 120 ns each, `bench/RESULTS.md`); the objects are plain slot holders, so `SlotLayout`
+//! (about 120 ns each, measured: the history of `bench/RESULTS.md`); the objects are plain slot holders, so `SlotLayout`
 //! allocates one (`PyType_GenericAlloc`, as calling the class does) and stores the values in its
 //! slots directly. A slot of such a class is a `PyObject *` at a fixed offset in the instance; the
 //! offsets are found once per class by storing a fresh object in each named slot of a probe

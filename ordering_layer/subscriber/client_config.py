@@ -18,8 +18,8 @@ from ordering_layer.scheduler.settings import REDIS_URL_ENV, redis_url_or_env
 
 # librdkafka's fetch.queue.backoff.ms (default 1000): how long it postpones the next fetch of a
 # partition once its local queue was over queued.min.messages. A consumer that drains the queue
-# faster than that waits the rest of the second with an empty queue (bench/RESULTS.md, "Measured
-# ceilings"); 10 ms refetches as soon as the subscriber has taken what was prefetched. A value in
+# faster than that waits the rest of the second with an empty queue (measured: the history of
+# bench/RESULTS.md); 10 ms refetches as soon as the subscriber has taken what was prefetched. A value in
 # the user's settings wins.
 FETCH_QUEUE_BACKOFF_MS = 10
 

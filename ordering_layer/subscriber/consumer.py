@@ -39,7 +39,7 @@ from ordering_layer.state import StateStore
 from ordering_layer.subscriber.client_config import redis_url_from, verify_credentials
 from ordering_layer.subscriber.engine import Engine, RebalanceHooks
 from ordering_layer.subscriber.message import AckResponse, Message
-from ordering_layer.subscriptions import Subscriptions as Admin
+from ordering_layer.subscriptions import Subscriptions
 from ordering_layer.tracing import DeliveryTracing, tracer
 
 if TYPE_CHECKING:
@@ -140,9 +140,9 @@ class OrderedConsumer:
             metrics.register(self._engine, kafka_config=self._config)
 
     def _create(self, name: str, topic: str) -> SubscriptionSettings:
-        admin = Admin(self._config, redis_url=self._redis_url)
+        subscriptions = Subscriptions(self._config, redis_url=self._redis_url)
         with contextlib.suppress(SubscriptionExistsError):  # created meanwhile by another consumer
-            admin.create_subscription(name, topic=topic, start=self._start)
+            subscriptions.create_subscription(name, topic=topic, start=self._start)
         _LOGGER.info("created subscription %s of %s (ordering on, start %s)", name, topic, self._start.kind)
         return self._store.settings(name)
 

@@ -15,8 +15,9 @@ Apart from the gate, the fetch takes no records while enough are *ready* (``ampl
 ``resume_fraction`` of it). The partitions are not paused for it: librdkafka keeps prefetching into
 its own compact queue, which the fetch takes from again at once when the ready keys run low. Records
 taken into the key queues long before they can go out cost memory and cache misses for nothing
-(``bench/RESULTS.md``). Keys that cannot go out (outstanding, backing off, in a recovery walk) do
-not count as ready, so the fetch still reads past them up to the buffer limit.
+(measured: the history of ``bench/RESULTS.md``). Keys that cannot go out (outstanding, backing off,
+in a recovery walk) do not count as ready, so the fetch still reads past them up to the buffer
+limit.
 
 Also the fetch takes no records while ``max_in_flight`` records it posted wait for the coordinator:
 the gate moves only once per coordinator step, and a fetch thread left to run through a long step
