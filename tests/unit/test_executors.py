@@ -99,7 +99,7 @@ def test_loop_runs_many_keys_at_once_on_one_thread_and_a_raise_nacks() -> None:
     pool.submit([message(recorder, n, f"k{n}".encode(), suspect=n == 3) for n in range(20)])
     wait_until(lambda: recorder.settled() == 20, 10, "all settled")
     pool.shutdown()
-    assert len(threads) == 1 and most[0] == 20
+    assert len(threads) == 1 and most[0] >= 19, "all in flight together (the suspect's after its start write)"
     assert recorder.nacked == [7] and sorted(recorder.acked) == [n for n in range(20) if n != 7]
     assert sum("begin" in name for name in begin_threads) == 1, "only the suspect's start off the loop"
 
