@@ -4,7 +4,9 @@
     pusher (``Pusher``, ``--concurrency`` requests at most) vs a bare asyncio loop of the same HTTP
     client (aiohttp, the same connector limit and timeout) posting the same bodies (Pub/Sub's JSON
     push request of each message) with the same concurrency. Rates are the endpoint's: requests
-    over the time from its first to its last arrival. ``--rounds`` interleaved rounds (a new
+    over the time from its first to its last arrival; beside them the CPU time of this process per
+    message (every thread: the pusher's engine and loop, or the bare loop), which other load on the
+    machine disturbs less than the rates. ``--rounds`` interleaved rounds (a new
     subscription of the same topic each round); the median of the per-round ratios. Goal >= 0.5x.
 (b) Latency at ``--rate`` msg/s for ``--seconds`` over 1,000 keys: publish (``linger.ms=0``) to the
     request's arrival at the endpoint, from the publish time each message carries in an attribute;
@@ -35,7 +37,7 @@ import uuid
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
 
@@ -46,7 +48,7 @@ from ordering_layer import Admin, Message, OrderedProducer, RetryPolicy, StartPo
 from ordering_layer.config import PushConfig
 from ordering_layer.push import Pusher
 from ordering_layer.push.request import wrapped
-from ordering_layer.push.stages import ANSWERED, HANDED_OUT, ON_LOOP, SENDING, SETTLED, SLOT, StageClock
+from ordering_layer.push.stages import ANSWERED, HANDED_OUT, SENDING, SETTLED, SLOT, StageClock
 from ordering_layer.stack import Endpoints
 from tests.push_endpoint import free_port
 
@@ -54,9 +56,8 @@ KEYS = [f"key-{i}" for i in range(1000)]
 PAYLOAD = b"x" * 100
 PUBLISHED, ARRIVED = "published", "arrived"  # marks of the producer and of the endpoint
 # (row, from mark, to mark) of the --stages table; the pusher's marks are ``StageClock``'s steps.
-STAGES = (("publish -> handed to the pusher", PUBLISHED, HANDED_OUT),
-          ("handed out -> on the event loop", HANDED_OUT, ON_LOOP),
-          ("on the loop -> a request slot", ON_LOOP, SLOT),
+STAGES = (("publish -> on the pusher's loop", PUBLISHED, HANDED_OUT),
+          ("on the loop -> a request slot", HANDED_OUT, SLOT),
           ("slot -> request built, sending", SLOT, SENDING),
           ("sending -> arrived at the endpoint", SENDING, ARRIVED),
           ("arrived -> answer read", ARRIVED, ANSWERED),
@@ -98,7 +99,7 @@ class Endpoint:
                 return self.stats(full=True) if full else stats
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{stats['count']} of {count} requests")
-            time.sleep(0.05)
+            time.sleep(0.25)  # seldom: the pusher's process polls while it runs, the bare loop's does not
 
     def close(self) -> None:
         self._process.terminate()
@@ -121,21 +122,30 @@ def rate(stats: dict[str, Any]) -> float:
     return float(stats["count"] / max(1e-9, stats["last"] - stats["first"]))
 
 
+class Run(NamedTuple):
+    """One side of a throughput round."""
+
+    rate: float  # requests per second at the endpoint
+    cpu: float  # CPU seconds of this process (every thread) per message
+
+
 def pusher_run(endpoints: Endpoints, admin: Admin, topic: str, endpoint: Endpoint, count: int,
-               concurrency: int) -> float:
-    """Requests per second of a pusher over the topic's ``count`` messages (a new subscription)."""
+               concurrency: int) -> Run:
+    """A pusher over the topic's ``count`` messages (a new subscription)."""
     name = f"bench-push-{uuid.uuid4().hex[:8]}"
     admin.create_subscription(name, topic=topic, retry_policy=RetryPolicy(0, 0),
                               push_config=PushConfig(endpoint.url, max_concurrent_requests=concurrency))
     endpoint.stats(reset=True)
+    cpu = time.process_time()
     with Pusher(endpoints.kafka_config(), name, redis_url=endpoints.redis_url):
         stats = endpoint.wait_count(count)
+    cpu = time.process_time() - cpu
     admin.delete_subscription(name)
-    return rate(stats)
+    return Run(rate(stats), cpu / count)
 
 
-def bare_run(endpoint: Endpoint, count: int, concurrency: int, subscription: str) -> float:
-    """Requests per second of a bare asyncio loop: aiohttp as the pusher sets it up, ``concurrency``
+def bare_run(endpoint: Endpoint, count: int, concurrency: int, subscription: str) -> Run:
+    """A bare asyncio loop: aiohttp as the pusher sets it up, ``concurrency``
     workers posting the bodies of ``count`` messages as the pusher makes them."""
     bodies = [wrapped(BodyMessage(KEYS[n % len(KEYS)], str(n)), subscription) for n in range(count)]
 
@@ -154,8 +164,10 @@ def bare_run(endpoint: Endpoint, count: int, concurrency: int, subscription: str
             await asyncio.gather(*(work() for _ in range(concurrency)))
 
     endpoint.stats(reset=True)
+    cpu = time.process_time()
     asyncio.run(run())
-    return rate(endpoint.wait_count(count))
+    cpu = time.process_time() - cpu
+    return Run(rate(endpoint.wait_count(count)), cpu / count)
 
 
 def throughput(endpoints: Endpoints, admin: Admin, endpoint: Endpoint, count: int, concurrency: int,
@@ -169,9 +181,10 @@ def throughput(endpoints: Endpoints, admin: Admin, endpoint: Endpoint, count: in
     for number in range(1, rounds + 1):
         layer = pusher_run(endpoints, admin, topic, endpoint, count, concurrency)
         bare = bare_run(endpoint, count, concurrency, "bench-push")
-        ratios.append(layer / bare)
-        print(f"(a) round {number}: pusher {layer:>9,.0f} msg/s   bare aiohttp loop {bare:>9,.0f} msg/s   "
-              f"ratio {layer / bare:4.2f}", flush=True)
+        ratios.append(layer.rate / bare.rate)
+        print(f"(a) round {number}: pusher {layer.rate:>9,.0f} msg/s   bare aiohttp loop {bare.rate:>9,.0f} msg/s   "
+              f"ratio {layer.rate / bare.rate:4.2f}   CPU per message: pusher {layer.cpu * 1e6:4.0f} us, "
+              f"bare loop {bare.cpu * 1e6:4.0f} us", flush=True)
     print(f"(a) {count:,} messages, 1,000 keys, concurrency {concurrency}: median ratio "
           f"{statistics.median(ratios):.2f} (goal >= 0.5)", flush=True)
 

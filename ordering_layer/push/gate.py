@@ -7,7 +7,8 @@ as they come. So after such a failure the gate closes: the next request waits ``
 and goes alone (a probe); while probes fail the wait doubles up to ``maximum``. Any HTTP answer
 (whatever its status: the endpoint is up) opens the gate again. Messages waiting at the gate are
 not nacked: they stay leased (their leases are extended) and go once it opens, so an endpoint down
-for a while costs one request per wait, not one per message, and loses nothing.
+for a while costs one request per wait, not one per message, and loses nothing. ``close`` (the
+pusher is stopping) lets every waiting request through at once, to be nacked rather than sent.
 
 All methods run on the pusher's event loop.
 """
@@ -35,6 +36,7 @@ class EndpointGate:
         self.failures = 0  # requests in a row that got no answer (0: open)
         self._probing = False  # a probe is in flight
         self._opens_at = 0.0  # when the next probe may go
+        self._closed = False
         self._changed = asyncio.Condition()
 
     @property
@@ -45,7 +47,7 @@ class EndpointGate:
     async def enter(self) -> bool:
         """Wait until a request may go; True when it goes as the probe (report how it ended)."""
         async with self._changed:
-            while self.failures:
+            while self.failures and not self._closed:
                 wait = self._opens_at - self._clock()
                 if not self._probing and wait <= 0:
                     self._probing = True
@@ -75,6 +77,12 @@ class EndpointGate:
             self._opens_at = self._clock() + min(self._maximum, self._initial * 2 ** min(self.failures - 1, 30))
             self._changed.notify_all()
             return True
+
+    async def close(self) -> None:
+        """End every wait (``enter`` returns False): the pusher is stopping."""
+        async with self._changed:
+            self._closed = True
+            self._changed.notify_all()
 
     def wait_left(self) -> float:
         """Seconds until the next probe may go (0 when open)."""

@@ -31,6 +31,8 @@ _OWN_HEADERS: Final = frozenset({"authorization", "content-type", "content-lengt
                                  "proxy-authorization", "proxy-connection", "accept-encoding", "cookie"})
 _TOKEN: Final = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _CONTROL: Final = re.compile(r"[\x00-\x1f\x7f]")
+# One encoder for every body: ``json.dumps`` with separators makes a new one per call.
+_JSON: Final = json.JSONEncoder(separators=(",", ":"))
 
 
 class PushedMessage(Protocol):
@@ -59,7 +61,7 @@ class PushRequest(NamedTuple):
 
 def publish_time(when: datetime) -> str:
     """RFC 3339 in UTC with milliseconds and a ``Z``, as Pub/Sub writes ``publishTime``."""
-    return when.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.") + f"{when.microsecond // 1000:03d}Z"
+    return when.astimezone(UTC).isoformat(timespec="milliseconds")[:-6] + "Z"
 
 
 def wrapped(message: PushedMessage, subscription: str) -> PushRequest:
@@ -76,7 +78,7 @@ def wrapped(message: PushedMessage, subscription: str) -> PushRequest:
     if message.ordering_key:
         body["orderingKey"] = message.ordering_key
     payload = {"message": body, "subscription": subscription, "deliveryAttempt": message.delivery_attempt}
-    return PushRequest(json.dumps(payload, separators=(",", ":")).encode(), {"Content-Type": JSON_TYPE})
+    return PushRequest(_JSON.encode(payload).encode(), {"Content-Type": JSON_TYPE})
 
 
 def unwrapped(message: PushedMessage) -> PushRequest:

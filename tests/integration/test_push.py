@@ -206,6 +206,27 @@ def test_endpoint_down_loses_nothing_and_does_not_spin(endpoint: PushEndpoint, e
     assert recovered_in < min(10.0, DOWN_SECONDS) + 15
 
 
+def test_close_finishes_the_requests_in_flight_and_sends_no_more(
+        endpoint: PushEndpoint, endpoints: Endpoints, push_subscription: Callable[..., tuple[str, str]]) -> None:
+    """PSH-1, PSH-2: closing a pusher whose request slots are all taken lets the requests in flight
+    finish (their answers ack) and sends none of the messages waiting for a slot; a later pusher
+    delivers those, every key in order, nothing lost."""
+    concurrency = 4
+    topic, name = push_subscription(PushConfig(endpoint.url, max_concurrent_requests=concurrency))
+    kafka = endpoints.kafka_config()
+    checker = publish_keys(kafka, topic, keys=20, per_key=3)
+    endpoint.answer = recording(checker, lambda _: (200, 0.3))
+    with Pusher(kafka, name, redis_url=endpoints.redis_url) as first:
+        endpoint.wait_for(lambda _: endpoint.in_flight == concurrency, 30, "every request slot taken")
+    sent = endpoint.count()
+    assert dict(first.requests) == {"2xx": sent} and first.in_flight == 0
+    assert sent < checker.total() and endpoint.most_in_flight == concurrency
+    endpoint.answer = recording(checker, lambda _: (200, 0.0))
+    with Pusher(kafka, name, redis_url=endpoints.redis_url):
+        endpoint.wait_for(all_acked(checker), 60, "every message acked")
+    assert checker.verify() == []
+
+
 def test_poison_is_dead_lettered_after_exactly_max_attempts(endpoint: PushEndpoint, endpoints: Endpoints, admin: Admin,
                                                             push_subscription: Callable[..., tuple[str, str]],
                                                             unique_name: Callable[[str], str]) -> None:

@@ -1,11 +1,13 @@
 """Push subscriptions without servers: PushConfig, the request body, auth, the endpoint gate, the
-durable record, describe's text and the metrics (PSH-1..3)."""
+request slots, the acks of a loop pass, the durable record, describe's text and the metrics
+(PSH-1..3)."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
@@ -19,10 +21,12 @@ from ordering_layer.describe import SubscriptionDescription
 from ordering_layer.describe_table import render_description
 from ordering_layer.errors import ConfigError
 from ordering_layer.metrics.collector import LayerCollector
+from ordering_layer.push.acks import PassAcks
 from ordering_layer.push.auth import Authorizer
 from ordering_layer.push.gate import EndpointGate
 from ordering_layer.push.pusher import status_class
 from ordering_layer.push.request import ACK_STATUSES, build, publish_time
+from ordering_layer.push.slots import RequestSlots
 from ordering_layer.record import encode
 from ordering_layer.state.durable import decode_settings, encode_settings
 
@@ -219,6 +223,90 @@ def test_the_gate_waits_at_most_maximum() -> None:
         return gate.wait_left()
 
     assert asyncio.run(scenario()) == pytest.approx(0.4)
+
+
+def test_closing_the_gate_ends_its_waits() -> None:
+    """A stopping pusher's requests waiting for the endpoint are let through at once (to be nacked)."""
+
+    async def scenario() -> list[bool]:
+        gate = EndpointGate(initial=60.0, clock=lambda: 0.0)
+        await gate.unreachable(probe=False)
+        waiting = [asyncio.create_task(gate.enter()) for _ in range(3)]
+        await asyncio.sleep(0)
+        assert not any(task.done() for task in waiting)
+        await gate.close()
+        return list(await asyncio.gather(*waiting))
+
+    assert asyncio.run(scenario()) == [False, False, False]
+
+
+def test_request_slots_bound_the_requests_and_pass_on_in_arrival_order() -> None:
+    """PSH-2: at most ``limit`` requests in flight; a slot given back goes to the oldest waiting
+    message in the same pass; a cancelled waiter handed a slot passes it on."""
+
+    async def scenario() -> tuple[list[str], int]:
+        slots, order = RequestSlots(2), []
+
+        async def request(name: str) -> None:
+            assert await slots.take()
+            order.append(name)
+
+        assert await slots.take() and await slots.take() and slots.free == 0
+        tasks = [asyncio.create_task(request(name)) for name in "abc"]
+        await asyncio.sleep(0)
+        assert order == [] and slots.waiting == 3
+        slots.give()
+        await asyncio.sleep(0)
+        assert order == ["a"]
+        tasks[1].cancel()
+        slots.give()  # handed to b, cancelled before it runs: c gets it
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return order, slots.free
+
+    assert asyncio.run(scenario()) == (["a", "c"], 0)
+
+
+def test_closed_slots_end_the_waits_and_refuse_new_requests() -> None:
+    """A stopping pusher nacks the messages waiting for a slot at once instead of sending them."""
+
+    async def scenario() -> tuple[list[bool], bool]:
+        slots = RequestSlots(1)
+        assert await slots.take()
+        waiting = [asyncio.create_task(slots.take()) for _ in range(2)]
+        await asyncio.sleep(0)
+        slots.close()
+        return list(await asyncio.gather(*waiting)), await slots.take()
+
+    assert asyncio.run(scenario()) == ([False, False], False)
+
+
+@dataclass
+class AckedMessage:
+    """What ``Subscriber.acknowledge`` reads of a message: ``settled`` and its engine's ``_submit``."""
+
+    name: str
+    _submit: Callable[[list[AckedMessage]], None]
+    settled: int = False
+
+
+def test_the_acks_of_one_loop_pass_reach_the_engine_as_one_event() -> None:
+    """The answers read in one pass ack as one event, sent at the end of that pass (nothing waits
+    for a batch to fill); each ack returns once sent, its message settled."""
+    sent: list[list[str]] = []
+
+    def engine_inbox(batch: list[AckedMessage]) -> None:
+        sent.append([message.name for message in batch])
+
+    async def scenario() -> list[bool]:
+        acks = PassAcks()
+        first = [AckedMessage(name, engine_inbox) for name in "abc"]
+        await asyncio.gather(*(acks.ack(message) for message in first))  # type: ignore[arg-type]
+        later = AckedMessage("d", engine_inbox)
+        await acks.ack(later)  # type: ignore[arg-type]
+        return [message.settled is True for message in [*first, later]]
+
+    assert asyncio.run(scenario()) == [True] * 4
+    assert sent == [["a", "b", "c"], ["d"]]
 
 
 class FakePusher:
