@@ -211,3 +211,28 @@ def test_a_shut_down_executor_gives_the_messages_back() -> None:
     pool.submit([message(recorder, 0, b"a"), message(recorder, 1, b"a"), message(recorder, 2, b"b")])
     pool.shutdown()
     assert recorder.given_back == [[0, 1], [2]] and recorder.settled() == 0
+
+
+def killer_callback(copy: MessageCopy) -> None:
+    """Top-level (picklable): offset 6 exits its process on every delivery."""
+    if copy.offset() == 6:
+        os._exit(3)
+
+
+def test_a_message_nacked_by_a_break_runs_alone_when_it_comes_again() -> None:
+    """SUB-9, DLQ-3: a break nacks what the pool held (attempts counted); when those messages come
+    again each runs alone, so the poison's next death takes down no other message."""
+    first = Recorder()
+    executor = ProcessPoolExecutor(2)
+    pool = ProcessCallbacks("test-procs", executor, killer_callback, first.hooks())
+    pool.submit([message(first, n, f"k{n}".encode()) for n in range(12)])
+    wait_until(lambda: first.settled() == 12, 60, "the first round settled")
+    assert 6 in first.nacked
+    again = Recorder()
+    pool._hooks = again.hooks()
+    pool.submit([message(again, n, f"k{n}".encode()) for n in sorted(first.nacked)]
+                + [message(again, n, f"k{n}".encode()) for n in range(20, 40)])
+    wait_until(lambda: again.settled() == len(first.nacked) + 20, 60, "the second round settled")
+    pool.shutdown()
+    executor.shutdown()
+    assert again.nacked == [6], "only the poison died, alone"
