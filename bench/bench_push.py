@@ -48,7 +48,7 @@ from ordering_layer import Admin, Message, OrderedProducer, RetryPolicy, StartPo
 from ordering_layer.config import PushConfig
 from ordering_layer.push import Pusher
 from ordering_layer.push.request import wrapped
-from ordering_layer.push.stages import ANSWERED, HANDED_OUT, SENDING, SETTLED, SLOT, StageClock
+from ordering_layer.push.stages import ANSWERED, HANDED_OUT, ON_LOOP, SENDING, SETTLED, SLOT, StageClock
 from ordering_layer.stack import Endpoints
 from tests.push_endpoint import free_port
 
@@ -56,8 +56,9 @@ KEYS = [f"key-{i}" for i in range(1000)]
 PAYLOAD = b"x" * 100
 PUBLISHED, ARRIVED = "published", "arrived"  # marks of the producer and of the endpoint
 # (row, from mark, to mark) of the --stages table; the pusher's marks are ``StageClock``'s steps.
-STAGES = (("publish -> on the pusher's loop", PUBLISHED, HANDED_OUT),
-          ("on the loop -> a request slot", HANDED_OUT, SLOT),
+STAGES = (("publish -> handed to the pusher", PUBLISHED, HANDED_OUT),
+          ("handed out -> on the event loop", HANDED_OUT, ON_LOOP),
+          ("on the loop -> a request slot", ON_LOOP, SLOT),
           ("slot -> request built, sending", SLOT, SENDING),
           ("sending -> arrived at the endpoint", SENDING, ARRIVED),
           ("arrived -> answer read", ARRIVED, ANSWERED),

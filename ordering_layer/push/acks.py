@@ -3,7 +3,7 @@
 The answers read in one pass of the loop (one ``select``: every response that came meanwhile) ack
 their messages as one event (``Subscriber.acknowledge``): the engine's inbox is written and the
 engine woken once per pass, not once per answer. Nothing waits for a batch to fill: the acks go at
-the end of the pass they were made in.
+the end of the pass they were made in (a callback scheduled by the first of them).
 
 All methods run on the pusher's event loop.
 """
@@ -21,16 +21,12 @@ class PassAcks:
     def __init__(self) -> None:
         self._pending: list[Message] = []
 
-    async def ack(self, message: Message) -> None:
-        """Ack ``message`` with the other acks of this pass; returns once they are sent, so that a
-        key's run goes on at once with its next message (the subscriber starts it only after an ack)."""
+    def ack(self, message: Message) -> None:
+        """Ack ``message`` with the other acks of this pass."""
         pending = self._pending
         pending.append(message)
         if len(pending) == 1:
             asyncio.get_running_loop().call_soon(self._send)
-        # The loop runs its ready callbacks in the order they came: ``_send``, scheduled by the first
-        # ack of the pass, runs before this task goes on.
-        await asyncio.sleep(0)
 
     def _send(self) -> None:
         pending, self._pending = self._pending, []

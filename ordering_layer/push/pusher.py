@@ -2,14 +2,13 @@
 
 It is a subscriber like any other (``Subscriber.subscribe``): several pushers of one subscription
 share its partitions, and per-key order, leases, cascade redelivery, retries and dead letters are
-the engine's (SUB-1..5, ACK-*, DLQ-*). Its callback is a coroutine function, so the subscriber
-awaits it on its event loop (SUB-9), handed each released message straight from the engine's
-thread; the callback sends the message's request there (aiohttp) and returns once the answer has
-acked or nacked it (the acks of one pass of the loop go to the engine together, ``PassAcks``).
-``RequestSlots`` bound the requests in flight to ``max_concurrent_requests``
-(the others wait for a slot in arrival order); with ordering on, the engine hands out a key's next
-message only after this one is acked, and a key's run of messages goes one callback after the
-other, so one request per key is outstanding (PSH-2).
+the engine's (SUB-1..5, ACK-*, DLQ-*). The callback only hands each message to an asyncio event
+loop on a thread of its own and returns; the message stays outstanding (its lease extended) until
+the loop acks or nacks it from the answer of its request (the acks of one pass of the loop go to
+the engine together, ``PassAcks``). The loop runs ``max_concurrent_requests``
+workers over one queue of handed-over messages, each sending one request at a time (aiohttp), so
+at most that many requests are in flight; with ordering on, the engine hands over a key's next
+message only after this one is acked, so one request per key is outstanding (PSH-2).
 
 The answer: 102, 200, 201, 202 and 204 ack; any other status, a timeout or a failed connection
 nacks, so the key waits by the retry policy and the message is dead-lettered after
@@ -37,8 +36,7 @@ from ordering_layer.push.acks import PassAcks
 from ordering_layer.push.auth import Authorizer
 from ordering_layer.push.gate import EndpointGate
 from ordering_layer.push.request import ACK_STATUSES, build
-from ordering_layer.push.slots import RequestSlots
-from ordering_layer.push.stages import ANSWERED, HANDED_OUT, SENDING, SETTLED, SLOT, StageClock
+from ordering_layer.push.stages import ANSWERED, HANDED_OUT, ON_LOOP, SENDING, SETTLED, SLOT, StageClock
 from ordering_layer.state import StateStore
 from ordering_layer.subscriber import Message, StreamingPullFuture, Subscriber
 from ordering_layer.subscriber.client_config import redis_url_from
@@ -101,14 +99,20 @@ class Pusher:
         self._metrics = metrics_port is not None
         self._stages = stages
         self._lock = threading.Lock()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=f"ordering-layer-push-{subscription}",
+                                        daemon=True)
         self._streaming: StreamingPullFuture | None = None
         self._closing = False
         self._closed = False
-        # Loop state: the subscriber's event loop, and what runs on it, made at the first delivery.
-        self._loop: asyncio.AbstractEventLoop | None = None
+        # Handed over by the callback, not yet in the loop's queue (callback thread -> loop).
+        self._incoming: deque[Message] = deque()
+        self._wake_pending = False
+        # Loop state, made on the loop by _open.
+        self._queue: asyncio.Queue[Message | None] | None = None
         self._session: aiohttp.ClientSession | None = None
         self._gate: EndpointGate | None = None
-        self._slots = RequestSlots(self.config.max_concurrent_requests)
+        self._workers: list[asyncio.Task[None]] = []
         self._acks = PassAcks()
         # Metrics: written on the loop, read by scrapes (pull model, ``metrics_snapshot``).
         self.requests: Counter[str] = Counter()
@@ -126,24 +130,26 @@ class Pusher:
         with self._lock:
             if self._streaming is not None or self._closed:
                 raise RuntimeError("pusher already started")
-            self._streaming = self._subscriber.subscribe(self.subscription, self._deliver,
-                                                         flow_control=self._flow_control)
+            self._thread.start()
+            asyncio.run_coroutine_threadsafe(self._open(), self._loop).result()
+            self._streaming = self._subscriber.subscribe(self.subscription, self._receive,
+                                                         flow_control=self._flow_control, max_workers=2)
         if self._metrics:
             metrics.register(self)
         _LOGGER.info("pushing %s to %s (%d requests at most, auth %s)", self.subscription, self.push_endpoint,
                      self.config.max_concurrent_requests, self.config.auth)
         return self
 
-    def _open(self) -> aiohttp.ClientSession:
-        """The HTTP client and the gate, on the subscriber's event loop (the first delivery)."""
+    async def _open(self) -> None:
         config = self.config
-        self._loop = asyncio.get_running_loop()
+        self._queue = asyncio.Queue()
         self._gate = EndpointGate()
         connector = aiohttp.TCPConnector(limit=config.max_concurrent_requests, limit_per_host=0, ssl=self._ssl)
         self._session = aiohttp.ClientSession(
             connector=connector, timeout=aiohttp.ClientTimeout(total=config.request_timeout),
             headers={"User-Agent": USER_AGENT}, auto_decompress=False)
-        return self._session
+        self._workers = [asyncio.create_task(self._work(), name=f"push-worker-{i}")
+                         for i in range(config.max_concurrent_requests)]
 
     def close(self, timeout: float = 30.0) -> None:
         """Stop: no new request starts, those in flight finish (their answers ack or nack), the
@@ -153,37 +159,49 @@ class Pusher:
             if self._closed:
                 return
             self._closed = True
+            self._closing = True
             streaming = self._streaming
-        loop = self._loop
-        if loop is not None and loop.is_running():
-            try:
-                asyncio.run_coroutine_threadsafe(self._stop_sending(), loop).result(timeout)
-            except TimeoutError:
-                _LOGGER.warning("%s: the pusher's loop did not answer within %.0f s", self.subscription, timeout)
-        self._closing = True  # no delivery came yet (no loop), or the loop has set it
         if streaming is not None:
-            # The engine stops releasing, waits for the outstanding messages (the requests in flight
-            # settle them), then the loop ends with its callbacks.
-            streaming.cancel(timeout)
+            # The engine stops releasing at once and then waits for the outstanding messages, which
+            # the loop settles meanwhile.
+            leaving = threading.Thread(target=streaming.cancel, args=(timeout,), name="ordering-layer-push-leave",
+                                       daemon=True)
+            leaving.start()
+            try:
+                asyncio.run_coroutine_threadsafe(self._drain_out(), self._loop).result(timeout)
+            except TimeoutError:
+                _LOGGER.warning("%s: requests still in flight after %.0f s; leaving them to lease expiry",
+                                self.subscription, timeout)
+            leaving.join(timeout)
         if self._metrics:
             metrics.unregister(self)
+        if self._thread.is_alive():
+            asyncio.run_coroutine_threadsafe(self._shut(), self._loop).result(timeout)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout)
         _LOGGER.info("pusher of %s stopped", self.subscription)
 
-    async def _stop_sending(self) -> None:
-        """On the loop: no request starts from now on; the waiting messages are nacked at once."""
-        self._closing = True
-        self._slots.close()
-        if self._gate is not None:
-            await self._gate.close()
-        if not self.in_flight:
-            await self._close_session()
+    async def _drain_out(self) -> None:
+        """Nack what waits (in the queue or at a closed gate), let the workers finish their requests
+        and end."""
+        assert self._queue is not None and self._gate is not None
+        self._take_incoming()
+        await self._gate.close()
+        while not self._queue.empty():
+            message = self._queue.get_nowait()
+            if message is not None:
+                self.waiting -= 1
+                message.nack(error=STOPPING)
+        for _ in self._workers:
+            self._queue.put_nowait(None)
+        await asyncio.gather(*self._workers, return_exceptions=True)
 
-    async def _close_session(self) -> None:
-        # On the loop while it runs: by the close, or by the last request in flight after it (before
-        # that request settles, so before the subscriber can stop the loop).
-        session, self._session = self._session, None
-        if session is not None:
-            await session.close()
+    async def _shut(self) -> None:
+        for worker in self._workers:
+            worker.cancel()
+        await asyncio.gather(*self._workers, return_exceptions=True)
+        if self._session is not None:
+            await self._session.close()
 
     def __enter__(self) -> Pusher:
         return self.start()
@@ -191,39 +209,54 @@ class Pusher:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    # -- requests ------------------------------------------------------------------------------------
-    async def _deliver(self, message: Message) -> None:
-        """The subscription's callback, on the subscriber's event loop: the message's request, its
-        answer acking or nacking it; a stopping pusher nacks it unsent."""
-        stages = self._stages
-        if stages is not None:
-            stages.mark(message.message_id, HANDED_OUT)
+    # -- hand-over: callback thread -> loop ----------------------------------------------------------
+    def _receive(self, message: Message) -> None:
+        """The subscription's callback: hand the message to the loop and return (it stays outstanding)."""
+        if self._stages is not None:
+            self._stages.mark(message.message_id, HANDED_OUT)
         if self._closing:
             message.nack(error=STOPPING)
             return
-        session = self._session or self._open()
-        gate = self._gate
-        assert gate is not None
-        self.waiting += 1
-        taken = await self._slots.take()
-        probe = False
-        if taken and gate.failures:
-            probe = await gate.enter()
+        self._incoming.append(message)
+        if not self._wake_pending:
+            self._wake_pending = True
+            self._loop.call_soon_threadsafe(self._take_incoming)
+
+    def _take_incoming(self) -> None:
+        # Cleared before taking: a message appended after this line wakes the loop again.
+        self._wake_pending = False
+        incoming, queue = self._incoming, self._queue
+        assert queue is not None
+        while incoming:
+            message = incoming.popleft()
+            if self._closing:
+                message.nack(error=STOPPING)
+                continue
+            if self._stages is not None:
+                self._stages.mark(message.message_id, ON_LOOP)
+            self.waiting += 1
+            queue.put_nowait(message)
+
+    # -- requests ------------------------------------------------------------------------------------
+    async def _work(self) -> None:
+        queue = self._queue
+        assert queue is not None
+        while True:
+            message = await queue.get()
+            if message is None:
+                return
+            if self._stages is not None:
+                self._stages.mark(message.message_id, SLOT)
+            await self._push(message)
+
+    async def _push(self, message: Message) -> None:
+        gate, session, config = self._gate, self._session, self.config
+        assert gate is not None and session is not None
+        probe = await gate.enter() if gate.failures else False
         self.waiting -= 1
-        if not taken or self._closing:
-            if taken:
-                self._slots.give()
+        if self._closing:  # let through by the closing gate
             message.nack(error=STOPPING)
             return
-        if stages is not None:
-            stages.mark(message.message_id, SLOT)
-        try:
-            await self._push(message, session, gate, probe)
-        finally:
-            self._slots.give()
-
-    async def _push(self, message: Message, session: aiohttp.ClientSession, gate: EndpointGate, probe: bool) -> None:
-        config, stages = self.config, self._stages
         body, headers = build(message, self.subscription, config.no_wrapper)
         authorization = self._authorizer.header()
         if authorization is not None:
@@ -234,6 +267,7 @@ class Pusher:
         timed_out = False
         self.in_flight += 1
         started = loop.time()
+        stages = self._stages
         if stages is not None:
             stages.mark(message.message_id, SENDING)
         try:
@@ -247,8 +281,6 @@ class Pusher:
             failure = self._describe(exc)
         finally:
             self.in_flight -= 1
-            if self._closing and not self.in_flight:
-                await self._close_session()
         if stages is not None:
             stages.mark(message.message_id, ANSWERED)
         if self._metrics:
@@ -258,14 +290,16 @@ class Pusher:
             if probe or gate.failures:
                 await gate.answered(probe)
             if status in ACK_STATUSES:
-                await self._acks.ack(message)
+                self._acks.ack(message)
             else:
                 message.nack(error=f"HTTP {status}")
-        else:
-            if await gate.unreachable(probe):
-                _LOGGER.warning("%s: endpoint %s unreachable (%s); next try in %.1f s", self.subscription,
-                                self.push_endpoint, failure, gate.wait_left())
-            message.nack(error=failure)
+            if stages is not None:
+                stages.mark(message.message_id, SETTLED)
+            return
+        if await gate.unreachable(probe):
+            _LOGGER.warning("%s: endpoint %s unreachable (%s); next try in %.1f s", self.subscription,
+                            self.push_endpoint, failure, gate.wait_left())
+        message.nack(error=failure)
         if stages is not None:
             stages.mark(message.message_id, SETTLED)
 

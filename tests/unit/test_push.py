@@ -1,6 +1,5 @@
 """Push subscriptions without servers: PushConfig, the request body, auth, the endpoint gate, the
-request slots, the acks of a loop pass, the durable record, describe's text and the metrics
-(PSH-1..3)."""
+acks of a loop pass, the durable record, describe's text and the metrics (PSH-1..3)."""
 
 from __future__ import annotations
 
@@ -26,7 +25,6 @@ from ordering_layer.push.auth import Authorizer
 from ordering_layer.push.gate import EndpointGate
 from ordering_layer.push.pusher import status_class
 from ordering_layer.push.request import ACK_STATUSES, build, publish_time
-from ordering_layer.push.slots import RequestSlots
 from ordering_layer.record import encode
 from ordering_layer.state.durable import decode_settings, encode_settings
 
@@ -70,6 +68,18 @@ def test_the_wrapped_body_is_pub_subs_push_request() -> None:
                     "publishTime": "2026-03-04T05:06:07.891Z", "publish_time": "2026-03-04T05:06:07.891Z",
                     "orderingKey": "customer-17"},
         "subscription": "orders-hook", "deliveryAttempt": 3}
+
+
+def test_the_wrapped_body_is_the_json_of_its_fields_byte_for_byte() -> None:
+    """The body written piece by piece is what ``json.dumps`` makes of the same fields, quotes,
+    control characters and non-ASCII text escaped alike."""
+    message = FakeMessage(attributes={"a": "\u2603", 'q"': "\n"}, ordering_key='k"\u00e9\t', message_id='id"\\x')
+    fields = {"data": base64.b64encode(message.data).decode(), "messageId": message.message_id,
+              "message_id": message.message_id, "attributes": message.attributes,
+              "publishTime": "2026-03-04T05:06:07.891Z", "publish_time": "2026-03-04T05:06:07.891Z",
+              "orderingKey": message.ordering_key}
+    expected = json.dumps({"message": fields, "subscription": 's"\u00fc', "deliveryAttempt": 3}, separators=(",", ":"))
+    assert build(message, 's"\u00fc', no_wrapper=False).body == expected.encode()
 
 
 def test_an_unordered_message_without_attributes_has_neither_field() -> None:
@@ -240,46 +250,6 @@ def test_closing_the_gate_ends_its_waits() -> None:
     assert asyncio.run(scenario()) == [False, False, False]
 
 
-def test_request_slots_bound_the_requests_and_pass_on_in_arrival_order() -> None:
-    """PSH-2: at most ``limit`` requests in flight; a slot given back goes to the oldest waiting
-    message in the same pass; a cancelled waiter handed a slot passes it on."""
-
-    async def scenario() -> tuple[list[str], int]:
-        slots, order = RequestSlots(2), []
-
-        async def request(name: str) -> None:
-            assert await slots.take()
-            order.append(name)
-
-        assert await slots.take() and await slots.take() and slots.free == 0
-        tasks = [asyncio.create_task(request(name)) for name in "abc"]
-        await asyncio.sleep(0)
-        assert order == [] and slots.waiting == 3
-        slots.give()
-        await asyncio.sleep(0)
-        assert order == ["a"]
-        tasks[1].cancel()
-        slots.give()  # handed to b, cancelled before it runs: c gets it
-        await asyncio.gather(*tasks, return_exceptions=True)
-        return order, slots.free
-
-    assert asyncio.run(scenario()) == (["a", "c"], 0)
-
-
-def test_closed_slots_end_the_waits_and_refuse_new_requests() -> None:
-    """A stopping pusher nacks the messages waiting for a slot at once instead of sending them."""
-
-    async def scenario() -> tuple[list[bool], bool]:
-        slots = RequestSlots(1)
-        assert await slots.take()
-        waiting = [asyncio.create_task(slots.take()) for _ in range(2)]
-        await asyncio.sleep(0)
-        slots.close()
-        return list(await asyncio.gather(*waiting)), await slots.take()
-
-    assert asyncio.run(scenario()) == ([False, False], False)
-
-
 @dataclass
 class AckedMessage:
     """What ``Subscriber.acknowledge`` reads of a message: ``settled`` and its engine's ``_submit``."""
@@ -291,7 +261,7 @@ class AckedMessage:
 
 def test_the_acks_of_one_loop_pass_reach_the_engine_as_one_event() -> None:
     """The answers read in one pass ack as one event, sent at the end of that pass (nothing waits
-    for a batch to fill); each ack returns once sent, its message settled."""
+    for a batch to fill)."""
     sent: list[list[str]] = []
 
     def engine_inbox(batch: list[AckedMessage]) -> None:
@@ -300,9 +270,13 @@ def test_the_acks_of_one_loop_pass_reach_the_engine_as_one_event() -> None:
     async def scenario() -> list[bool]:
         acks = PassAcks()
         first = [AckedMessage(name, engine_inbox) for name in "abc"]
-        await asyncio.gather(*(acks.ack(message) for message in first))  # type: ignore[arg-type]
+        for message in first:
+            acks.ack(message)  # type: ignore[arg-type]
+        assert sent == [] and not any(message.settled for message in first)  # the pass goes on
+        await asyncio.sleep(0)
         later = AckedMessage("d", engine_inbox)
-        await acks.ack(later)  # type: ignore[arg-type]
+        acks.ack(later)  # type: ignore[arg-type]
+        await asyncio.sleep(0)
         return [message.settled is True for message in [*first, later]]
 
     assert asyncio.run(scenario()) == [True] * 4
