@@ -23,11 +23,12 @@ from operator import attrgetter
 from ordering_layer.config import SubscriptionSettings
 from ordering_layer.subscriber.dead_letters import DeadLetters
 from ordering_layer.subscriber.flow import FlowGate
-from ordering_layer.subscriber.handoff import RUN_MAX, PullWaiters
+from ordering_layer.subscriber.handoff import PullWaiters
 from ordering_layer.subscriber.leases import LeaseTable, wall_ms
 from ordering_layer.subscriber.message import Message
 from ordering_layer.subscriber.partitions import Partitions, Released
 from ordering_layer.subscriber.requests import Pull
+from ordering_layer.subscriber.runs import RUN_MAX
 from ordering_layer.subscriber.settlement import REQUEUE_DELAY
 from ordering_layer.subscriber.state_writer import StateWriter
 

@@ -192,4 +192,4 @@ def handoff_for(name: str, callback: Callback, *, executor: Executor | None, max
         return ProcessCallbacks(name, executor, callback, hooks)
     if executor is not None:
         return ExecutorCallbacks(executor, run, hooks)
-    return CallbackPool(name, max_workers, run, give_back=hooks.give_back, current=hooks.current)
+    return CallbackPool(name, max_workers, run, hooks)

@@ -11,21 +11,17 @@ Between pulls the next pull's messages are released ahead, so that it is answere
 from __future__ import annotations
 
 import threading
-import time
 from collections import deque
 from collections.abc import Callable, Collection
-from itertools import groupby
 from operator import attrgetter
 
 from ordering_layer.subscriber.message import Message
 from ordering_layer.subscriber.requests import Pull
+from ordering_layer.subscriber.runs import Hooks, Item, items_of, run_item
 
 _LEASE = attrgetter("lease")
 
 WATCH_INTERVAL = 0.001  # seconds between looks for messages waiting for a worker, while some wait
-RUN_MAX = 32  # records of one key released to one worker at a time, at most (callback mode)
-RUN_SPAN = 0.1  # seconds a worker goes on with a key's run; the rest goes back after it
-_QUEUE_KEY = attrgetter("queue_key")
 
 
 class CallbackPool:
@@ -41,13 +37,10 @@ class CallbackPool:
     woken for each hand-out), and slow ones on as many threads as they need.
     """
 
-    def __init__(self, name: str, workers: int, run: Callable[[Message], None],
-                 give_back: Callable[[list[Message]], None] = lambda messages: None,
-                 current: Callable[[Message], bool] = lambda message: True) -> None:
-        self._queue: deque[Message | list[Message] | None] = deque()
+    def __init__(self, name: str, workers: int, run: Callable[[Message], None], hooks: Hooks | None = None) -> None:
+        self._queue: deque[Item | None] = deque()
         self._run = run
-        self._give_back = give_back
-        self._current = current
+        self._hooks = hooks or Hooks(lambda message: True, lambda messages: None, lambda message: True)
         self._ready = threading.Condition(threading.Lock())
         self._idle = 0  # workers asleep, waiting for the queue (changed under _ready)
         self._queued = 0  # messages ever queued (the coordinator's thread)
@@ -60,18 +53,10 @@ class CallbackPool:
 
     def submit(self, messages: list[Message]) -> None:
         """Queue messages for callbacks (the coordinator's thread): a key's consecutive messages (a
-        run, released when few keys were ready) as one item, run by one worker in order."""
-        keys = list(map(_QUEUE_KEY, messages))
-        if len(set(keys)) == len(keys):
-            self._queued += len(messages)
-            self._queue.extend(messages)
-        else:
-            items: list[Message | list[Message]] = []
-            for _, group in groupby(messages, _QUEUE_KEY):
-                run = list(group)
-                items.append(run[0] if len(run) == 1 else run)
-            self._queued += len(items)
-            self._queue.extend(items)
+        run, released when few keys were ready) as one item, run by one worker in order (``runs``)."""
+        items = items_of(messages)
+        self._queued += len(items)
+        self._queue.extend(items)
         with self._ready:
             if self._idle == len(self._threads):
                 self._ready.notify(1)
@@ -106,22 +91,9 @@ class CallbackPool:
             if message is None:
                 return
             if isinstance(message, list):
-                self._run_all(message)
+                run_item(message, self._run, self._hooks)
             else:
                 self._run(message)
-
-    def _run_all(self, run: list[Message]) -> None:
-        """A key's run: each message once the one before it is acked (SUB-1), while the run is young
-        (``RUN_SPAN``: the rest keep their leases short of lapsing) and its partition still here; the
-        rest go back unstarted, their attempts taken back (after a nack its rewind took them back)."""
-        began = time.monotonic()
-        self._run(run[0])
-        for index in range(1, len(run)):
-            message = run[index]
-            if run[index - 1].settled is not True or time.monotonic() - began > RUN_SPAN or not self._current(message):
-                self._give_back(run[index:])
-                return
-            self._run(message)
 
     def shutdown(self) -> None:
         """Let queued callbacks finish, then end the threads."""

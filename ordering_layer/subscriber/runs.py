@@ -1,9 +1,11 @@
-"""A key's run in the hand-outs of ``executors`` and ``processes`` (SUB-1, SUB-9).
+"""A key's run in the callback hand-outs (``handoff.CallbackPool``, ``executors``, ``processes``;
+SUB-1, SUB-9).
 
 When few keys are ready the engine releases a *run*: consecutive messages of one key in one
-hand-out. As in ``CallbackPool``, a run's messages start one at a time, each once the one before it
-is acked, while the run is young (``RUN_SPAN``) and its partition still owned; the rest go back
-unstarted through ``Hooks.give_back`` (their attempts taken back).
+hand-out, up to ``RUN_MAX``. A run's messages start one at a time, each once the one before it is
+acked, while the run is young (``RUN_SPAN``: the rest keep their leases short of lapsing) and its
+partition still owned; the rest go back unstarted through ``Hooks.give_back`` (their attempts
+taken back; after a nack its rewind took them back already).
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ from dataclasses import dataclass
 from itertools import groupby
 from operator import attrgetter
 
-from ordering_layer.subscriber.handoff import RUN_SPAN
 from ordering_layer.subscriber.message import Message
 
+RUN_MAX = 32  # records of one key released to one hand-out at a time, at most (callback mode)
+RUN_SPAN = 0.1  # seconds a run goes on; the rest goes back after it
 _QUEUE_KEY = attrgetter("queue_key")
 
 Item = Message | list[Message]  # one message, or a key's run of consecutive messages
@@ -34,7 +37,9 @@ class Hooks:
 
 
 def items_of(messages: list[Message]) -> list[Item]:
-    """A released batch as ``CallbackPool.submit`` queues it: a key's consecutive messages as one run."""
+    """A released batch as the hand-outs queue it: a key's consecutive messages as one run."""
+    if len(set(map(_QUEUE_KEY, messages))) == len(messages):
+        return list(messages)  # one message per key: no run
     items: list[Item] = []
     for _, group in groupby(messages, _QUEUE_KEY):
         run = list(group)
@@ -43,7 +48,8 @@ def items_of(messages: list[Message]) -> list[Item]:
 
 
 def goes_on(previous: Message, began: float, message: Message, hooks: Hooks) -> bool:
-    """Whether a key's run goes on with ``message`` (the rule of ``CallbackPool``'s runs)."""
+    """Whether a key's run goes on with ``message``: the one before it was acked, the run is young
+    and the partition still owned."""
     return previous.settled is True and time.monotonic() - began <= RUN_SPAN and hooks.current(message)
 
 

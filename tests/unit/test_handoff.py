@@ -11,6 +11,7 @@ from typing import cast
 from ordering_layer.subscriber.handoff import AHEAD_AT_LEAST, AHEAD_AT_MOST, WATCH_INTERVAL, CallbackPool, PullWaiters
 from ordering_layer.subscriber.message import Message
 from ordering_layer.subscriber.requests import Pull
+from ordering_layer.subscriber.runs import Hooks
 from tests.checker import wait_until
 
 
@@ -55,7 +56,7 @@ def test_a_keys_run_goes_on_one_worker_while_each_is_acked_and_the_rest_goes_bac
     def give_back(messages: list[Message]) -> None:
         given_back.append([number(m) for m in messages])
 
-    pool = CallbackPool("test-pool", 4, run, give_back=give_back)
+    pool = CallbackPool("test-pool", 4, run, Hooks(lambda message: True, give_back, lambda message: True))
     keyed = cast(list[Message], [SimpleNamespace(queue_key=b"k", n=n, settled=False) for n in (10, 11, 12, 13, 14)])
     pool.submit([*keyed, *numbered([20])])
     pool.shutdown()
