@@ -310,6 +310,10 @@ def test_a_new_owner_after_a_flushall_does_not_replay_moved_keys_old_records(
         b = WorkerProcess("B", endpoints, name, log_b)
         wait_until(lambda: len(settled_ids(read_events(log_a, log_b), "A")) == checker.total(), 120,
                    "every message acked")
+        # B also replays what Redis lost (acked by A above the old partition's commit point): its
+        # cascades are over once every partition is committed to its end.
+        wait_until(lambda: all(row.committed == row.log_end for row in admin.describe_subscription(name).partitions),
+                   120, "B's replay acked and committed")
     finally:
         a.stop()
         if b is not None:
