@@ -18,7 +18,7 @@ from operator import attrgetter
 
 from ordering_layer.subscriber.message import Message
 
-RUN_MAX = 32  # records of one key released to one hand-out at a time, at most (callback mode)
+RUN_MAX = 128  # records of one key released to one hand-out at a time, at most (callback mode)
 RUN_SPAN = 0.1  # seconds a run goes on; the rest goes back after it
 _QUEUE_KEY = attrgetter("queue_key")
 
