@@ -49,11 +49,9 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import threading
-from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import Future
+from collections.abc import Callable
 from importlib import metadata
-from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
 
 from ordering_layer.errors import ConfigError
 from ordering_layer.record import HeaderPairs, HeaderValue, display_key
@@ -63,13 +61,10 @@ if TYPE_CHECKING:
 
     from confluent_kafka import KafkaError
     from confluent_kafka import Message as KafkaMessage
-    from opentelemetry.context import Context
     from opentelemetry.trace import Span, Tracer, TracerProvider
 
-    from ordering_layer.subscriber.message import AckResponse, Message
-    from ordering_layer.subscriber.requests import Settle
 
-__all__ = ["TRACING_ENV", "DeliveryTracing", "PublishTracing", "span_of", "tracer"]
+__all__ = ["TRACING_ENV", "PublishTracing", "span_of", "tracer"]
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -118,7 +113,7 @@ def tracer(enabled: bool | None, tracer_provider: TracerProvider | None = None) 
     elif not enabled:
         return None
     try:
-        otel = _otel()
+        otel = otel_modules()
     except ImportError:
         if from_environment:
             _LOGGER.warning("%s is set but opentelemetry-api is not installed: tracing stays off "
@@ -130,7 +125,7 @@ def tracer(enabled: bool | None, tracer_provider: TracerProvider | None = None) 
     return chosen
 
 
-class _Otel(NamedTuple):
+class OtelModules(NamedTuple):
     """The parts of ``opentelemetry-api`` the layer uses, imported on first use (tracing on)."""
 
     trace: ModuleType
@@ -140,12 +135,12 @@ class _Otel(NamedTuple):
 
 
 @functools.cache
-def _otel() -> _Otel:
+def otel_modules() -> OtelModules:
     # opentelemetry-api: the optional tracing extra, imported once tracing is switched on.
     from opentelemetry import context, propagate, trace
     from opentelemetry.trace import Status, StatusCode
 
-    return _Otel(trace, context, propagate, lambda description: Status(StatusCode.ERROR, description))
+    return OtelModules(trace, context, propagate, lambda description: Status(StatusCode.ERROR, description))
 
 
 def _version() -> str | None:
@@ -155,7 +150,7 @@ def _version() -> str | None:
         return None
 
 
-def _carrier(headers: HeaderPairs | None) -> dict[str, str]:
+def carrier_of(headers: HeaderPairs | None) -> dict[str, str]:
     """The record's headers with text values, as the propagator reads them (the last of a name wins,
     as Kafka clients' ``lastHeader``)."""
     carrier: dict[str, str] = {}
@@ -174,7 +169,7 @@ class PublishTracing:
     """Publish spans of one producer, and the trace headers of its records (see the module doc)."""
 
     def __init__(self, tracer: Tracer) -> None:
-        otel = _otel()
+        otel = otel_modules()
         self._tracer = tracer
         self._inject = otel.propagate.inject
         self._in_context = otel.trace.set_span_in_context
@@ -234,161 +229,16 @@ class _Published:
             self._then(err, msg)
 
 
-class DeliveryTracing:
-    """Delivery spans of one subscription at one subscriber (see the module doc).
+class _Delivered(Protocol):
+    """A subscriber's ``Message``: its requests go to ``_submit`` (its delivery tracing, if traced)."""
 
-    A traced message's ``_submit`` (where its acks, nacks and deadline changes go) is a ``_Settling``
-    that notes each on the span and passes it on; untraced messages are left as the core made them.
-
-    Args:
-        tracer: the subscriber's tracer.
-        subscription: the subscription (named on every span).
-    """
-
-    def __init__(self, tracer: Tracer, subscription: str) -> None:
-        # Imported here: the subscriber package imports this module.
-        from ordering_layer.subscriber.requests import SettleKind
-
-        otel = _otel()
-        self.ack, self.deadline = SettleKind.ACK, SettleKind.DEADLINE
-        self._tracer = tracer
-        self._subscription = subscription
-        self._extract = otel.propagate.extract
-        self._current_span = otel.trace.get_current_span
-        self._in_context = otel.trace.set_span_in_context
-        self._link = otel.trace.Link
-        self._kind = otel.trace.SpanKind.CONSUMER
-        self._attach = otel.context.attach
-        self._detach = otel.context.detach
-        self.status = otel.status
-        self.lock = threading.Lock()
-        self.open: dict[tuple[int, int], _Settling] = {}  # (partition, offset) -> its unsettled delivery
-
-    def deliver(self, message: Message) -> _Settling:
-        """Start the delivery span of ``message``, about to reach user code, and watch its settle.
-        An earlier delivery of the same record still open here ends as ``superseded``."""
-        record = message.record
-        parent = self._extract(_carrier(record.headers))
-        creation = self._current_span(parent).get_span_context()
-        attributes: dict[str, str | int] = {
-            SYSTEM: "kafka", DESTINATION: message.topic(), OPERATION: "process",
-            CONSUMER_GROUP: self._subscription, PARTITION: record.partition, OFFSET: record.offset,
-            MESSAGE_ID: message.message_id, BODY_SIZE: len(record.value or b""),
-            DELIVERY_ATTEMPT: message.attempt}
-        if record.key:
-            attributes[KEY] = display_key(record.key)
-        span = self._tracer.start_span(f"{message.topic()} process", context=parent, kind=self._kind,
-                                       attributes=attributes,
-                                       links=[self._link(creation)] if creation.is_valid else None)
-        settling = _Settling(self, (record.partition, record.offset), span, self._in_context(span, parent),
-                             message._submit)
-        message._submit = settling
-        with self.lock:
-            earlier = self.open.get(settling.record)
-            self.open[settling.record] = settling
-        if earlier is not None:
-            earlier.end("superseded")
-        return settling
-
-    def deliver_all(self, messages: Iterable[Message]) -> None:
-        """Start the delivery spans of messages a pull returned."""
-        for message in messages:
-            self.deliver(message)
-
-    def wrap(self, callback: Callable[[Message], Any]) -> Callable[[Message], None]:
-        """``callback`` run inside each message's delivery span (current while it runs); a callback
-        that raises marks the span as an error (its nack then ends it)."""
-
-        def traced(message: Message) -> None:
-            settling = self.deliver(message)
-            token = self._attach(settling.context)
-            try:
-                callback(message)
-            except Exception as exc:
-                settling.failed(exc)
-                raise
-            finally:
-                self._detach(token)
-
-        return traced
-
-    def close(self) -> None:
-        """End the spans of deliveries still unsettled: the subscriber stopped."""
-        with self.lock:
-            left = list(self.open.values())
-        for settling in left:
-            settling.end("closed")
+    _submit: Any
 
 
-class _Settling:
-    """Stands in for a traced message's ``_submit``: notes the request on its delivery span, then
-    posts it where the message's requests go."""
-
-    __slots__ = ("_span", "_submit", "_tracing", "context", "record")
-
-    def __init__(self, tracing: DeliveryTracing, record: tuple[int, int], span: Span, context: Context,
-                 submit: Callable[[Settle | Message | list[Message]], None]) -> None:
-        self._tracing = tracing
-        self.record = record
-        self._span: Span | None = span
-        self.context = context
-        self._submit = submit
-
-    @property
-    def span(self) -> Span | None:
-        """The delivery span (None once it ended)."""
-        return self._span
-
-    def __call__(self, request: Settle | Message | list[Message]) -> None:
-        tracing = self._tracing
-        if isinstance(request, tuple):  # a Settle (a plain ack is the Message, or a list of it)
-            if request.kind == tracing.deadline:
-                span = self._span
-                if span is not None:
-                    span.add_event("modify_ack_deadline", {DEADLINE_SECONDS: request.seconds})
-            else:
-                name = "ack" if request.kind == tracing.ack else "nack"
-                attributes = {ERROR: request.error} if request.error else {}
-                if request.future is None:
-                    self.end(name, attributes)
-                else:
-                    span = self._span
-                    if span is not None:
-                        span.add_event(name, attributes)
-                    request.future.add_done_callback(self._answered)
-        else:  # a plain ack: the message itself, or a list of it (``ack_all``)
-            self.end("ack")
-        self._submit(request)
-
-    def _answered(self, future: Future[AckResponse]) -> None:
-        span = self._span
-        if span is not None and future.exception() is None:
-            span.set_attribute(ACK_RESPONSE, future.result().value)
-        self.end(None)
-
-    def failed(self, exc: Exception) -> None:
-        """The callback raised ``exc``."""
-        span = self._span
-        if span is not None:
-            span.record_exception(exc)
-            span.set_status(self._tracing.status(repr(exc)))
-
-    def end(self, event: str | None, attributes: Mapping[str, str] | None = None) -> None:
-        """End the span after an event named ``event`` (None: none); once only, from any thread."""
-        tracing = self._tracing
-        with tracing.lock:
-            span, self._span = self._span, None
-            if tracing.open.get(self.record) is self:
-                del tracing.open[self.record]
-        if span is not None:
-            if event is not None:
-                span.add_event(event, attributes)
-            span.end()
-
-
-def span_of(message: Message) -> Span | None:
+def span_of(message: _Delivered) -> Span | None:
     """The delivery span of ``message`` while it is open (pull mode: to make the processing's spans
     its children with ``trace.use_span(span, end_on_exit=False)``); None when the message is not
-    traced or its span ended."""
-    submit = message._submit
-    return submit.span if isinstance(submit, _Settling) else None
+    traced or its span ended. A traced message's requests go through its delivery tracing
+    (``subscriber.delivery_tracing``), which holds the span."""
+    span: Span | None = getattr(message._submit, "span", None)
+    return span

@@ -37,10 +37,11 @@ from ordering_layer.kafka_config import CONSUMER_HONOURS, flag, offset_reset, re
 from ordering_layer.publisher.activation import join_activation
 from ordering_layer.state import StateStore
 from ordering_layer.subscriber.client_config import redis_url_from, verify_credentials
+from ordering_layer.subscriber.delivery_tracing import DeliveryTracing
 from ordering_layer.subscriber.engine import Engine, RebalanceHooks
 from ordering_layer.subscriber.message import AckResponse, Message
 from ordering_layer.subscriptions import Subscriptions
-from ordering_layer.tracing import DeliveryTracing, tracer
+from ordering_layer.tracing import tracer
 
 if TYPE_CHECKING:
     from opentelemetry.trace import TracerProvider

@@ -29,8 +29,8 @@ from ordering_layer.subscriber.processes import ProcessCallbacks
 from ordering_layer.subscriber.runs import Hooks, Item, goes_on, items_of, run_item
 
 if TYPE_CHECKING:
+    from ordering_layer.subscriber.delivery_tracing import DeliveryTracing
     from ordering_layer.subscriber.processes import MessageCopy
-    from ordering_layer.tracing import DeliveryTracing
 
 _LOGGER = logging.getLogger(__name__)
 

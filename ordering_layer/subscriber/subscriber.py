@@ -16,11 +16,12 @@ from ordering_layer.publisher.activation import join_activation
 from ordering_layer.scheduler.participant import Activation
 from ordering_layer.state import StateStore
 from ordering_layer.subscriber.client_config import redis_url_from, verify_credentials
+from ordering_layer.subscriber.delivery_tracing import DeliveryTracing
 from ordering_layer.subscriber.engine import Engine
 from ordering_layer.subscriber.executors import Callback, Handoff, handoff_for
 from ordering_layer.subscriber.message import Message, ack_all
 from ordering_layer.subscriber.runs import Hooks
-from ordering_layer.tracing import DeliveryTracing, tracer
+from ordering_layer.tracing import tracer
 
 if TYPE_CHECKING:
     from opentelemetry.trace import TracerProvider

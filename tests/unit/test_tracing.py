@@ -24,10 +24,11 @@ from ordering_layer import tracing as tracing_module
 from ordering_layer.errors import ConfigError
 from ordering_layer.publisher import producer as producer_module
 from ordering_layer.record import HEADER_PARTITION_COUNT, RecordMetadata
+from ordering_layer.subscriber.delivery_tracing import DeliveryTracing
 from ordering_layer.subscriber.message import AckResponse, Message
 from ordering_layer.subscriber.records import Record
 from ordering_layer.subscriber.requests import Settle, SettleKind
-from ordering_layer.tracing import TRACING_ENV, DeliveryTracing, span_of, tracer
+from ordering_layer.tracing import TRACING_ENV, span_of, tracer
 from tests.unit.test_publish_path import FakeMessage
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -94,7 +95,7 @@ def test_the_switch_is_read_once_from_settings_provider_or_environment(monkeypat
 
 def test_without_opentelemetry_asking_in_code_is_refused_and_the_environment_only_warns(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    tracing_module._otel.cache_clear()
+    tracing_module.otel_modules.cache_clear()
     monkeypatch.setitem(sys.modules, "opentelemetry", None)  # import opentelemetry -> ImportError
     try:
         with pytest.raises(ConfigError, match="opentelemetry-api") as refused:
@@ -106,7 +107,7 @@ def test_without_opentelemetry_asking_in_code_is_refused_and_the_environment_onl
         assert "opentelemetry-api is not installed" in caplog.text
     finally:
         monkeypatch.undo()
-        tracing_module._otel.cache_clear()
+        tracing_module.otel_modules.cache_clear()
 
 
 def test_the_package_imports_and_publishes_untraced_without_opentelemetry() -> None:
@@ -123,7 +124,7 @@ def test_the_package_imports_and_publishes_untraced_without_opentelemetry() -> N
         assert producer._tracing is None
         producer.close(0)
         assert tracing.tracer(None) is None
-        assert tracing._otel.cache_info().currsize == 0, "the layer looked for opentelemetry"
+        assert tracing.otel_modules.cache_info().currsize == 0, "the layer looked for opentelemetry"
         print("ok")
     """
     for mode in ("block", "installed"):
