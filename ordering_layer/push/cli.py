@@ -11,6 +11,7 @@ from typing import Any
 import click
 
 from ordering_layer.errors import OrderingLayerError
+from ordering_layer.push.pusher import Pusher
 
 
 @contextlib.contextmanager
@@ -35,9 +36,6 @@ def push_command(server_options: Callable[[Any], Any]) -> click.Command:
         finish (their answers ack or nack), the messages not sent yet are nacked, the acks are
         committed and the group is left; kill -9 loses nothing either (the leases lapse).
         """
-        # Imported when run: aiohttp would add its import time to every other command.
-        from ordering_layer.push.pusher import Pusher
-
         endpoints = servers.endpoints()
         if not endpoints.redis_url:
             raise click.ClickException("push needs Redis: --redis-url or $ORDERING_LAYER_REDIS_URL")
