@@ -251,6 +251,8 @@ def latency(endpoints: Endpoints, admin: Admin, endpoint: Endpoint, per_second: 
         stats = endpoint.wait_count(total, 60, full=True)
     print(f"(b) {total:,} messages at {per_second:,.0f} msg/s over 1,000 keys, publish to request "
           f"(pusher):            {percentiles(stats['delays'])}", flush=True)
+    print(f"(b) the same, from the broker's append time (ms resolution) to the request:          "
+          f"{percentiles(stats['appended'])}", flush=True)
     if clock is not None:
         stage_table(clock, stats["arrivals"])
 
@@ -259,6 +261,7 @@ def latency(endpoints: Endpoints, admin: Admin, endpoint: Endpoint, per_second: 
     name = f"bench-sub-lat-{uuid.uuid4().hex[:8]}"
     admin.create_subscription(name, topic=topic, start=StartPosition.LATEST, retry_policy=RetryPolicy(0, 0))
     delays: list[float] = []
+    appended: list[float] = []
     lock = threading.Lock()
 
     def callback(message: Message) -> None:
@@ -266,6 +269,7 @@ def latency(endpoints: Endpoints, admin: Admin, endpoint: Endpoint, per_second: 
         message.ack()
         with lock:
             delays.append(arrived - float(message.attributes["sent"]))
+            appended.append(arrived - message.enqueued_time.timestamp())
 
     subscriber = Subscriber(kafka, redis_url=endpoints.redis_url)
     with subscriber.subscribe(name, callback):
@@ -275,12 +279,15 @@ def latency(endpoints: Endpoints, admin: Admin, endpoint: Endpoint, per_second: 
             time.sleep(0.05)
         with lock:
             delays.clear()
+            appended.clear()
         total = paced_publish(endpoints, topic, per_second, seconds)
         deadline = time.monotonic() + 60
         while len(delays) < total and time.monotonic() < deadline:
             time.sleep(0.05)
     print(f"(b) the same at a plain Subscriber, publish to callback (what the pusher adds to): "
           f"{percentiles(delays)}", flush=True)
+    print(f"(b) the plain Subscriber from the broker's append time to the callback:            "
+          f"{percentiles(appended)}", flush=True)
 
 
 def main() -> None:

@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from aiohttp import web
@@ -176,9 +177,11 @@ class PushEndpoint:
 # -- as a process, for the benchmark ------------------------------------------------------------------
 def serve(port: int) -> None:
     """Answer every POST at once with 204; ``GET /stats`` gives the count, the first and last arrival
-    times and, with ``?full=1``, the arrival delays and ``arrivals`` (``{messageId: [publish time, arrival time]}``)
-    (``?reset=1`` starts them over)."""
+    times and, with ``?full=1``, the arrival delays, the delays from the broker's append time
+    (``publishTime``: the layer's topics are made with broker append time) and ``arrivals``
+    (``{messageId: [publish time, arrival time]}``) (``?reset=1`` starts them over)."""
     delays: list[float] = []
+    appended: list[float] = []
     arrivals: dict[str, tuple[float, float]] = {}
     seen = {"count": 0, "first": 0.0, "last": 0.0}
 
@@ -194,13 +197,17 @@ def serve(port: int) -> None:
             if sent is not None:
                 delays.append(now - float(sent))
                 arrivals[message["messageId"]] = (float(sent), now)
+                stamp = datetime.fromisoformat(message["publishTime"].replace("Z", "+00:00"))
+                appended.append(now - stamp.timestamp())
         return web.Response(status=204)
 
     async def stats(request: web.Request) -> web.Response:
-        full = {"delays": delays[:], "arrivals": dict(arrivals)} if request.query.get("full") else {}
+        full = ({"delays": delays[:], "appended": appended[:], "arrivals": dict(arrivals)}
+                if request.query.get("full") else {})
         reply = web.json_response({**seen, **full})
         if request.query.get("reset"):
             delays.clear()
+            appended.clear()
             arrivals.clear()
             seen.update(count=0, first=0.0, last=0.0)
         return reply
