@@ -62,6 +62,9 @@ class PartitionCore(Generic[_R]):
     @property
     def ready(self) -> int: ...
     @property
+    def busy(self) -> int:
+        """Keys with a delivery outstanding."""
+    @property
     def watermark(self) -> int | None: ...
     @property
     def next_offset(self) -> int | None: ...

@@ -478,6 +478,12 @@ impl PartitionCore {
         self.core.ready_len()
     }
 
+    /// Keys with a delivery outstanding.
+    #[getter]
+    fn busy(&self) -> usize {
+        self.core.busy
+    }
+
     /// The offset to commit (the lowest fetched offset not settled); None before any fetch.
     #[getter]
     fn watermark(&self) -> Option<i64> {

@@ -80,6 +80,8 @@ pub struct PartitionCore<T> {
     wakes: BinaryHeap<Wake>,
     wake_seq: u64,
     pub buffered: i64,
+    /// Keys with a delivery outstanding (the release's share per key counts them, `Dispatcher`).
+    pub busy: usize,
     settled_before: HashSet<i64>,
     horizon: i64,
     floor: i64,         // the claim's floor: every offset below it is settled (-1: none)
@@ -129,6 +131,7 @@ impl<T> PartitionCore<T> {
             wakes: BinaryHeap::new(),
             wake_seq: 0,
             buffered: 0,
+            busy: 0,
             settled_before,
             horizon,
             floor,
@@ -532,6 +535,9 @@ impl<T> PartitionCore<T> {
                 emit(entry, token);
             }
             let released = stop - start;
+            if released > 0 {
+                self.busy += 1; // released only from keys with nothing outstanding (above)
+            }
             queue.outstanding += released;
             queue.cursor = stop;
             self.buffered -= released as i64;
@@ -585,7 +591,11 @@ impl<T> PartitionCore<T> {
         entry.acked = true;
         queue.outstanding -= 1;
         queue.failures = 0;
+        let idle = queue.outstanding == 0;
         let no_field = if entry.in_hash { 0 } else { ops::SETTLED_NO_ATTEMPT_FIELD };
+        if idle {
+            self.busy -= 1;
+        }
         self.tracker.settle(offset);
         self.ops.push(ops::SETTLED, offset, no_field | if leased { 0 } else { ops::SETTLED_NO_LEASE });
         self.pop_settled(slot, offset);
@@ -599,7 +609,7 @@ impl<T> PartitionCore<T> {
         self.ops.push(ops::SETTLED, offset, 0);
         let Some(slot) = self.slot_of(&self.queue_key(offset, key)) else { return };
         let queue = self.queue(slot);
-        let (mut was_outstanding, mut waiting) = (false, false);
+        let (mut was_outstanding, mut waiting, mut idle) = (false, false, false);
         if let Some(index) = queue.index_of(offset) {
             let entry = &mut queue.records[index];
             was_outstanding = entry.token != 0;
@@ -612,7 +622,11 @@ impl<T> PartitionCore<T> {
             }
             if was_outstanding {
                 queue.outstanding -= 1;
+                idle = queue.outstanding == 0;
             }
+        }
+        if idle {
+            self.busy -= 1;
         }
         if waiting {
             self.buffered -= 1;
@@ -718,6 +732,9 @@ impl<T> PartitionCore<T> {
                 self.tracker.unsettle(entry.offset);
                 self.ops.push(ops::UNSETTLED, entry.offset, 0);
             }
+        }
+        if queue.outstanding == 0 {
+            self.busy -= 1;
         }
         self.buffered += (queue.cursor - index) as i64;
         queue.cursor = index;
@@ -915,6 +932,25 @@ mod tests {
             let attempts: Vec<u32> = release(&mut core, 10).iter().map(|out| out.2).collect();
             assert_eq!(attempts, vec![2, second_attempt, second_attempt], "callback mode {callback_mode}");
         }
+    }
+
+    /// `busy` counts the keys with a delivery outstanding: a release makes a key busy, its last
+    /// outstanding delivery acked, nacked or dead-lettered makes it idle again.
+    #[test]
+    fn busy_counts_the_keys_with_a_delivery_outstanding() {
+        let mut core = claimed(true, &[b"a", b"a", b"b", b"c"], &[], true);
+        let out = release(&mut core, 10);
+        assert_eq!(offsets(&out), vec![0, 1, 2, 3]);
+        assert_eq!(core.busy, 3);
+        assert!(core.ack(0, out[0].1));
+        assert_eq!(core.busy, 3, "a's second record is still out");
+        assert!(core.ack(1, out[1].1));
+        assert!(core.nack(2, out[2].1, 0.0, false, no_backoff).unwrap());
+        assert_eq!(core.busy, 1);
+        core.settle_dead_lettered(3, Some(b"c"));
+        assert_eq!(core.busy, 0);
+        assert_eq!(offsets(&release(&mut core, 10)), vec![2]);
+        assert_eq!(core.busy, 1);
     }
 
     /// A departed key's records below its mark, published under an earlier count, are settled at

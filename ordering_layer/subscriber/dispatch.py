@@ -75,9 +75,13 @@ class Dispatcher:
         budget, byte_budget = self._gate.budget(leases.count, leases.bytes)
         per_key, pooled, ahead = 1, True, False
         if self._on_messages is not None:
-            # Few keys ready (a hot key): a key's run of records goes to one worker, which starts each
-            # as soon as the one before it is acked (``CallbackPool``); many keys: one record each.
-            per_key = max(1, min(RUN_MAX, budget // max(1, self._owned.ready())))
+            # Few keys at work (a hot key): a key's run of records goes to one worker, which starts
+            # each as soon as the one before it is acked (``runs``); many keys: one record each. A
+            # key's share is of the whole flow-control limit over the keys ready or outstanding, so
+            # that a key whose run ended gets a run again while the others hold their shares.
+            owned = self._owned
+            keys = owned.ready() + owned.busy()
+            per_key = max(1, min(RUN_MAX, self._gate.limits.max_messages // max(1, keys)))
         else:
             wanted, for_pull = self._pulls.wanted()
             budget, per_key = min(budget, wanted), self._pulls.per_key()

@@ -252,6 +252,10 @@ class Partitions:
         """Ready keys, at most, all partitions (``OwnedPartition.ready``)."""
         return sum(state.ready for state in self.owned.values())
 
+    def busy(self) -> int:
+        """Keys with a delivery outstanding, all partitions."""
+        return sum(state.core.busy for state in self.owned.values())
+
     def end_walks(self) -> None:
         """Let partitions still in their recovery walk release: the fetch is held over the buffer
         limit, so the walks might not end otherwise. Each marks its cascading keys in Redis first and
