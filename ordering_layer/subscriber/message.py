@@ -62,7 +62,9 @@ class Message(Delivery):
         self._topic = topic
         self._epoch = epoch
         self._submit = submit
-        self.settled: int = False  # True: an ack was sent, NACKED: a nack (the answer may still be pending)
+        # True: an ack was sent; NACKED: a nack was, and stays so whatever comes after it (a key's run
+        # never goes on past a nacked message, ``runs``); the answer may still be pending.
+        self.settled: int = False
 
     @property
     def data(self) -> bytes:
@@ -110,13 +112,16 @@ class Message(Delivery):
 
     def _send(self, kind: int, seconds: float = 0.0, error: str | None = None,
               future: Future[AckResponse] | None = None) -> None:
-        if kind != _DEADLINE:
-            self.settled = NACKED if kind == _NACK else True
+        if kind == _NACK:
+            self.settled = NACKED
+        elif kind != _DEADLINE and self.settled != NACKED:
+            self.settled = True
         self._submit(Settle(kind, self, self._epoch, seconds, error, future))
 
     def ack(self) -> None:
         """Done with the message: it is settled and never delivered again (unless a cascade)."""
-        self.settled = True
+        if self.settled != NACKED:
+            self.settled = True
         self._submit(self)  # a plain ack is the message itself: no request made per ack
 
     def ack_with_response(self) -> Future[AckResponse]:

@@ -21,7 +21,7 @@ from ordering_layer._core import (
     partition_runs,
 )
 from ordering_layer.record import RecordMetadata
-from ordering_layer.subscriber.message import Message
+from ordering_layer.subscriber.message import NACKED, Message
 from ordering_layer.subscriber.owned_partition import MESSAGE_LAYOUT, RECORD_LAYOUT, OwnedPartition
 from ordering_layer.subscriber.records import Delivery, Record
 
@@ -233,3 +233,19 @@ def test_the_collector_sees_what_layouts_and_deliveries_hold() -> None:
     assert MESSAGE_LAYOUT in held and RECORD_LAYOUT in held and "orders" in held
     assert any(getattr(r, "__self__", None) is acks for r in held)
     assert Record in gc.get_referents(RECORD_LAYOUT)
+
+
+def test_a_nack_stays_the_messages_last_word_for_its_run() -> None:
+    """SUB-1 (a key's run, ``runs``): a message nacked (or given a deadline of 0) and then acked
+    stays NACKED, so its run does not go on with the records the nack's rewind took back; a plain
+    ack or ``ack_with_response`` alone leaves it True."""
+    state = OwnedPartition(0, 1, ordered=True, submit=lambda request: None)
+    state.add(records(0, [b"a", b"b", b"c", b"d"]))
+    nacked, deadline_zero, acked, answered = state.release_ready(0.0, 10, 1, 10**6, None, pooled=True)[0]
+    nacked.nack()
+    nacked.ack()
+    deadline_zero.modify_ack_deadline(0)
+    deadline_zero.ack_with_response()
+    acked.ack()
+    answered.ack_with_response()
+    assert [m.settled for m in (nacked, deadline_zero, acked, answered)] == [NACKED, NACKED, True, True]
