@@ -8,12 +8,15 @@
     message (every thread: the pusher's engine and loop, or the bare loop), which other load on the
     machine disturbs less than the rates. ``--rounds`` interleaved rounds (a new
     subscription of the same topic each round); the median of the per-round ratios. Goal >= 0.5x.
-(b) Latency at ``--rate`` msg/s for ``--seconds`` over 1,000 keys: publish (``linger.ms=0``) to the
-    request's arrival at the endpoint, from the publish time each message carries in an attribute;
-    then, alone too, the same path into a plain ``Subscriber`` callback, which is what the pusher
-    adds to. Goal <= 5 ms at p50. With ``--stages``, p50 and p99 of each step of the pusher's path
+(b) Latency at ``--rate`` msg/s for ``--seconds`` over 1,000 keys: publish (``linger.ms=0``, from a
+    publisher process of its own, as a publishing service would be) to the request's arrival at the
+    endpoint, from the publish time each message carries in an attribute; then, alone too, the same
+    path into a plain ``Subscriber`` callback, which is what the pusher adds to. A warm-up round
+    (the broker's JIT compiler still at work on a fresh stack) is left out; then ``--rounds``
+    rounds, pusher and plain subscriber interleaved; the medians of the per-round p50 and p99.
+    Goal <= 5 ms at p50. With ``--stages``, p50 and p99 of each step of the pusher's path
     (``ordering_layer.push.stages``), from the subscriber's hand-out to the ack, the endpoint's
-    arrival between.
+    arrival between, in the last round.
 
 The endpoint is another process (``python -m tests.push_endpoint``), so that it takes no CPU time
 from the process measured.
@@ -48,7 +51,7 @@ from ordering_layer import Admin, Message, OrderedProducer, RetryPolicy, StartPo
 from ordering_layer.config import PushConfig
 from ordering_layer.push import Pusher
 from ordering_layer.push.request import wrapped
-from ordering_layer.push.stages import ANSWERED, HANDED_OUT, ON_LOOP, SENDING, SETTLED, SLOT, StageClock
+from ordering_layer.push.stages import ANSWERED, HANDED_OUT, SENDING, SETTLED, SLOT, StageClock
 from ordering_layer.stack import Endpoints
 from tests.push_endpoint import free_port
 
@@ -56,9 +59,8 @@ KEYS = [f"key-{i}" for i in range(1000)]
 PAYLOAD = b"x" * 100
 PUBLISHED, ARRIVED = "published", "arrived"  # marks of the producer and of the endpoint
 # (row, from mark, to mark) of the --stages table; the pusher's marks are ``StageClock``'s steps.
-STAGES = (("publish -> handed to the pusher", PUBLISHED, HANDED_OUT),
-          ("handed out -> on the event loop", HANDED_OUT, ON_LOOP),
-          ("on the loop -> a request slot", ON_LOOP, SLOT),
+STAGES = (("publish -> on the pusher's loop", PUBLISHED, HANDED_OUT),
+          ("handed out -> a request slot", HANDED_OUT, SLOT),
           ("slot -> request built, sending", SLOT, SENDING),
           ("sending -> arrived at the endpoint", SENDING, ARRIVED),
           ("arrived -> answer read", ARRIVED, ANSWERED),
@@ -191,9 +193,19 @@ def throughput(endpoints: Endpoints, admin: Admin, endpoint: Endpoint, count: in
 
 
 def paced_publish(endpoints: Endpoints, topic: str, per_second: float, seconds: float) -> int:
-    """Publish at ``per_second`` for ``seconds``, each message carrying its publish time in ``sent``."""
+    """Publish at ``per_second`` for ``seconds`` from a process of its own (``publish_here``), as a
+    publishing service would: not on the interpreter lock of the process measured."""
     total = int(per_second * seconds)
-    with OrderedProducer({**endpoints.kafka_config(), "linger.ms": 0}) as producer:
+    subprocess.run([sys.executable, __file__, "--publish", json.dumps([endpoints.kafka_config(), topic]),
+                    "--rate", str(per_second), "--seconds", str(seconds)], check=True)
+    return total
+
+
+def publish_here(kafka: dict[str, Any], topic: str, per_second: float, seconds: float) -> None:
+    """The publisher process: ``per_second`` messages a second over ``KEYS`` for ``seconds``, each
+    carrying its publish time in ``sent``; returns once all are acknowledged by the broker."""
+    total = int(per_second * seconds)
+    with OrderedProducer({**kafka, "linger.ms": 0}) as producer:
         start = time.monotonic()
         for n in range(total):
             delay = start + n / per_second - time.monotonic()
@@ -201,17 +213,17 @@ def paced_publish(endpoints: Endpoints, topic: str, per_second: float, seconds: 
                 time.sleep(delay)
             producer.produce(topic, PAYLOAD, key=KEYS[n % len(KEYS)], headers=[("sent", repr(time.time()))])
             producer.poll(0)
-    return total
+
+
+def at(delays: list[float], q: float) -> float:
+    """The ``q`` quantile of ``delays`` in ms."""
+    ordered = sorted(delays)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000
 
 
 def percentiles(delays: list[float]) -> str:
-    ordered = sorted(delays)
-
-    def at(q: float) -> float:
-        return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000
-
-    return (f"p50 {at(0.50):6.2f} ms   p90 {at(0.90):6.2f} ms   p99 {at(0.99):6.2f} ms   "
-            f"max {ordered[-1] * 1000:7.2f} ms")
+    return (f"p50 {at(delays, 0.50):6.2f} ms   p90 {at(delays, 0.90):6.2f} ms   p99 {at(delays, 0.99):6.2f} ms   "
+            f"max {max(delays) * 1000:7.2f} ms")
 
 
 def stage_table(clock: StageClock, arrivals: dict[str, list[float]]) -> None:
@@ -230,17 +242,23 @@ def stage_table(clock: StageClock, arrivals: dict[str, list[float]]) -> None:
             print(f"    {row:<36} {p50:7.2f} ms {p99:7.2f} ms", flush=True)
 
 
-def latency(endpoints: Endpoints, admin: Admin, endpoint: Endpoint, per_second: float, seconds: float,
-            concurrency: int, stages: bool) -> None:
-    """(b): the pusher, then a plain subscriber, each alone on a fresh topic; with ``stages`` the
-    pusher's steps too."""
+class Latencies(NamedTuple):
+    """One phase of a (b) round: delays from the publish time and from the broker's append time."""
+
+    published: list[float]
+    appended: list[float]
+    arrivals: dict[str, list[float]]  # the pusher's: {message id: [publish time, arrival time]}
+
+
+def pusher_latency(endpoints: Endpoints, admin: Admin, endpoint: Endpoint, per_second: float, seconds: float,
+                   concurrency: int, clock: StageClock | None) -> Latencies:
+    """(b) at the pusher, alone on a fresh topic."""
     kafka = endpoints.kafka_config()
     topic = f"bench-push-lat-{uuid.uuid4().hex[:8]}"
     admin.create_topic(topic, partitions=6)
     name = f"bench-push-lat-{uuid.uuid4().hex[:8]}"
     admin.create_subscription(name, topic=topic, start=StartPosition.LATEST, retry_policy=RetryPolicy(0, 0),
                               push_config=PushConfig(endpoint.url, max_concurrent_requests=concurrency))
-    clock = StageClock() if stages else None
     with Pusher(kafka, name, redis_url=endpoints.redis_url, stages=clock):
         warm = paced_publish(endpoints, topic, per_second, 2.0)  # joined and warm
         endpoint.wait_count(warm, 60)
@@ -249,13 +267,12 @@ def latency(endpoints: Endpoints, admin: Admin, endpoint: Endpoint, per_second: 
             clock.clear()
         total = paced_publish(endpoints, topic, per_second, seconds)
         stats = endpoint.wait_count(total, 60, full=True)
-    print(f"(b) {total:,} messages at {per_second:,.0f} msg/s over 1,000 keys, publish to request "
-          f"(pusher):            {percentiles(stats['delays'])}", flush=True)
-    print(f"(b) the same, from the broker's append time (ms resolution) to the request:          "
-          f"{percentiles(stats['appended'])}", flush=True)
-    if clock is not None:
-        stage_table(clock, stats["arrivals"])
+    return Latencies(stats["delays"], stats["appended"], stats["arrivals"])
 
+
+def subscriber_latency(endpoints: Endpoints, admin: Admin, per_second: float, seconds: float) -> Latencies:
+    """(b) at a plain ``Subscriber`` whose callback acks at once, alone on a fresh topic."""
+    kafka = endpoints.kafka_config()
     topic = f"bench-sub-lat-{uuid.uuid4().hex[:8]}"
     admin.create_topic(topic, partitions=6)
     name = f"bench-sub-lat-{uuid.uuid4().hex[:8]}"
@@ -284,10 +301,44 @@ def latency(endpoints: Endpoints, admin: Admin, endpoint: Endpoint, per_second: 
         deadline = time.monotonic() + 60
         while len(delays) < total and time.monotonic() < deadline:
             time.sleep(0.05)
-    print(f"(b) the same at a plain Subscriber, publish to callback (what the pusher adds to): "
-          f"{percentiles(delays)}", flush=True)
-    print(f"(b) the plain Subscriber from the broker's append time to the callback:            "
-          f"{percentiles(appended)}", flush=True)
+    with lock:
+        return Latencies(delays[:], appended[:], {})
+
+
+def latency(endpoints: Endpoints, admin: Admin, endpoint: Endpoint, per_second: float, seconds: float,
+            concurrency: int, rounds: int, stages: bool) -> None:
+    """(b): a warm-up round left out, then ``rounds`` rounds of the pusher and a plain subscriber,
+    each alone on a fresh topic; with ``stages`` the pusher's steps in the last round."""
+    pusher_latency(endpoints, admin, endpoint, per_second, 3.0, concurrency, None)
+    subscriber_latency(endpoints, admin, per_second, 3.0)
+    rows: dict[str, list[tuple[float, float]]] = {"pusher": [], "pusher from append": [], "subscriber": [],
+                                                  "subscriber from append": []}
+    clock = StageClock() if stages else None
+    arrivals: dict[str, list[float]] = {}
+    for number in range(1, rounds + 1):
+        pushed = pusher_latency(endpoints, admin, endpoint, per_second, seconds, concurrency,
+                                clock if number == rounds else None)
+        plain = subscriber_latency(endpoints, admin, per_second, seconds)
+        arrivals = pushed.arrivals
+        print(f"(b) round {number}: publish -> request (pusher) {percentiles(pushed.published)}", flush=True)
+        print(f"(b) round {number}: publish -> callback (plain Subscriber) {percentiles(plain.published)}",
+              flush=True)
+        for row, delays in (("pusher", pushed.published), ("pusher from append", pushed.appended),
+                            ("subscriber", plain.published), ("subscriber from append", plain.appended)):
+            rows[row].append((at(delays, 0.5), at(delays, 0.99)))
+    print(f"(b) {per_second * seconds:,.0f} messages a round at {per_second:,.0f} msg/s over 1,000 keys, "
+          f"median of {rounds} rounds:", flush=True)
+    labels = {"pusher": "publish -> request, pusher",
+              "pusher from append": "broker append time (ms) -> request, pusher",
+              "subscriber": "publish -> callback, plain Subscriber (what the pusher adds to)",
+              "subscriber from append": "broker append time (ms) -> callback, plain Subscriber"}
+    for row, figures in rows.items():
+        p50 = statistics.median(f[0] for f in figures)
+        p99 = statistics.median(f[1] for f in figures)
+        goal = "   (goal p50 <= 5 ms)" if row == "pusher" else ""
+        print(f"    {labels[row]:<66} p50 {p50:6.2f} ms   p99 {p99:7.2f} ms{goal}", flush=True)
+    if clock is not None:
+        stage_table(clock, arrivals)
 
 
 def main() -> None:
@@ -299,7 +350,12 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--scenarios", default="ab")
     parser.add_argument("--stages", action="store_true", help="(b): print the pusher's steps, p50 and p99 of each")
+    parser.add_argument("--publish", help=argparse.SUPPRESS)  # JSON [kafka config, topic]: be (b)'s publisher
     args = parser.parse_args()
+    if args.publish:
+        kafka, topic = json.loads(args.publish)
+        publish_here(kafka, topic, args.rate, args.seconds)
+        return
     with bench_stack() as endpoints:
         admin = Admin(endpoints.kafka_config(), redis_url=endpoints.redis_url)
         endpoint = Endpoint()
@@ -307,7 +363,8 @@ def main() -> None:
             if "a" in args.scenarios:
                 throughput(endpoints, admin, endpoint, args.messages, args.concurrency, args.rounds)
             if "b" in args.scenarios:
-                latency(endpoints, admin, endpoint, args.rate, args.seconds, args.concurrency, args.stages)
+                latency(endpoints, admin, endpoint, args.rate, args.seconds, args.concurrency, args.rounds,
+                        args.stages)
         finally:
             endpoint.close()
 

@@ -180,9 +180,7 @@ def serve(port: int) -> None:
     times and, with ``?full=1``, the arrival delays, the delays from the broker's append time
     (``publishTime``: the layer's topics are made with broker append time) and ``arrivals``
     (``{messageId: [publish time, arrival time]}``) (``?reset=1`` starts them over)."""
-    delays: list[float] = []
-    appended: list[float] = []
-    arrivals: dict[str, tuple[float, float]] = {}
+    bodies: list[tuple[bytes, float]] = []  # (body, arrival time): read at /stats, not while serving
     seen = {"count": 0, "first": 0.0, "last": 0.0}
 
     async def push(request: web.Request) -> web.Response:
@@ -192,6 +190,14 @@ def serve(port: int) -> None:
         seen["first"] = seen["first"] or now
         seen["last"] = now
         if body[:1] == b"{":
+            bodies.append((body, now))
+        return web.Response(status=204)
+
+    def timings() -> dict[str, Any]:
+        delays: list[float] = []
+        appended: list[float] = []
+        arrivals: dict[str, tuple[float, float]] = {}
+        for body, now in bodies:
             message = json.loads(body)["message"]
             sent = message.get("attributes", {}).get("sent")
             if sent is not None:
@@ -199,16 +205,13 @@ def serve(port: int) -> None:
                 arrivals[message["messageId"]] = (float(sent), now)
                 stamp = datetime.fromisoformat(message["publishTime"].replace("Z", "+00:00"))
                 appended.append(now - stamp.timestamp())
-        return web.Response(status=204)
+        return {"delays": delays, "appended": appended, "arrivals": arrivals}
 
     async def stats(request: web.Request) -> web.Response:
-        full = ({"delays": delays[:], "appended": appended[:], "arrivals": dict(arrivals)}
-                if request.query.get("full") else {})
+        full = timings() if request.query.get("full") else {}
         reply = web.json_response({**seen, **full})
         if request.query.get("reset"):
-            delays.clear()
-            appended.clear()
-            arrivals.clear()
+            bodies.clear()
             seen.update(count=0, first=0.0, last=0.0)
         return reply
 

@@ -2,13 +2,14 @@
 
 It is a subscriber like any other (``Subscriber.subscribe``): several pushers of one subscription
 share its partitions, and per-key order, leases, cascade redelivery, retries and dead letters are
-the engine's (SUB-1..5, ACK-*, DLQ-*). The callback only hands each message to an asyncio event
-loop on a thread of its own and returns; the message stays outstanding (its lease extended) until
-the loop acks or nacks it from the answer of its request (the acks of one pass of the loop go to
-the engine together, ``PassAcks``). The loop runs ``max_concurrent_requests``
-workers over one queue of handed-over messages, each sending one request at a time (aiohttp), so
-at most that many requests are in flight; with ordering on, the engine hands over a key's next
-message only after this one is acked, so one request per key is outstanding (PSH-2).
+the engine's (SUB-1..5, ACK-*, DLQ-*). Its callback is a coroutine awaited on the pusher's event loop
+(a thread of its own, given to ``subscribe`` as ``executor``): the engine hands each released
+message straight to the loop, with no thread between. The callback takes one of
+``max_concurrent_requests`` request slots (``Slots``), sends the message's request (aiohttp) and acks
+or nacks it from the answer (the acks of one pass of the loop go to the engine together,
+``PassAcks``); the message stays outstanding, its lease extended, until then. With ordering on, the
+engine hands over a key's next message only after this one is acked, so one request per key is
+outstanding (PSH-2).
 
 The answer: 102, 200, 201, 202 and 204 ack; any other status, a timeout or a failed connection
 nacks, so the key waits by the retry policy and the message is dead-lettered after
@@ -36,7 +37,7 @@ from ordering_layer.push.acks import PassAcks
 from ordering_layer.push.auth import Authorizer
 from ordering_layer.push.gate import EndpointGate
 from ordering_layer.push.request import ACK_STATUSES, build
-from ordering_layer.push.stages import ANSWERED, HANDED_OUT, ON_LOOP, SENDING, SETTLED, SLOT, StageClock
+from ordering_layer.push.stages import ANSWERED, HANDED_OUT, SENDING, SETTLED, SLOT, StageClock
 from ordering_layer.state import StateStore
 from ordering_layer.subscriber import Message, StreamingPullFuture, Subscriber
 from ordering_layer.subscriber.client_config import redis_url_from
@@ -57,6 +58,41 @@ def status_class(status: int | None, timed_out: bool = False) -> str:
 def ssl_context(config: PushConfig) -> ssl.SSLContext:
     """A verifying TLS context: the system's CAs, or only those of ``config.ca_bundle`` (PSH-3)."""
     return ssl.create_default_context(cadata=config.ca_bundle) if config.ca_bundle else ssl.create_default_context()
+
+
+class Slots:
+    """At most ``limit`` requests at once: ``take`` waits for a free slot, in arrival order;
+    ``close`` answers every waiter at once, and later callers without waiting, with no slot (they
+    then nack rather than send). Used on one event loop only."""
+
+    def __init__(self, limit: int) -> None:
+        self._free = limit
+        self._waiters: deque[asyncio.Future[bool]] = deque()
+        self.closed = False
+
+    async def take(self) -> bool:
+        """True with a slot taken (give it back with ``give``); False once closed."""
+        if self.closed:
+            return False
+        if self._free > 0 and not self._waiters:
+            self._free -= 1
+            return True
+        waiter: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        return await waiter
+
+    def give(self) -> None:
+        """Give a slot back: to the first waiter, if any."""
+        if self._waiters:
+            self._waiters.popleft().set_result(True)
+        else:
+            self._free += 1
+
+    def close(self) -> None:
+        """Answer every waiter now, with no slot."""
+        self.closed = True
+        while self._waiters:
+            self._waiters.popleft().set_result(False)
 
 
 class Pusher:
@@ -105,14 +141,10 @@ class Pusher:
         self._streaming: StreamingPullFuture | None = None
         self._closing = False
         self._closed = False
-        # Handed over by the callback, not yet in the loop's queue (callback thread -> loop).
-        self._incoming: deque[Message] = deque()
-        self._wake_pending = False
         # Loop state, made on the loop by _open.
-        self._queue: asyncio.Queue[Message | None] | None = None
+        self._slots = Slots(self.config.max_concurrent_requests)
         self._session: aiohttp.ClientSession | None = None
         self._gate: EndpointGate | None = None
-        self._workers: list[asyncio.Task[None]] = []
         self._acks = PassAcks()
         # Metrics: written on the loop, read by scrapes (pull model, ``metrics_snapshot``).
         self.requests: Counter[str] = Counter()
@@ -132,8 +164,8 @@ class Pusher:
                 raise RuntimeError("pusher already started")
             self._thread.start()
             asyncio.run_coroutine_threadsafe(self._open(), self._loop).result()
-            self._streaming = self._subscriber.subscribe(self.subscription, self._receive,
-                                                         flow_control=self._flow_control, max_workers=2)
+            self._streaming = self._subscriber.subscribe(self.subscription, self._deliver,
+                                                         flow_control=self._flow_control, executor=self._loop)
         if self._metrics:
             metrics.register(self)
         _LOGGER.info("pushing %s to %s (%d requests at most, auth %s)", self.subscription, self.push_endpoint,
@@ -142,14 +174,11 @@ class Pusher:
 
     async def _open(self) -> None:
         config = self.config
-        self._queue = asyncio.Queue()
         self._gate = EndpointGate()
         connector = aiohttp.TCPConnector(limit=config.max_concurrent_requests, limit_per_host=0, ssl=self._ssl)
         self._session = aiohttp.ClientSession(
             connector=connector, timeout=aiohttp.ClientTimeout(total=config.request_timeout),
             headers={"User-Agent": USER_AGENT}, auto_decompress=False)
-        self._workers = [asyncio.create_task(self._work(), name=f"push-worker-{i}")
-                         for i in range(config.max_concurrent_requests)]
 
     def close(self, timeout: float = 30.0) -> None:
         """Stop: no new request starts, those in flight finish (their answers ack or nack), the
@@ -167,12 +196,11 @@ class Pusher:
             leaving = threading.Thread(target=streaming.cancel, args=(timeout,), name="ordering-layer-push-leave",
                                        daemon=True)
             leaving.start()
-            try:
-                asyncio.run_coroutine_threadsafe(self._drain_out(), self._loop).result(timeout)
-            except TimeoutError:
+            asyncio.run_coroutine_threadsafe(self._drain_out(), self._loop).result(timeout)
+            leaving.join(timeout)
+            if leaving.is_alive():
                 _LOGGER.warning("%s: requests still in flight after %.0f s; leaving them to lease expiry",
                                 self.subscription, timeout)
-            leaving.join(timeout)
         if self._metrics:
             metrics.unregister(self)
         if self._thread.is_alive():
@@ -182,24 +210,12 @@ class Pusher:
         _LOGGER.info("pusher of %s stopped", self.subscription)
 
     async def _drain_out(self) -> None:
-        """Nack what waits (in the queue or at a closed gate), let the workers finish their requests
-        and end."""
-        assert self._queue is not None and self._gate is not None
-        self._take_incoming()
+        """Let what waits (for a request slot, or at a closed gate) through to be nacked."""
+        assert self._gate is not None
+        self._slots.close()
         await self._gate.close()
-        while not self._queue.empty():
-            message = self._queue.get_nowait()
-            if message is not None:
-                self.waiting -= 1
-                message.nack(error=STOPPING)
-        for _ in self._workers:
-            self._queue.put_nowait(None)
-        await asyncio.gather(*self._workers, return_exceptions=True)
 
     async def _shut(self) -> None:
-        for worker in self._workers:
-            worker.cancel()
-        await asyncio.gather(*self._workers, return_exceptions=True)
         if self._session is not None:
             await self._session.close()
 
@@ -209,45 +225,28 @@ class Pusher:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    # -- hand-over: callback thread -> loop ----------------------------------------------------------
-    def _receive(self, message: Message) -> None:
-        """The subscription's callback: hand the message to the loop and return (it stays outstanding)."""
-        if self._stages is not None:
-            self._stages.mark(message.message_id, HANDED_OUT)
+    # -- requests ------------------------------------------------------------------------------------
+    async def _deliver(self, message: Message) -> None:
+        """The subscription's callback, on the loop: push the message when a request slot is free
+        (it stays outstanding until the answer acks or nacks it)."""
+        stages = self._stages
+        if stages is not None:
+            stages.mark(message.message_id, HANDED_OUT)
         if self._closing:
             message.nack(error=STOPPING)
             return
-        self._incoming.append(message)
-        if not self._wake_pending:
-            self._wake_pending = True
-            self._loop.call_soon_threadsafe(self._take_incoming)
-
-    def _take_incoming(self) -> None:
-        # Cleared before taking: a message appended after this line wakes the loop again.
-        self._wake_pending = False
-        incoming, queue = self._incoming, self._queue
-        assert queue is not None
-        while incoming:
-            message = incoming.popleft()
-            if self._closing:
-                message.nack(error=STOPPING)
-                continue
-            if self._stages is not None:
-                self._stages.mark(message.message_id, ON_LOOP)
-            self.waiting += 1
-            queue.put_nowait(message)
-
-    # -- requests ------------------------------------------------------------------------------------
-    async def _work(self) -> None:
-        queue = self._queue
-        assert queue is not None
-        while True:
-            message = await queue.get()
-            if message is None:
-                return
-            if self._stages is not None:
-                self._stages.mark(message.message_id, SLOT)
+        self.waiting += 1
+        slots = self._slots
+        if not await slots.take():
+            self.waiting -= 1
+            message.nack(error=STOPPING)
+            return
+        try:
+            if stages is not None:
+                stages.mark(message.message_id, SLOT)
             await self._push(message)
+        finally:
+            slots.give()
 
     async def _push(self, message: Message) -> None:
         gate, session, config = self._gate, self._session, self.config

@@ -89,19 +89,23 @@ class ExecutorCallbacks:
 
 
 class LoopCallbacks:
-    """Coroutine callbacks awaited on an event loop run by a thread of its own: every released item
-    is a task, so as many keys are in user code at once as flow control lets out. A suspect's start
-    (a Redis write, ``Engine.begin``) is made on a small thread pool, off the loop; other starts are
-    at most a note in a list, made on the loop."""
+    """Coroutine callbacks awaited on an event loop: every released item is a task, so as many keys
+    are in user code at once as flow control lets out. The loop is the caller's (``loop``: running
+    in a thread of theirs, left running at ``shutdown``) or one run by a thread of its own. A
+    suspect's start (a Redis write, ``Engine.begin``) is made on a small thread pool, off the loop;
+    other starts are at most a note in a list, made on the loop."""
 
-    def __init__(self, name: str, callback: Callable[[Message], Awaitable[Any]], hooks: Hooks) -> None:
+    def __init__(self, name: str, callback: Callable[[Message], Awaitable[Any]], hooks: Hooks,
+                 loop: asyncio.AbstractEventLoop | None = None) -> None:
         self._callback = callback
         self._hooks = hooks
-        self.loop = asyncio.new_event_loop()
+        self.loop = loop or asyncio.new_event_loop()
         self._tasks: set[asyncio.Task[None]] = set()
         self._begins = ThreadPoolExecutor(2, thread_name_prefix=f"{name}-begin")
-        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None
+        if loop is None:
+            self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+            self._thread.start()
 
     def _serve(self) -> None:
         asyncio.set_event_loop(self.loop)
@@ -143,11 +147,13 @@ class LoopCallbacks:
         return None
 
     def shutdown(self) -> None:
-        """Let the running coroutines finish, then stop the loop and its thread."""
+        """Let the running coroutines finish, then stop the loop and its thread (not a loop of the
+        caller's)."""
         asyncio.run_coroutine_threadsafe(self._drain(), self.loop).result()
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join()
-        self.loop.close()
+        if self._thread is not None:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join()
+            self.loop.close()
         self._begins.shutdown()
 
     async def _drain(self) -> None:
@@ -174,22 +180,30 @@ def traced_coroutine(tracing: DeliveryTracing,
     return traced
 
 
-def handoff_for(name: str, callback: Callback, *, executor: Executor | None, max_workers: int,
-                run: Callable[[Message], None], hooks: Hooks, tracing: DeliveryTracing | None) -> Handoff:
-    """The hand-out of a callback subscription: an event loop for a coroutine function, the given
-    executor, or the default thread pool of ``max_workers``. ``run`` runs user code on a message
-    in this process (start, callback, nack on failure)."""
+def handoff_for(name: str, callback: Callback, *, executor: Executor | asyncio.AbstractEventLoop | None,
+                max_workers: int, run: Callable[[Message], None], hooks: Hooks,
+                tracing: DeliveryTracing | None) -> Handoff:
+    """The hand-out of a callback subscription: an event loop for a coroutine function (the given
+    one, running, or the subscriber's own), the given executor, or the default thread pool of
+    ``max_workers``. ``run`` runs user code on a message in this process (start, callback, nack on
+    failure)."""
+    if isinstance(executor, asyncio.AbstractEventLoop):
+        if not inspect.iscoroutinefunction(callback):
+            raise ConfigError("an event loop as executor= awaits a coroutine function (async def); this callback "
+                              "is a plain function")
+        if not executor.is_running():
+            raise ConfigError("executor=: the event loop is not running (run it in a thread of yours first)")
+    elif inspect.iscoroutinefunction(callback) and executor is not None:
+        raise ConfigError("a coroutine function runs on an event loop (the subscriber's, or one given as "
+                          "executor=); a concurrent.futures executor is for plain functions")
     if inspect.iscoroutinefunction(callback):
-        if executor is not None:
-            raise ConfigError("a coroutine function runs on the subscriber's event loop; executor= is for plain "
-                              "functions")
         coroutine = cast(Callable[[Message], Awaitable[Any]], callback)
         handler = coroutine if tracing is None else traced_coroutine(tracing, coroutine)
-        return LoopCallbacks(name, handler, hooks)
+        return LoopCallbacks(name, handler, hooks, loop=cast(asyncio.AbstractEventLoop | None, executor))
     if isinstance(executor, ProcessPoolExecutor):
         if tracing is not None:
             _LOGGER.warning("%s: delivery spans are not made for callbacks run in worker processes", name)
         return ProcessCallbacks(name, executor, callback, hooks)
-    if executor is not None:
-        return ExecutorCallbacks(executor, run, hooks)
+    if executor is not None:  # any executor of callables in this process (an event loop refused above)
+        return ExecutorCallbacks(cast(Executor, executor), run, hooks)
     return CallbackPool(name, max_workers, run, hooks)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping
@@ -119,7 +120,8 @@ class Subscriber:
 
     def subscribe(self, subscription: str, callback: Callback, *,
                   flow_control: FlowControl | None = None, max_workers: int = 10,
-                  track_leases: bool = True, executor: Executor | None = None) -> StreamingPullFuture:
+                  track_leases: bool = True,
+                  executor: Executor | asyncio.AbstractEventLoop | None = None) -> StreamingPullFuture:
         """Deliver the subscription's messages to ``callback`` on a pool of ``max_workers`` threads.
 
         With ordering, one message per key is outstanding at a time (SUB-1); keys are independent
@@ -129,8 +131,10 @@ class Subscriber:
 
         Where the callback runs (SUB-9, ``executors``): a coroutine function (``async def``) is
         awaited on an event loop the subscriber runs in a thread of its own, as many keys at once
-        as flow control lets out. ``executor``: a ``ThreadPoolExecutor`` (or any executor running
-        callables in this process) runs the callbacks instead of the subscriber's threads; a
+        as flow control lets out, or on ``executor`` when that is an event loop (running in a
+        thread of yours; cancelling waits for its callbacks and leaves it running). Otherwise
+        ``executor``: a ``ThreadPoolExecutor`` (or any executor running callables in this
+        process) runs the callbacks instead of the subscriber's threads; a
         ``ProcessPoolExecutor`` runs a picklable top-level callback on a picklable copy of each
         message (``processes.MessageCopy``) in its worker processes, returning acks, raising nacks,
         a process that dies nacks what it held (the pool is replaced). The executor stays yours:
@@ -138,8 +142,9 @@ class Subscriber:
 
         Raises:
             SubscriptionNotFoundError: the subscription was never created.
-            ConfigError: ``executor`` with a coroutine function, or a callback for worker processes
-                that cannot be pickled.
+            ConfigError: a ``concurrent.futures`` executor with a coroutine function, an event loop
+                with a plain function or not running, or a callback for worker processes that cannot
+                be pickled.
         """
         settings = self._store.settings(subscription)
         tracing = None if self._tracer is None else DeliveryTracing(self._tracer, subscription)

@@ -8,6 +8,7 @@ import asyncio
 import os
 import pickle
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Any
 
@@ -236,3 +237,61 @@ def test_a_message_nacked_by_a_break_runs_alone_when_it_comes_again() -> None:
     pool.shutdown()
     executor.shutdown()
     assert again.nacked == [6], "only the poison died, alone"
+
+
+@pytest.fixture
+def own_loop() -> Iterator[asyncio.AbstractEventLoop]:
+    """An event loop running in a thread of the test's (as a caller's own loop would)."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    yield loop
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(5)
+    loop.close()
+
+
+def test_coroutines_run_on_a_loop_given_as_executor_which_stays_running(
+        own_loop: asyncio.AbstractEventLoop) -> None:
+    """SUB-9, ``subscribe(executor=loop)``: the callbacks are awaited on the caller's loop; shutdown
+    waits for them and leaves that loop running."""
+    recorder = Recorder()
+    ran_on: list[asyncio.AbstractEventLoop] = []
+
+    async def callback(msg: Message) -> None:
+        await asyncio.sleep(0.01)
+        ran_on.append(asyncio.get_running_loop())
+        msg.ack()
+
+    pool = handoff_for("test", callback, executor=own_loop, max_workers=1, run=lambda m: None,
+                       hooks=recorder.hooks(), tracing=None)
+    assert isinstance(pool, LoopCallbacks) and pool.loop is own_loop
+    pool.submit([message(recorder, n, f"k{n}".encode()) for n in range(5)])
+    pool.shutdown()  # waits for the five
+    assert sorted(recorder.acked) == [0, 1, 2, 3, 4] and ran_on == [own_loop] * 5
+    assert own_loop.is_running()
+    assert asyncio.run_coroutine_threadsafe(asyncio.sleep(0, "serving"), own_loop).result(5) == "serving"
+
+
+def test_a_loop_as_executor_is_refused_for_a_plain_function_or_when_not_running(
+        own_loop: asyncio.AbstractEventLoop) -> None:
+    """A clear ``ConfigError`` for what cannot work: a plain function on a loop, a loop nobody runs,
+    and a ``concurrent.futures`` executor for a coroutine function."""
+
+    async def coroutine(msg: Message) -> None:
+        return None
+
+    def plain(msg: Message) -> None:
+        return None
+
+    common: dict[str, Any] = {"max_workers": 1, "run": plain, "hooks": Recorder().hooks(), "tracing": None}
+    with pytest.raises(ConfigError, match="plain function"):
+        handoff_for("test", plain, executor=own_loop, **common)
+    idle = asyncio.new_event_loop()
+    try:
+        with pytest.raises(ConfigError, match="not running"):
+            handoff_for("test", coroutine, executor=idle, **common)
+    finally:
+        idle.close()
+    with ThreadPoolExecutor(1) as threads, pytest.raises(ConfigError, match="plain functions"):
+        handoff_for("test", coroutine, executor=threads, **common)
