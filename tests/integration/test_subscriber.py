@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 import threading
 import time
@@ -18,6 +19,7 @@ from ordering_layer import (
     FlowControl,
     Message,
     OrderedConsumer,
+    OrderedProducer,
     StartPosition,
     Subscriber,
 )
@@ -77,6 +79,36 @@ def test_slow_key_does_not_block_other_keys(kafka_config: dict[str, Any], endpoi
         release.set()
         wait_until(lambda: checker.acked_count() == checker.total(), 60, "key-0 finished")
     assert checker.verify() == []
+
+
+def test_a_backlog_over_partitions_starts_every_key_at_once(kafka_config: dict[str, Any], endpoints: Any,
+                                                           subscription: Callable[..., tuple[str, str]]) -> None:
+    """SUB-2 with a backlog: 100 keys over 6 partitions, 60,000 small messages published before
+    the subscriber starts, a 5 ms coroutine per message. Every key gets its first message before
+    any key has had 50 acked: the fetch does not fill the subscriber's buffer with the first
+    partitions' records while the later partitions' keys wait (with 1 MiB per partition and fetch
+    they started in waves, after the first keys' 110th to 260th message)."""
+    topic, name = subscription(partitions=6)
+    keys = [f"key-{k}" for k in range(100)]
+    with OrderedProducer(kafka_config) as producer:
+        for n in range(60_000):
+            producer.produce(topic, b"x" * 100, key=keys[n % len(keys)])
+    acked: dict[str, int] = dict.fromkeys(keys, 0)
+    most_acked_at_first: dict[str, int] = {}  # key: the most any key had acked at its first delivery
+
+    async def callback(message: Message) -> None:
+        key = message.ordering_key
+        if key not in most_acked_at_first:
+            most_acked_at_first[key] = max(acked.values())
+        await asyncio.sleep(0.005)
+        acked[key] += 1
+        message.ack()
+
+    subscriber = Subscriber(kafka_config, redis_url=endpoints.redis_url)
+    with subscriber.subscribe(name, callback, flow_control=FlowControl(max_messages=1000)):
+        wait_until(lambda: len(most_acked_at_first) == len(keys), 120, "every key's first delivery")
+    late = {key: most for key, most in most_acked_at_first.items() if most >= 50}
+    assert late == {}, f"keys first delivered after another key had 50 or more acked: {late}"
 
 
 def test_a_new_owner_skips_what_the_floor_in_redis_says_was_acked(kafka_config: dict[str, Any], endpoints: Any,

@@ -34,6 +34,15 @@ def test_fetch_queue_backoff_defaults_short_and_the_users_value_wins() -> None:
     assert conf["fetch.queue.backoff.ms"] == 500
 
 
+def test_partition_fetch_bytes_default_small_and_the_users_value_wins() -> None:
+    """A fetch response carries at most 256 KiB of each partition (librdkafka's default is 1 MiB),
+    so a backlog's first partitions cannot fill the engine's buffer alone
+    (``test_a_backlog_over_partitions_starts_every_key_at_once``)."""
+    assert consumer_settings({"bootstrap.servers": "b"}, "s")["max.partition.fetch.bytes"] == 256 * 1024
+    conf = consumer_settings({"bootstrap.servers": "b", "max.partition.fetch.bytes": 1 << 20}, "s")
+    assert conf["max.partition.fetch.bytes"] == 1 << 20
+
+
 def test_nested_topic_settings_cannot_move_the_engines_start() -> None:
     """DRP-2: ``default.topic.config`` is read before the engine sets its own start: a program's
     ``largest`` there cannot make the engine's consumer skip records it must recover."""
