@@ -275,7 +275,7 @@ class Engine:
                 self._watch_due = self._watch(now)
             leases, gate, buffered = self._leases, self._gate, self._owned.buffered()
             gate.update(leases.count, leases.bytes, buffered, now, self._owned.ready())
-            if gate.state is not Gate.OPEN and buffered >= gate.max_buffered * gate.resume_fraction:
+            if gate.state is not Gate.OPEN and buffered >= gate.buffer_limit() * gate.resume_fraction:
                 self._owned.end_walks()
             self._starts.note(self._pulls.take_served())
             self._changed.notify_all()

@@ -71,6 +71,13 @@ def _tell(callback: RebalanceCallback | None, partitions: list[TopicPartition], 
         _LOGGER.exception("%s callback failed", what)
 
 
+def payload_bytes(records: list[Record]) -> int:
+    """The payload bytes of ``records``, estimated from at most 16 of them spread over the batch."""
+    step = max(1, len(records) // 16)
+    sample = records[::step]
+    return sum(len(record.value or b"") for record in sample) * len(records) // len(sample)
+
+
 class Fetcher:
     """The Kafka consumer of one engine and its fetch thread.
 
@@ -208,7 +215,7 @@ class Fetcher:
                     _LOGGER.warning("fetch error on %s: partition %d offset %d: %s", self.subscription, partition,
                                     offset, error)
         if records:
-            self._gate.posted(len(records))
+            self._gate.posted(len(records), payload_bytes(records))
             self._post(self.fetched(records))
         return 0.0
 

@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
 from ordering_layer.config import FlowControl
-from ordering_layer.subscriber.flow import MIN_READY, FlowGate, Gate
+from ordering_layer.record import RecordMetadata
+from ordering_layer.subscriber.fetcher import payload_bytes
+from ordering_layer.subscriber.flow import MAX_BUFFERED, MAX_BUFFERED_BYTES, MIN_READY, FlowGate, Gate
+from ordering_layer.subscriber.records import Record
 
 
 def test_gate_holds_over_a_limit_pauses_after_the_hold_and_opens_under_the_resume_fraction() -> None:
@@ -92,3 +97,33 @@ def test_ample_ready_keys_hold_the_fetch_until_they_run_low() -> None:
     gate.update(0, 0, 200, now=0.2, ready=79)
     waiter.join(10.0)
     assert not waiter.is_alive() and not gate.ample
+
+
+def test_the_buffer_bound_is_by_count_for_small_records_and_by_bytes_for_large_ones() -> None:
+    """Small records: ``max_buffered`` of them (60,000 by default, so that a backlog's batches of
+    many partitions fit at once); large ones: ``max_buffered_bytes`` at the average size of the
+    records fetched lately, which follows the batches posted."""
+    gate = FlowGate(FlowControl(max_messages=1000, max_bytes=10**12))
+    assert gate.buffer_limit() == MAX_BUFFERED == 60_000  # nothing fetched yet
+    gate.posted(500, 500 * 100)  # 100-byte records
+    assert gate.buffer_limit() == MAX_BUFFERED
+    states = []
+    gate.update(0, 0, MAX_BUFFERED - 1, 0.0)
+    states.append(gate.state)
+    for _ in range(40):
+        gate.posted(10, 10 * 1_000_000)  # 1 MB records: 67 of them are 64 MiB
+    assert abs(gate.record_bytes - 1_000_000) < 100
+    assert gate.buffer_limit() == MAX_BUFFERED_BYTES // 1_000_000 == 67
+    gate.update(0, 0, 67, 0.0)
+    states.append(gate.state)
+    gate.update(0, 0, 53, 1.0)  # under the resume fraction (0.8) of 67
+    states.append(gate.state)
+    assert states == [Gate.OPEN, Gate.HELD, Gate.OPEN]
+
+
+def test_payload_bytes_estimates_a_batch_from_a_sample() -> None:
+    records = [Record(0, n, b"k", b"x" * (100 + n), [], RecordMetadata(None, None, None), 10,
+                      1_700_000_000_000) for n in range(1000)]
+    assert payload_bytes(records) == pytest.approx(sum(100 + n for n in range(1000)), rel=0.05)
+    assert payload_bytes(records[:1]) == 100
+    assert payload_bytes([Record(0, 0, b"k", None, [], RecordMetadata(None, None, None), 10, 0)]) == 0
