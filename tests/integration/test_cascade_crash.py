@@ -1,5 +1,5 @@
 """SUB-4 across a crash in a recovery walk that the fetch could not finish: the walk released at the
-buffer limit (20,000 records held), so the cascade of a key reached a record settled before the
+buffer limit (``flow.MAX_BUFFERED`` records held), so the cascade of a key reached a record settled before the
 crash only after the owner's death; its successor must still deliver that record again."""
 
 from __future__ import annotations
@@ -19,12 +19,13 @@ from confluent_kafka import Producer
 from ordering_layer import Message, Subscriber
 from ordering_layer.state import StateStore
 from ordering_layer.state.store import OpKind
+from ordering_layer.subscriber.flow import MAX_BUFFERED
 from tests.checker import wait_until
 
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
-SPAN = 25_000  # records between the cascade's start and its settled record: over the 20,000 buffered
+SPAN = MAX_BUFFERED + 5_000  # records between the cascade's start and its settled record: over the buffer bound
 KEY = "k"
 
 
@@ -40,9 +41,10 @@ def test_a_cascade_cut_short_by_a_crash_after_a_walk_ended_early_is_finished_by_
         tmp_path: Path) -> None:
     """SUB-4: key k's offset 0 is unsettled and its offset SPAN was settled by an earlier owner (which
     delivered it before 0 could be delivered again). A new owner walks from 0; the fetch is held at
-    20,000 buffered records, long before SPAN, so it releases: it delivers 0 and acks it (the other
-    keys' handlers hold their messages) and is killed with SIGKILL. Its successor finds 0 and SPAN
-    settled, and must deliver both again, in order: 0 went out again after SPAN had, so SPAN must too."""
+    the buffer bound (``MAX_BUFFERED`` records of 1 byte), long before SPAN, so it releases: it
+    delivers 0 and acks it (the other keys' handlers hold their messages) and is killed with SIGKILL.
+    Its successor finds 0 and SPAN settled, and must deliver both again, in order: 0 went out again
+    after SPAN had, so SPAN must too."""
     topic, name = subscription(partitions=1)
     producer = Producer({**kafka_config, "linger.ms": 20})
     producer.produce(topic, key=KEY.encode(), value=b"first", partition=0)
