@@ -34,12 +34,14 @@ from ordering_layer.config import FlowControl
 
 MIN_READY = 500  # the smallest max_ready: one fetch batch
 # The buffer bound (``FlowGate.buffer_limit``): records fetched and not yet released. By count for
-# small records: 60,000 of 100 B hold a backlog's batches of many partitions at once, so that the
-# keys of a partition whose records were drained first do not wait while the buffer is full of the
-# other partitions' (bench (f): 20,000 left 20 of 100 keys 2 s behind the rest; bench (a) the
-# same at 20,000 and 60,000). By bytes for large ones, as librdkafka bounds its own queue
-# (queued.max.messages.kbytes, 64 MiB): 64 MiB at the average size of the records fetched lately.
-MAX_BUFFERED = 60_000
+# small records: 40,000 of 100 B hold a backlog's batches of many partitions at once, so that the
+# keys of a partition whose records were drained first seldom wait while the buffer is full of the
+# other partitions' (bench (f), 100 keys over 6 partitions: with 20,000, 20 keys ended 2 s behind
+# the rest). More costs the hot keys: the buffer fills with their records (scenario (i), Zipf keys:
+# 178,709 / 165,134 msg/s at 20,000, 178,720 / 176,409 at 40,000, 139,346 / 168,103 at 60,000).
+# By bytes for large records, as librdkafka bounds its own queue (queued.max.messages.kbytes):
+# 64 MiB at the average size of the records fetched lately.
+MAX_BUFFERED = 40_000
 MAX_BUFFERED_BYTES = 64 * 1024 * 1024
 
 

@@ -89,9 +89,10 @@ def test_a_backlog_over_partitions_keeps_every_key_going(kafka_config: dict[str,
       the subscriber's buffer with the first partitions' records while the later partitions' keys
       wait (with 1 MiB per partition and fetch they started in waves, after the first keys' 110th
       to 300th message).
-    - When the first key has all its 1,000 acked, every key has at least 800: the keys of a
-      partition drained first do not wait while the buffer is full of the other partitions'
-      records (with a buffer of 20,000 records, 20 keys ended 2 s after the others, at about 650)."""
+    - When the first key has all its 1,000 acked, every key has at least 770: the keys of a
+      partition drained first do not wait long while the buffer is full of the other partitions'
+      records (with a buffer of 20,000 records, 20 keys ended 2 s after the others, at 661-695;
+      with 40,000, 846-978)."""
     topic, name = subscription(partitions=6)
     keys = [f"key-{k}" for k in range(100)]
     per_key = 1000
@@ -117,7 +118,7 @@ def test_a_backlog_over_partitions_keeps_every_key_going(kafka_config: dict[str,
         wait_until(lambda: sum(acked.values()) >= per_key * len(keys), 180, "every message acked")
     late = {key: most for key, most in most_acked_at_first.items() if most >= 50}
     assert late == {}, f"keys first delivered after another key had 50 or more acked: {late}"
-    assert least_at_first_done[0] >= 800, f"a key had {least_at_first_done[0]} acked when the first was done"
+    assert least_at_first_done[0] >= 770, f"a key had {least_at_first_done[0]} acked when the first was done"
 
 
 def test_a_new_owner_skips_what_the_floor_in_redis_says_was_acked(kafka_config: dict[str, Any], endpoints: Any,

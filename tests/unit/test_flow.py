@@ -100,11 +100,11 @@ def test_ample_ready_keys_hold_the_fetch_until_they_run_low() -> None:
 
 
 def test_the_buffer_bound_is_by_count_for_small_records_and_by_bytes_for_large_ones() -> None:
-    """Small records: ``max_buffered`` of them (60,000 by default, so that a backlog's batches of
+    """Small records: ``max_buffered`` of them (40,000 by default, so that a backlog's batches of
     many partitions fit at once); large ones: ``max_buffered_bytes`` at the average size of the
     records fetched lately, which follows the batches posted."""
     gate = FlowGate(FlowControl(max_messages=1000, max_bytes=10**12))
-    assert gate.buffer_limit() == MAX_BUFFERED == 60_000  # nothing fetched yet
+    assert gate.buffer_limit() == MAX_BUFFERED == 40_000  # nothing fetched yet
     gate.posted(500, 500 * 100)  # 100-byte records
     assert gate.buffer_limit() == MAX_BUFFERED
     states = []
