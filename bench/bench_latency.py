@@ -60,7 +60,7 @@ from confluent_kafka import Consumer, Producer
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.bench_subscribe import layer_consume, layer_ordered_consumer, layer_pull, raw_consume
-from bench.common import bench_stack
+from bench.common import bench_stack, quantile
 from ordering_layer import Admin, Message, OrderedConsumer, OrderedProducer, RetryPolicy, Subscriber
 from ordering_layer.stack import Endpoints
 from ordering_layer.subscriber import dispatch, flushes, settlement
@@ -475,8 +475,7 @@ def quantiles(values: list[float]) -> tuple[float, float, float]:
     ordered = sorted(values)
     if not ordered:
         return float("nan"), float("nan"), float("nan")
-    return ordered[len(ordered) // 2], ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))], statistics.fmean(
-        ordered)
+    return ordered[len(ordered) // 2], quantile(ordered, 0.99), statistics.fmean(ordered)
 
 
 StageRow = tuple[str, str, float, float, float, int]
@@ -570,11 +569,6 @@ def latency_scenario(endpoints: Endpoints, admin: Admin, args: argparse.Namespac
                 print_stages("stages", stage_rows(stamps, RAW_STAGES if mode == "raw" else LAYER_STAGES))
                 if mode != "raw":
                     print_waits()
-
-
-def quantile(values: list[float], q: float) -> float:
-    """The ``q`` quantile of sorted ``values``."""
-    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
 
 # -- scenario (i): hot keys -----------------------------------------------------------------------------------

@@ -46,7 +46,7 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import bench_stack
+from bench.common import bench_stack, quantile
 from ordering_layer import Admin, Message, OrderedProducer, RetryPolicy, StartPosition, Subscriber
 from ordering_layer.config import PushConfig
 from ordering_layer.push import Pusher
@@ -217,8 +217,7 @@ def publish_here(kafka: dict[str, Any], topic: str, per_second: float, seconds: 
 
 def at(delays: list[float], q: float) -> float:
     """The ``q`` quantile of ``delays`` in ms."""
-    ordered = sorted(delays)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000
+    return quantile(sorted(delays), q) * 1000
 
 
 def percentiles(delays: list[float]) -> str:
@@ -237,8 +236,7 @@ def stage_table(clock: StageClock, arrivals: dict[str, list[float]]) -> None:
     print(f"(b) the pusher's steps ({len(arrivals):,} messages):      p50        p99", flush=True)
     for row, values in durations.items():
         if values:
-            ordered = sorted(values)
-            p50, p99 = (ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000 for q in (0.5, 0.99))
+            p50, p99 = at(values, 0.5), at(values, 0.99)
             print(f"    {row:<36} {p50:7.2f} ms {p99:7.2f} ms", flush=True)
 
 

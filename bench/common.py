@@ -1,4 +1,5 @@
-"""Shared benchmark plumbing: a stack (the project's launcher, or one named by environment)."""
+"""Shared benchmark plumbing: a stack (the project's launcher, or one named by environment), the
+quantile of a sorted sample, a result row."""
 
 from __future__ import annotations
 
@@ -31,3 +32,8 @@ def bench_stack(*, secure: bool = False) -> Iterator[Endpoints]:
 def ratio_line(name: str, layer: float, raw: float, unit: str = "msg/s") -> str:
     """One printed result row."""
     return f"{name:<44} layer {layer:>12,.0f} {unit}   raw {raw:>12,.0f} {unit}   ratio {layer / raw:5.2f}"
+
+
+def quantile(values: list[float], q: float) -> float:
+    """The ``q`` quantile of sorted ``values`` (nan when there are none)."""
+    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
