@@ -187,23 +187,23 @@ def handoff_for(name: str, callback: Callback, *, executor: Executor | asyncio.A
     one, running, or the subscriber's own), the given executor, or the default thread pool of
     ``max_workers``. ``run`` runs user code on a message in this process (start, callback, nack on
     failure)."""
-    if isinstance(executor, asyncio.AbstractEventLoop):
-        if not inspect.iscoroutinefunction(callback):
-            raise ConfigError("an event loop as executor= awaits a coroutine function (async def); this callback "
-                              "is a plain function")
-        if not executor.is_running():
-            raise ConfigError("executor=: the event loop is not running (run it in a thread of yours first)")
-    elif inspect.iscoroutinefunction(callback) and executor is not None:
-        raise ConfigError("a coroutine function runs on an event loop (the subscriber's, or one given as "
-                          "executor=); a concurrent.futures executor is for plain functions")
+    loop = executor if isinstance(executor, asyncio.AbstractEventLoop) else None
     if inspect.iscoroutinefunction(callback):
+        if executor is not None and loop is None:
+            raise ConfigError("a coroutine function runs on an event loop (the subscriber's, or one given as "
+                              "executor=); a concurrent.futures executor is for plain functions")
+        if loop is not None and not loop.is_running():
+            raise ConfigError("executor=: the event loop is not running (run it in a thread of yours first)")
         coroutine = cast(Callable[[Message], Awaitable[Any]], callback)
         handler = coroutine if tracing is None else traced_coroutine(tracing, coroutine)
-        return LoopCallbacks(name, handler, hooks, loop=cast(asyncio.AbstractEventLoop | None, executor))
+        return LoopCallbacks(name, handler, hooks, loop=loop)
+    if loop is not None:
+        raise ConfigError("an event loop as executor= awaits a coroutine function (async def); this callback "
+                          "is a plain function")
     if isinstance(executor, ProcessPoolExecutor):
         if tracing is not None:
             _LOGGER.warning("%s: delivery spans are not made for callbacks run in worker processes", name)
         return ProcessCallbacks(name, executor, callback, hooks)
-    if executor is not None:  # any executor of callables in this process (an event loop refused above)
+    if executor is not None:  # any executor of callables in this process (a loop was refused above)
         return ExecutorCallbacks(cast(Executor, executor), run, hooks)
     return CallbackPool(name, max_workers, run, hooks)
