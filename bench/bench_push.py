@@ -51,7 +51,7 @@ from ordering_layer import Admin, Message, OrderedProducer, RetryPolicy, StartPo
 from ordering_layer.config import PushConfig
 from ordering_layer.push import Pusher
 from ordering_layer.push.request import wrapped
-from ordering_layer.push.stages import ANSWERED, HANDED_OUT, SENDING, SETTLED, SLOT, StageClock
+from ordering_layer.push.stages import ANSWERED, SENDING, SETTLED, WORKER, StageClock
 from ordering_layer.stack import Endpoints
 from tests.push_endpoint import free_port
 
@@ -59,9 +59,8 @@ KEYS = [f"key-{i}" for i in range(1000)]
 PAYLOAD = b"x" * 100
 PUBLISHED, ARRIVED = "published", "arrived"  # marks of the producer and of the endpoint
 # (row, from mark, to mark) of the --stages table; the pusher's marks are ``StageClock``'s steps.
-STAGES = (("publish -> on the pusher's loop", PUBLISHED, HANDED_OUT),
-          ("handed out -> a request slot", HANDED_OUT, SLOT),
-          ("slot -> request built, sending", SLOT, SENDING),
+STAGES = (("publish -> a worker takes it", PUBLISHED, WORKER),
+          ("worker -> request built, sending", WORKER, SENDING),
           ("sending -> arrived at the endpoint", SENDING, ARRIVED),
           ("arrived -> answer read", ARRIVED, ANSWERED),
           ("answer read -> acked", ANSWERED, SETTLED),

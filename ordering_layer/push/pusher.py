@@ -3,10 +3,10 @@
 It is a subscriber like any other (``Subscriber.subscribe``): several pushers of one subscription
 share its partitions, and per-key order, leases, cascade redelivery, retries and dead letters are
 the engine's (SUB-1..5, ACK-*, DLQ-*). Its callback is a coroutine awaited on the pusher's event loop
-(a thread of its own, given to ``subscribe`` as ``executor``): the engine hands each released
-message straight to the loop, with no thread between. The callback takes one of
-``max_concurrent_requests`` request slots (``Slots``), sends the message's request (aiohttp) and acks
-or nacks it from the answer (the acks of one pass of the loop go to the engine together,
+(a thread of its own), by ``max_concurrent_requests`` worker coroutines (``AsyncWorkers``): the
+engine hands each released message straight to the loop, with no thread between, where it waits
+for the next free worker. The worker sends the message's request (aiohttp) and acks or nacks it
+from the answer (the acks of one pass of the loop go to the engine together,
 ``PassAcks``); the message stays outstanding, its lease extended, until then. With ordering on, the
 engine hands over a key's next message only after this one is acked, so one request per key is
 outstanding (PSH-2).
@@ -37,9 +37,9 @@ from ordering_layer.push.acks import PassAcks
 from ordering_layer.push.auth import Authorizer
 from ordering_layer.push.gate import EndpointGate
 from ordering_layer.push.request import ACK_STATUSES, build
-from ordering_layer.push.stages import ANSWERED, HANDED_OUT, SENDING, SETTLED, SLOT, StageClock
+from ordering_layer.push.stages import ANSWERED, SENDING, SETTLED, WORKER, StageClock
 from ordering_layer.state import StateStore
-from ordering_layer.subscriber import Message, StreamingPullFuture, Subscriber
+from ordering_layer.subscriber import AsyncWorkers, Message, StreamingPullFuture, Subscriber
 from ordering_layer.subscriber.client_config import redis_url_from
 
 _LOGGER = logging.getLogger(__name__)
@@ -60,41 +60,6 @@ def ssl_context(config: PushConfig) -> ssl.SSLContext:
     return ssl.create_default_context(cadata=config.ca_bundle) if config.ca_bundle else ssl.create_default_context()
 
 
-class Slots:
-    """At most ``limit`` requests at once: ``take`` waits for a free slot, in arrival order;
-    ``close`` answers every waiter at once, and later callers without waiting, with no slot (they
-    then nack rather than send). Used on one event loop only."""
-
-    def __init__(self, limit: int) -> None:
-        self._free = limit
-        self._waiters: deque[asyncio.Future[bool]] = deque()
-        self.closed = False
-
-    async def take(self) -> bool:
-        """True with a slot taken (give it back with ``give``); False once closed."""
-        if self.closed:
-            return False
-        if self._free > 0 and not self._waiters:
-            self._free -= 1
-            return True
-        waiter: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        self._waiters.append(waiter)
-        return await waiter
-
-    def give(self) -> None:
-        """Give a slot back: to the first waiter, if any."""
-        if self._waiters:
-            self._waiters.popleft().set_result(True)
-        else:
-            self._free += 1
-
-    def close(self) -> None:
-        """Answer every waiter now, with no slot."""
-        self.closed = True
-        while self._waiters:
-            self._waiters.popleft().set_result(False)
-
-
 class Pusher:
     """Runs the push subscription ``subscription`` at this process until ``close()``.
 
@@ -105,7 +70,7 @@ class Pusher:
         redis_url: the layer's Redis (default ``$ORDERING_LAYER_REDIS_URL``).
         flow_control: limits on the messages outstanding here (SUB-7); the default is
             ``FlowControl()``, raised to twice ``max_concurrent_requests`` when that is more, so
-            that every request slot finds a message.
+            that every worker finds a message.
         metrics_port: serve Prometheus metrics (the subscriber's and the pusher's) on this port.
         stages: mark each message at each step of the pusher on this clock (``stages``).
 
@@ -141,15 +106,15 @@ class Pusher:
         self._streaming: StreamingPullFuture | None = None
         self._closing = False
         self._closed = False
+        self._workers = AsyncWorkers(self._loop, self.config.max_concurrent_requests)
         # Loop state, made on the loop by _open.
-        self._slots = Slots(self.config.max_concurrent_requests)
         self._session: aiohttp.ClientSession | None = None
         self._gate: EndpointGate | None = None
         self._acks = PassAcks()
         # Metrics: written on the loop, read by scrapes (pull model, ``metrics_snapshot``).
         self.requests: Counter[str] = Counter()
         self._latencies: deque[float] = deque()  # kept for the scrapes only: with metrics on
-        self.waiting = 0  # messages handed over and not yet sent
+        self._at_gate = 0  # messages taken by a worker and waiting at the gate
         self.in_flight = 0
 
     # -- start and stop -------------------------------------------------------------------------------
@@ -164,8 +129,8 @@ class Pusher:
                 raise RuntimeError("pusher already started")
             self._thread.start()
             asyncio.run_coroutine_threadsafe(self._open(), self._loop).result()
-            self._streaming = self._subscriber.subscribe(self.subscription, self._deliver,
-                                                         flow_control=self._flow_control, executor=self._loop)
+            self._streaming = self._subscriber.subscribe(self.subscription, self._push,
+                                                         flow_control=self._flow_control, executor=self._workers)
         if self._metrics:
             metrics.register(self)
         _LOGGER.info("pushing %s to %s (%d requests at most, auth %s)", self.subscription, self.push_endpoint,
@@ -210,9 +175,8 @@ class Pusher:
         _LOGGER.info("pusher of %s stopped", self.subscription)
 
     async def _drain_out(self) -> None:
-        """Let what waits (for a request slot, or at a closed gate) through to be nacked."""
+        """Let what waits at a closed gate through to be nacked (the workers nack what is queued)."""
         assert self._gate is not None
-        self._slots.close()
         await self._gate.close()
 
     async def _shut(self) -> None:
@@ -226,47 +190,37 @@ class Pusher:
         self.close()
 
     # -- requests ------------------------------------------------------------------------------------
-    async def _deliver(self, message: Message) -> None:
-        """The subscription's callback, on the loop: push the message when a request slot is free
-        (it stays outstanding until the answer acks or nacks it)."""
+    async def _push(self, message: Message) -> None:
+        """The subscription's callback, run by a worker on the loop: push the message (it stays
+        outstanding until the answer acks or nacks it)."""
         stages = self._stages
         if stages is not None:
-            stages.mark(message.message_id, HANDED_OUT)
+            stages.mark(message.message_id, WORKER)
         if self._closing:
             message.nack(error=STOPPING)
             return
-        self.waiting += 1
-        slots = self._slots
-        if not await slots.take():
-            self.waiting -= 1
-            message.nack(error=STOPPING)
-            return
-        try:
-            if stages is not None:
-                stages.mark(message.message_id, SLOT)
-            await self._push(message)
-        finally:
-            slots.give()
-
-    async def _push(self, message: Message) -> None:
         gate, session, config = self._gate, self._session, self.config
         assert gate is not None and session is not None
-        probe = await gate.enter() if gate.failures else False
-        self.waiting -= 1
-        if self._closing:  # let through by the closing gate
-            message.nack(error=STOPPING)
-            return
+        probe = False
+        if gate.failures:
+            self._at_gate += 1
+            try:
+                probe = await gate.enter()
+            finally:
+                self._at_gate -= 1
+            if self._closing:  # let through by the closing gate
+                message.nack(error=STOPPING)
+                return
         body, headers = build(message, self.subscription, config.no_wrapper)
         authorization = self._authorizer.header()
         if authorization is not None:
             headers["Authorization"] = authorization
-        loop = asyncio.get_running_loop()
+        loop = self._loop
         status: int | None = None
         failure = ""
         timed_out = False
         self.in_flight += 1
         started = loop.time()
-        stages = self._stages
         if stages is not None:
             stages.mark(message.message_id, SENDING)
         try:
@@ -308,6 +262,11 @@ class Pusher:
         return text.replace(self.config.endpoint, self.push_endpoint)
 
     # -- metrics -------------------------------------------------------------------------------------
+    @property
+    def waiting(self) -> int:
+        """Messages handed over and not yet sent: queued for a worker, or at the gate."""
+        return self._workers.waiting + self._at_gate
+
     def metrics_snapshot(self) -> dict[str, Any]:
         """``requests``: {status class: count} (monotonic); ``keys_waiting``: messages handed over and
         not yet sent (one per ordering key with ordering on); ``in_flight``: requests outstanding;

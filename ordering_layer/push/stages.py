@@ -12,12 +12,11 @@ import time
 from typing import Final
 
 # The pusher's steps, in the order a message passes them.
-HANDED_OUT: Final = "handed_out"  # the subscriber handed the message to the pusher's event loop
-SLOT: Final = "slot"  # it took a request slot (max_concurrent_requests of them)
+WORKER: Final = "worker"  # one of the pusher's workers (max_concurrent_requests of them) took it
 SENDING: Final = "sending"  # its request is built and handed to the HTTP client
 ANSWERED: Final = "answered"  # the response's status and body are read
 SETTLED: Final = "settled"  # acked or nacked
-STEPS: Final = (HANDED_OUT, SLOT, SENDING, ANSWERED, SETTLED)
+STEPS: Final = (WORKER, SENDING, ANSWERED, SETTLED)
 
 
 class StageClock:

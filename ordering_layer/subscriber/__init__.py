@@ -80,7 +80,8 @@ reference, with the same rules under the same names, checked against it by
 """
 
 from ordering_layer.subscriber.consumer import OrderedConsumer
+from ordering_layer.subscriber.executors import AsyncWorkers
 from ordering_layer.subscriber.message import AckResponse, Message
 from ordering_layer.subscriber.subscriber import StreamingPullFuture, Subscriber
 
-__all__ = ["AckResponse", "Message", "OrderedConsumer", "StreamingPullFuture", "Subscriber"]
+__all__ = ["AckResponse", "AsyncWorkers", "Message", "OrderedConsumer", "StreamingPullFuture", "Subscriber"]

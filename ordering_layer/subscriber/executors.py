@@ -17,6 +17,7 @@ import inspect
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
@@ -180,14 +181,86 @@ def traced_coroutine(tracing: DeliveryTracing,
     return traced
 
 
-def handoff_for(name: str, callback: Callback, *, executor: Executor | asyncio.AbstractEventLoop | None,
+class AsyncWorkers:
+    """``subscribe(..., executor=AsyncWorkers(loop, workers))``: a coroutine callback awaited by
+    ``workers`` coroutines on ``loop`` (running in a thread of yours), each taking the next released
+    message once its callback returns. At most ``workers`` callbacks run at once, and a message costs
+    no task of its own: for a callback bound by a limit of its own (requests to a service), where
+    ``executor=loop`` would start one task per message that flow control lets out. ``waiting``: the
+    messages released and not yet taken by a worker. One subscription per ``AsyncWorkers``."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, workers: int) -> None:
+        if workers < 1:
+            raise ConfigError(f"AsyncWorkers: workers must be at least 1, not {workers}")
+        self.loop = loop
+        self.workers = workers
+        self._queue: deque[Item] | None = None
+
+    @property
+    def waiting(self) -> int:
+        return 0 if self._queue is None else len(self._queue)
+
+    def bind(self, queue: deque[Item]) -> None:
+        if self._queue is not None:
+            raise ConfigError("an AsyncWorkers serves one subscription; make one per subscribe()")
+        self._queue = queue
+
+
+class LoopWorkers(LoopCallbacks):
+    """``AsyncWorkers``' hand-off: released items wait in a queue, taken in order by a fixed number
+    of worker coroutines on the loop; a key's run is one item, run by one worker (``_run``)."""
+
+    def __init__(self, name: str, callback: Callable[[Message], Awaitable[Any]], hooks: Hooks,
+                 spec: AsyncWorkers) -> None:
+        super().__init__(name, callback, hooks, loop=spec.loop)
+        self._queue: deque[Item] = deque()
+        self._idle: deque[asyncio.Future[None]] = deque()
+        self._stopping = False
+        spec.bind(self._queue)
+        self.loop.call_soon_threadsafe(self._spawn, spec.workers)  # before any item: the loop's calls run in order
+
+    def _spawn(self, workers: int) -> None:
+        for _ in range(workers):
+            task = self.loop.create_task(self._work())
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    def _start(self, items: list[Item]) -> None:
+        self._queue.extend(items)
+        idle = self._idle
+        for _ in range(min(len(items), len(idle))):
+            idle.popleft().set_result(None)
+
+    async def _work(self) -> None:
+        queue, idle, loop = self._queue, self._idle, self.loop
+        while True:
+            if queue:
+                item = queue.popleft()
+                await (self._one(item) if isinstance(item, Message) else self._run(item))
+            elif self._stopping:
+                return
+            else:
+                waiter = loop.create_future()
+                idle.append(waiter)
+                await waiter
+
+    async def _drain(self) -> None:
+        """The workers run what is queued, then end."""
+        self._stopping = True
+        while self._idle:
+            self._idle.popleft().set_result(None)
+        await super()._drain()
+
+
+def handoff_for(name: str, callback: Callback, *, executor: Executor | asyncio.AbstractEventLoop | AsyncWorkers | None,
                 max_workers: int, run: Callable[[Message], None], hooks: Hooks,
                 tracing: DeliveryTracing | None) -> Handoff:
     """The hand-out of a callback subscription: an event loop for a coroutine function (the given
     one, running, or the subscriber's own), the given executor, or the default thread pool of
     ``max_workers``. ``run`` runs user code on a message in this process (start, callback, nack on
     failure)."""
-    loop = executor if isinstance(executor, asyncio.AbstractEventLoop) else None
+    workers = executor if isinstance(executor, AsyncWorkers) else None
+    loop = executor if isinstance(executor, asyncio.AbstractEventLoop) else None if workers is None else workers.loop
     if inspect.iscoroutinefunction(callback):
         if executor is not None and loop is None:
             raise ConfigError("a coroutine function runs on an event loop (the subscriber's, or one given as "
@@ -196,6 +269,8 @@ def handoff_for(name: str, callback: Callback, *, executor: Executor | asyncio.A
             raise ConfigError("executor=: the event loop is not running (run it in a thread of yours first)")
         coroutine = cast(Callable[[Message], Awaitable[Any]], callback)
         handler = coroutine if tracing is None else traced_coroutine(tracing, coroutine)
+        if workers is not None:
+            return LoopWorkers(name, handler, hooks, workers)
         return LoopCallbacks(name, handler, hooks, loop=loop)
     if loop is not None:
         raise ConfigError("an event loop as executor= awaits a coroutine function (async def); this callback "

@@ -19,7 +19,7 @@ from ordering_layer.state import StateStore
 from ordering_layer.subscriber.client_config import redis_url_from, verify_credentials
 from ordering_layer.subscriber.delivery_tracing import DeliveryTracing
 from ordering_layer.subscriber.engine import Engine
-from ordering_layer.subscriber.executors import Callback, Handoff, handoff_for
+from ordering_layer.subscriber.executors import AsyncWorkers, Callback, Handoff, handoff_for
 from ordering_layer.subscriber.message import Message, ack_all
 from ordering_layer.subscriber.runs import Hooks
 from ordering_layer.tracing import tracer
@@ -121,7 +121,7 @@ class Subscriber:
     def subscribe(self, subscription: str, callback: Callback, *,
                   flow_control: FlowControl | None = None, max_workers: int = 10,
                   track_leases: bool = True,
-                  executor: Executor | asyncio.AbstractEventLoop | None = None) -> StreamingPullFuture:
+                  executor: Executor | asyncio.AbstractEventLoop | AsyncWorkers | None = None) -> StreamingPullFuture:
         """Deliver the subscription's messages to ``callback`` on a pool of ``max_workers`` threads.
 
         With ordering, one message per key is outstanding at a time (SUB-1); keys are independent
@@ -132,7 +132,8 @@ class Subscriber:
         Where the callback runs (SUB-9, ``executors``): a coroutine function (``async def``) is
         awaited on an event loop the subscriber runs in a thread of its own, as many keys at once
         as flow control lets out, or on ``executor`` when that is an event loop (running in a
-        thread of yours; cancelling waits for its callbacks and leaves it running). Otherwise
+        thread of yours; cancelling waits for its callbacks and leaves it running), or by a fixed
+        number of worker coroutines on one (``AsyncWorkers``: at most that many at once). Otherwise
         ``executor``: a ``ThreadPoolExecutor`` (or any executor running callables in this
         process) runs the callbacks instead of the subscriber's threads; a
         ``ProcessPoolExecutor`` runs a picklable top-level callback on a picklable copy of each

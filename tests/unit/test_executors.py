@@ -16,7 +16,7 @@ import pytest
 
 from ordering_layer.errors import ConfigError
 from ordering_layer.record import RecordMetadata
-from ordering_layer.subscriber.executors import ExecutorCallbacks, LoopCallbacks, handoff_for
+from ordering_layer.subscriber.executors import AsyncWorkers, ExecutorCallbacks, LoopCallbacks, LoopWorkers, handoff_for
 from ordering_layer.subscriber.handoff import CallbackPool
 from ordering_layer.subscriber.message import Message
 from ordering_layer.subscriber.processes import MessageCopy, ProcessCallbacks
@@ -105,8 +105,9 @@ def test_loop_runs_many_keys_at_once_on_one_thread_and_a_raise_nacks() -> None:
     assert sum("begin" in name for name in begin_threads) == 1, "only the suspect's start off the loop"
 
 
-@pytest.mark.parametrize("kind", ["loop", "threads", "pool"])
-def test_a_keys_run_is_one_at_a_time_and_the_rest_goes_back_after_a_nack(kind: str) -> None:
+@pytest.mark.parametrize("kind", ["loop", "workers", "threads", "pool"])
+def test_a_keys_run_is_one_at_a_time_and_the_rest_goes_back_after_a_nack(
+        kind: str, own_loop: asyncio.AbstractEventLoop) -> None:
     """SUB-1 (SUB-9, every executor): a key's run starts each message once the one before it is
     acked, never two at once; after a nack the rest goes back unstarted."""
     recorder = Recorder()
@@ -139,6 +140,8 @@ def test_a_keys_run_is_one_at_a_time_and_the_rest_goes_back_after_a_nack(kind: s
     pool: Any
     if kind == "loop":
         pool = LoopCallbacks("test-loop", coroutine, hooks)
+    elif kind == "workers":
+        pool = LoopWorkers("test-workers", coroutine, hooks, AsyncWorkers(own_loop, 2))
     elif kind == "threads":
         pool = ExecutorCallbacks(executor, plain, hooks)
     else:
@@ -295,3 +298,54 @@ def test_a_loop_as_executor_is_refused_for_a_plain_function_or_when_not_running(
         idle.close()
     with ThreadPoolExecutor(1) as threads, pytest.raises(ConfigError, match="plain functions"):
         handoff_for("test", coroutine, executor=threads, **common)
+
+
+def test_async_workers_run_at_most_their_number_at_once_in_release_order(
+        own_loop: asyncio.AbstractEventLoop) -> None:
+    """SUB-9, ``subscribe(executor=AsyncWorkers(loop, n))``: ``n`` coroutines on the caller's loop
+    take the released messages in order, at most ``n`` callbacks at once; the rest wait, counted by
+    ``waiting``; shutdown runs what is queued and leaves the loop running."""
+    recorder = Recorder()
+    workers = AsyncWorkers(own_loop, 3)
+    inside, most, order, waiting = [0], [0], [], []
+    release = asyncio.Event()
+
+    async def callback(msg: Message) -> None:
+        inside[0] += 1
+        most[0] = max(most[0], inside[0])
+        order.append(msg.record.offset)
+        waiting.append(workers.waiting)
+        await release.wait()
+        inside[0] -= 1
+        msg.ack()
+
+    pool = handoff_for("test", callback, executor=workers, max_workers=1, run=lambda m: None,
+                       hooks=recorder.hooks(), tracing=None)
+    assert isinstance(pool, LoopWorkers) and pool.loop is own_loop
+    pool.submit([message(recorder, n, f"k{n}".encode()) for n in range(12)])
+    wait_until(lambda: len(order) == 3, 5, "three workers busy")
+    assert workers.waiting == 9, "the other nine wait in the queue"
+    own_loop.call_soon_threadsafe(release.set)
+    pool.shutdown()
+    assert order == list(range(12)) and most[0] == 3
+    assert sorted(recorder.acked) == list(range(12)) and waiting[:3] == [11, 10, 9] and workers.waiting == 0
+    assert own_loop.is_running()
+
+
+def test_async_workers_are_refused_when_they_cannot_work(own_loop: asyncio.AbstractEventLoop) -> None:
+    """A clear ``ConfigError``: no workers, a plain function, one ``AsyncWorkers`` for two
+    subscriptions."""
+
+    async def coroutine(msg: Message) -> None:
+        return None
+
+    common: dict[str, Any] = {"max_workers": 1, "run": lambda m: None, "hooks": Recorder().hooks(), "tracing": None}
+    with pytest.raises(ConfigError, match="at least 1"):
+        AsyncWorkers(own_loop, 0)
+    workers = AsyncWorkers(own_loop, 2)
+    with pytest.raises(ConfigError, match="plain function"):
+        handoff_for("test", lambda m: None, executor=workers, **common)
+    pool = handoff_for("test", coroutine, executor=workers, **common)
+    with pytest.raises(ConfigError, match="one subscription"):
+        handoff_for("test", coroutine, executor=workers, **common)
+    pool.shutdown()

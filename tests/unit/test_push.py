@@ -23,7 +23,7 @@ from ordering_layer.metrics.collector import LayerCollector
 from ordering_layer.push.acks import PassAcks
 from ordering_layer.push.auth import Authorizer
 from ordering_layer.push.gate import EndpointGate
-from ordering_layer.push.pusher import Slots, status_class
+from ordering_layer.push.pusher import status_class
 from ordering_layer.push.request import ACK_STATUSES, build, publish_time
 from ordering_layer.record import encode
 from ordering_layer.state.durable import decode_settings, encode_settings
@@ -312,30 +312,3 @@ def test_pusher_metrics_are_collected() -> None:
     families = {f.name: f for f in collector.collect()}
     kept = [s.value for s in families["ordering_layer_push_requests"].samples if s.name.endswith("_total")]
     assert sorted(kept) == [1, 2, 5]
-
-
-def test_slots_hold_requests_to_the_limit_in_arrival_order_and_close_lets_waiters_through() -> None:
-    """PSH-2: at most ``max_concurrent_requests`` requests at once; a freed slot goes to the first
-    waiter; closing answers every waiter at once, with no slot (the pusher then nacks them)."""
-
-    async def scenario() -> tuple[list[tuple[str, bool]], bool]:
-        slots = Slots(2)
-        order: list[tuple[str, bool]] = []
-
-        async def caller(name: str) -> None:
-            order.append((name, await slots.take()))
-
-        assert await slots.take() and await slots.take()  # both slots taken
-        waiters = [asyncio.create_task(caller(name)) for name in ("c", "d", "e")]
-        await asyncio.sleep(0)
-        assert order == []  # all three wait
-        slots.give()
-        await asyncio.sleep(0)
-        assert order == [("c", True)]  # the first waiter got the slot
-        slots.close()
-        await asyncio.gather(*waiters)
-        return order, await slots.take()
-
-    order, after_close = asyncio.run(scenario())
-    assert order == [("c", True), ("d", False), ("e", False)]
-    assert after_close is False
