@@ -198,9 +198,10 @@ class AsyncWorkers:
 
     @property
     def waiting(self) -> int:
+        """Messages released to the workers and not yet taken by one (0 before ``subscribe``)."""
         return 0 if self._queue is None else len(self._queue)
 
-    def bind(self, queue: deque[Item]) -> None:
+    def _bind(self, queue: deque[Item]) -> None:
         if self._queue is not None:
             raise ConfigError("an AsyncWorkers serves one subscription; make one per subscribe()")
         self._queue = queue
@@ -216,7 +217,7 @@ class LoopWorkers(LoopCallbacks):
         self._queue: deque[Item] = deque()
         self._idle: deque[asyncio.Future[None]] = deque()
         self._stopping = False
-        spec.bind(self._queue)
+        spec._bind(self._queue)
         self.loop.call_soon_threadsafe(self._spawn, spec.workers)  # before any item: the loop's calls run in order
 
     def _spawn(self, workers: int) -> None:
