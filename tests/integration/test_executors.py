@@ -1,5 +1,6 @@
 """Where callbacks run (SUB-9) against the real broker and Redis: a coroutine function on the
-subscriber's event loop, a ThreadPoolExecutor, a ProcessPoolExecutor. Each keeps per-key order
+subscriber's event loop or run by ``AsyncWorkers`` on a loop of the caller's, a ThreadPoolExecutor,
+a ProcessPoolExecutor. Each keeps per-key order
 (SUB-1), the nack cascade (SUB-4), lease extension (ACK-2) and exact dead-lettering (DLQ-3).
 
 Callbacks in worker processes append their events to a file named by ``$OL_TEST_EVENTS`` (lines of
@@ -23,6 +24,7 @@ from typing import Any, cast
 import pytest
 
 from ordering_layer import DeadLetterPolicy, FlowControl, Message, Subscriber
+from ordering_layer.subscriber import AsyncWorkers
 from ordering_layer.subscriber.processes import MessageCopy
 from tests.checker import DeliveryChecker, wait_until
 from tests.integration.conftest import publish_keys
@@ -30,7 +32,8 @@ from tests.kafka_helpers import read_topic
 
 pytestmark = pytest.mark.integration
 
-EXECUTORS = ["coroutine", "threads", "processes"]
+EXECUTORS = ["coroutine", "workers", "threads", "processes"]
+WORKERS = 4  # the "workers" kind: a coroutine run by this many AsyncWorkers on a loop of the test's
 NACK_FIRST = 7  # a key's message at this index is nacked on its first delivery (cascade tests)
 
 
@@ -70,14 +73,17 @@ def _events(path: Path) -> list[dict[str, Any]]:
 
 # -- a subscription run through one executor, recorded by the checker ----------------------------------
 class Run:
-    """Subscribes with ``executor`` ("coroutine", "threads", "processes"); in-process callbacks
-    record to the checker at once, worker processes through the events file (``load``)."""
+    """Subscribes with ``executor`` ("coroutine", "workers", "threads", "processes"); in-process
+    callbacks record to the checker at once, worker processes through the events file (``load``).
+    ``most``: the most coroutines in a callback at once."""
 
     def __init__(self, kind: str, checker: DeliveryChecker, events: Path, mode: str = "",
                  hold: Callable[[Message], float] | None = None) -> None:
         self.kind, self.checker, self.events, self.mode = kind, checker, events, mode
         self.hold = hold  # seconds an in-process callback holds a message (coroutines: awaited)
         self.loaded = False
+        self.inside = self.most = 0
+        self.loop: asyncio.AbstractEventLoop | None = None
 
     def _decide(self, message: Message) -> str:
         index = int(message.data.split(b":")[1])
@@ -100,13 +106,21 @@ class Run:
             else:
                 message.nack()
 
-        if self.kind == "coroutine":
+        if self.kind in ("coroutine", "workers"):
             async def coroutine(message: Message) -> None:
+                self.inside += 1
+                self.most = max(self.most, self.inside)
                 checker.record(message.message_id, "s1", message.delivery_attempt, "deliver")
                 await asyncio.sleep(self.hold(message) if self.hold else 0.001)
+                self.inside -= 1
                 settle(message)
 
-            return subscriber.subscribe(name, coroutine, **options)
+            if self.kind == "coroutine":
+                return subscriber.subscribe(name, coroutine, **options)
+            self.loop = asyncio.new_event_loop()
+            threading.Thread(target=self.loop.run_forever, name="test-loop", daemon=True).start()
+            wait_until(self.loop.is_running, 5, "the test's loop running")
+            return subscriber.subscribe(name, coroutine, executor=AsyncWorkers(self.loop, WORKERS), **options)
 
         def plain(message: Message) -> None:
             checker.record(message.message_id, "s1", message.delivery_attempt, "deliver")
@@ -144,6 +158,9 @@ class Run:
         pool = getattr(self, "pool", None)
         if pool is not None:
             pool.shutdown()
+        if self.loop is not None:
+            assert self.loop.is_running(), "cancelling leaves the caller's loop running"
+            self.loop.call_soon_threadsafe(self.loop.stop)
 
 
 @pytest.fixture
@@ -167,6 +184,8 @@ def test_sub9_per_key_order_over_thousands_of_messages(
         wait_until(lambda: run.acked() == checker.total(), 120, "every message acked")
     run.finish()
     assert checker.verify() == []
+    if kind == "workers":
+        assert run.most == WORKERS, "at most (and, with 60 keys ready, exactly) the workers at once"
 
 
 @pytest.mark.parametrize("kind", EXECUTORS)
@@ -187,7 +206,7 @@ def test_sub9_nack_cascades_in_order(kind: str, kafka_config: dict[str, Any], en
         assert attempts == [1, 2], (key, attempts)
 
 
-@pytest.mark.parametrize("kind", ["coroutine", "threads"])
+@pytest.mark.parametrize("kind", ["coroutine", "workers", "threads"])
 def test_sub9_lease_extended_for_a_15_s_callback_under_a_10_s_deadline(
         kind: str, kafka_config: dict[str, Any], endpoints: Any, events: Path,
         subscription: Callable[..., tuple[str, str]]) -> None:
