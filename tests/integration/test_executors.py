@@ -84,6 +84,7 @@ class Run:
         self.loaded = False
         self.inside = self.most = 0
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.killed_in: str | None = None  # the message a killed process held (its nack recorded by the test)
 
     def _decide(self, message: Message) -> str:
         index = int(message.data.split(b":")[1])
@@ -139,19 +140,25 @@ class Run:
     def finish(self, killed_pid: int | None = None) -> None:
         """After cancel: the worker processes' events into the checker; the pool shut down.
 
-        ``killed_pid``: a worker process killed by the test. A task of several messages is settled
-        when it returns, so the messages it ran before the one it was killed in were logged as
-        acked there but are nacked by the subscriber (what the pool held, ACK-6): an ack of that
-        process followed by a later attempt of its message is recorded as that nack."""
+        ``killed_pid``: a worker process killed by the test. Its death breaks the pool, and the
+        subscriber nacks everything the pool held (ACK-6), which the processes' logs do not say:
+        - a task of several messages is settled when it returns, so the messages the killed
+          process ran before the one it was killed in were logged as acked there: such an ack
+          followed by a later attempt of its message is recorded as that nack;
+        - the pool's other process is ended with it, maybe inside a callback: a delivery logged
+          with no outcome and followed by a later attempt is recorded as nacked just before it."""
         if self.kind == "processes":
             events = _events(self.events)
-            redelivered = {(e["id"], e["attempt"] - 1) for e in events if e["action"] == "deliver"}
+            redelivered = {(e["id"], e["attempt"] - 1): e["at"] for e in events if e["action"] == "deliver"}
+            settled = {(e["id"], e["attempt"]) for e in events if e["action"] != "deliver"}
             for event in events:
-                action = event["action"]
-                if (action == "ack" and event["pid"] == killed_pid
-                        and (event["id"], event["attempt"]) in redelivered):
+                action, attempt = event["action"], (event["id"], event["attempt"])
+                if action == "ack" and event["pid"] == killed_pid and attempt in redelivered:
                     action = "nack"
                 self.checker.record(event["id"], "s1", event["attempt"], action, at=event["at"])
+                if (killed_pid is not None and action == "deliver" and attempt not in settled
+                        and attempt in redelivered and event["id"] != self.killed_in):
+                    self.checker.record(event["id"], "s1", event["attempt"], "nack", at=redelivered[attempt] - 1e-6)
         self.pool_shutdown()
 
     def pool_shutdown(self) -> None:
@@ -258,7 +265,7 @@ def test_sub9_worker_process_killed_mid_message_nacks_it_and_the_pool_is_replace
     topic, name = subscription(partitions=2)
     checker = publish_keys(kafka_config, topic, keys=10, per_key=20)
     run = Run("processes", checker, events, mode="hold")
-    held = checker.published["key-0"][1]
+    held = run.killed_in = checker.published["key-0"][1]
     pid_file = Path(str(events) + ".pid")
     subscriber = Subscriber(kafka_config, redis_url=endpoints.redis_url)
     with run.subscribe(subscriber, name):
