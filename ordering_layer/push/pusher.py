@@ -68,9 +68,11 @@ class Pusher:
             settings such as ``session.timeout.ms`` pass through, as for ``Subscriber``).
         subscription: a subscription created with a ``push_config``.
         redis_url: the layer's Redis (default ``$ORDERING_LAYER_REDIS_URL``).
-        flow_control: limits on the messages outstanding here (SUB-7); the default is
-            ``FlowControl()``, raised to twice ``max_concurrent_requests`` when that is more, so
-            that every worker finds a message.
+        flow_control: limits on the messages outstanding here (SUB-7); the default lets out twice
+            ``max_concurrent_requests`` messages, one in each worker's hands and one waiting for
+            it: a worker finds its next message at once, and a message waits in the pusher about
+            one request's time (one held longer than ``flushes.LEASE_WRITE_AGE`` costs a lease
+            write to Redis).
         metrics_port: serve Prometheus metrics (the subscriber's and the pusher's) on this port.
         stages: mark each message at each step of the pusher on this clock (``stages``).
 
@@ -95,7 +97,7 @@ class Pusher:
         self._authorizer = Authorizer(self.config, subscription)
         self._ssl = ssl_context(self.config)
         self._flow_control = flow_control or FlowControl(
-            max_messages=max(FlowControl.max_messages, 2 * self.config.max_concurrent_requests))
+            max_messages=2 * self.config.max_concurrent_requests)
         self._subscriber = Subscriber(kafka, redis_url=url, metrics_port=metrics_port)
         self._metrics = metrics_port is not None
         self._stages = stages
