@@ -118,9 +118,13 @@ class LoopCallbacks:
     def _start(self, items: list[Item]) -> None:
         tasks, create = self._tasks, self.loop.create_task
         for item in items:
-            task = create(self._one(item) if isinstance(item, Message) else self._run(item))
+            task = create(self._item(item))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
+
+    def _item(self, item: Item) -> Coroutine[Any, Any, None]:
+        """The coroutine that runs one released item: a message, or a key's run."""
+        return self._one(item) if isinstance(item, Message) else self._run(item)
 
     async def _one(self, message: Message) -> None:
         if message.record.suspect:
@@ -237,7 +241,7 @@ class LoopWorkers(LoopCallbacks):
         while True:
             if queue:
                 item = queue.popleft()
-                await (self._one(item) if isinstance(item, Message) else self._run(item))
+                await self._item(item)
             elif self._stopping:
                 return
             else:
@@ -261,7 +265,10 @@ def handoff_for(name: str, callback: Callback, *, executor: Executor | asyncio.A
     ``max_workers``. ``run`` runs user code on a message in this process (start, callback, nack on
     failure)."""
     workers = executor if isinstance(executor, AsyncWorkers) else None
-    loop = executor if isinstance(executor, asyncio.AbstractEventLoop) else None if workers is None else workers.loop
+    if workers is not None:
+        loop: asyncio.AbstractEventLoop | None = workers.loop
+    else:
+        loop = executor if isinstance(executor, asyncio.AbstractEventLoop) else None
     if inspect.iscoroutinefunction(callback):
         if executor is not None and loop is None:
             raise ConfigError("a coroutine function runs on an event loop (the subscriber's, or one given as "
