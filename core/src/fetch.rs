@@ -4,20 +4,27 @@
 //! seeks and pauses; its `consume()` makes a Python `Message` for every record, under the GIL. The
 //! fetch here takes the records from librdkafka itself, from the very `rd_kafka_t` the `Consumer`
 //! wraps (the library confluent-kafka loaded, found with `dlopen(RTLD_NOLOAD)`): each assigned
-//! partition's fetch queue is forwarded to a queue of this fetch (`rd_kafka_queue_forward`, the
-//! documented way to split partitions off the consumer queue), so the consumer queue keeps only
-//! events, which `Consumer.poll` serves as before. `fetch` waits for and copies a batch without the
-//! GIL (into one buffer per batch), then makes the `Record`s the engine takes (`slots.rs`), with the
-//! layer metadata read once per distinct header set (`metadata_of`, a Python function, is called
-//! only for header sets not shared).
+//! partition's fetch queue is split off the consumer queue (`rd_kafka_queue_forward` to none, the
+//! documented way), so the consumer queue keeps only events, which `Consumer.poll` serves as before.
+//! The partitions' queues stay apart, and a batch takes from each in turn: a partition whose fetch
+//! started late, or whose records came after a backlog of the others', is not queued behind them,
+//! and the caller can take from some partitions only (`caps`: those short of records while the
+//! others fill its buffer). A queue that gets records while empty wakes a waiting fetch
+//! (`rd_kafka_queue_cb_event_enable`). librdkafka bounds each partition's queue on its own
+//! (`queued.min.messages`, `queued.max.messages.kbytes` apply per partition queue). `fetch` waits
+//! for and copies a batch without the GIL (into one buffer per batch), then makes the `Record`s the
+//! engine takes (`slots.rs`), with the layer metadata read once per distinct header set
+//! (`metadata_of`, a Python function, is called only for header sets not shared).
 //! A batch comes from the same librdkafka call as `consume()`'s (`rd_kafka_consume_batch_queue`),
 //! so records of an outdated fetch version (after a revoke, an unassign or a seek) are treated as
 //! `consume()` treats them; the fetcher's assignment generations guard the rest (SUB-3).
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::ptr;
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
 
 use foldhash::HashMap as FastMap;
 use pyo3::exceptions::PyRuntimeError;
@@ -54,7 +61,8 @@ struct RawMessage {
 
 type KindFn = unsafe extern "C" fn(*mut c_void) -> c_int;
 type NameFn = unsafe extern "C" fn(*mut c_void) -> *const c_char;
-type QueueNewFn = unsafe extern "C" fn(*mut c_void) -> *mut c_void;
+type EventFn = unsafe extern "C" fn(*mut c_void, *mut c_void);
+type QueueEventFn = unsafe extern "C" fn(*mut c_void, Option<EventFn>, *mut c_void);
 type QueuePartitionFn = unsafe extern "C" fn(*mut c_void, *const c_char, i32) -> *mut c_void;
 type QueueForwardFn = unsafe extern "C" fn(*mut c_void, *mut c_void);
 type QueueDestroyFn = unsafe extern "C" fn(*mut c_void);
@@ -70,7 +78,7 @@ type ErrorTextFn = unsafe extern "C" fn(c_int) -> *const c_char;
 struct Api {
     kind: KindFn,
     name: NameFn,
-    queue_new: QueueNewFn,
+    queue_cb_event_enable: QueueEventFn,
     queue_get_partition: QueuePartitionFn,
     queue_forward: QueueForwardFn,
     queue_destroy: QueueDestroyFn,
@@ -114,7 +122,7 @@ impl Api {
         Ok(Api {
             kind: load!(lib, "rd_kafka_type", KindFn),
             name: load!(lib, "rd_kafka_name", NameFn),
-            queue_new: load!(lib, "rd_kafka_queue_new", QueueNewFn),
+            queue_cb_event_enable: load!(lib, "rd_kafka_queue_cb_event_enable", QueueEventFn),
             queue_get_partition: load!(lib, "rd_kafka_queue_get_partition", QueuePartitionFn),
             queue_forward: load!(lib, "rd_kafka_queue_forward", QueueForwardFn),
             queue_destroy: load!(lib, "rd_kafka_queue_destroy", QueueDestroyFn),
@@ -171,8 +179,71 @@ impl Arena {
 }
 
 struct Queues {
-    own: *mut c_void,
-    partitions: HashMap<i32, *mut c_void>,
+    /// False once closed: nothing is attached any more.
+    open: bool,
+    /// The attached partitions' queue handles, by partition.
+    partitions: BTreeMap<i32, *mut c_void>,
+    /// Where the next batch starts taking: one partition further each batch.
+    rotation: usize,
+}
+
+/// Wakes a fetch waiting for records: librdkafka calls `queue_event` when an attached partition's
+/// queue gets records while empty, and `NativeFetch.wake` calls it for the caller.
+#[derive(Default)]
+struct Waker {
+    generation: AtomicU64,
+    lock: Mutex<()>,
+    cond: Condvar,
+}
+
+impl Waker {
+    fn wake(&self) {
+        self.generation.fetch_add(1, Ordering::SeqCst);
+        let _guard = self.lock.lock().expect("fetch waker lock");
+        self.cond.notify_all();
+    }
+
+    fn seen(&self) -> u64 {
+        self.generation.load(Ordering::SeqCst)
+    }
+
+    /// Wait up to `timeout` for a wake after the one `seen` was read at.
+    fn wait(&self, seen: u64, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        let mut guard = self.lock.lock().expect("fetch waker lock");
+        while self.seen() == seen {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return;
+            }
+            guard = self.cond.wait_timeout(guard, left).expect("fetch waker lock").0;
+        }
+    }
+}
+
+/// Wakes a `NativeFetch` waiting for records (`NativeFetch.waker`): a separate object, as the
+/// fetch itself is borrowed while it waits.
+#[pyclass(module = "ordering_layer._core", name = "FetchWaker", frozen)]
+pub struct FetchWaker {
+    waker: Arc<Waker>,
+}
+
+#[pymethods]
+impl FetchWaker {
+    /// Wake the fetch (any thread): it looks at the queues again and returns what is there, maybe
+    /// nothing.
+    fn wake(&self) {
+        self.waker.wake();
+    }
+}
+
+/// librdkafka's queue event callback (`rd_kafka_queue_cb_event_enable`): called on one of its
+/// threads with the queue locked, so it only wakes the fetch and calls nothing of librdkafka.
+unsafe extern "C" fn queue_event(_rk: *mut c_void, opaque: *mut c_void) {
+    // SAFETY: opaque is the `Waker` of the fetch the queue is attached to; the fetch disables the
+    // callback (under the queue's lock) before it lets the waker go.
+    let waker = unsafe { &*(opaque as *const Waker) };
+    waker.wake();
 }
 
 /// The fetch of one consumer's partitions (see the module's documentation).
@@ -182,6 +253,7 @@ pub struct NativeFetch {
     rk: *mut c_void,
     topic: CString,
     queues: Mutex<Queues>,
+    waker: Arc<Waker>,
     /// The Python objects it holds; None once closed. The `Consumer` whose handle `rk` is stays
     /// alive until the queues are given back (a consumer destroyed while its partitions are
     /// forwarded here would wait for them forever).
@@ -260,45 +332,78 @@ impl NativeFetch {
     /// Gives every queue back to librdkafka (idempotent).
     fn release(&self) {
         let mut queues = self.queues.lock().expect("fetch queues lock");
-        for (_, queue) in queues.partitions.drain() {
-            // SAFETY: handles attach got; the fetch's own queue goes last.
-            unsafe {
-                (self.api.queue_forward)(queue, ptr::null_mut());
-                (self.api.queue_destroy)(queue);
-            }
-        }
-        if !queues.own.is_null() {
-            // SAFETY: own is live until here; no fetch runs (it needs this lock).
-            unsafe { (self.api.queue_destroy)(queues.own) };
-            queues.own = ptr::null_mut();
+        queues.open = false;
+        for (_, queue) in std::mem::take(&mut queues.partitions) {
+            // SAFETY: a handle attach got and nobody else destroys.
+            unsafe { self.let_go(queue) };
         }
     }
 
+    /// Stop the events of a partition's queue and give its handle back.
+    ///
+    /// # Safety
+    /// `queue` is a live handle `attach` got, not used after this.
+    unsafe fn let_go(&self, queue: *mut c_void) {
+        // SAFETY: as the caller says; the callback is off (under the queue's lock) before the
+        // handle goes.
+        unsafe {
+            (self.api.queue_cb_event_enable)(queue, None, ptr::null_mut());
+            (self.api.queue_destroy)(queue);
+        }
+    }
+
+    /// Takes up to `max` messages from `order`'s queues, without waiting, into `raw` from `start`:
+    /// each queue first up to an equal share of `max`, then the rest in the same order; no queue
+    /// more than its cap. Returns how many were taken.
+    fn sweep(&self, order: &mut [(*mut c_void, usize)], raw: &mut [*mut RawMessage], start: usize) -> usize {
+        let max = raw.len();
+        let mut count = start;
+        let share = max.div_ceil(order.len().max(1)).max(1);
+        for pass in [share, max] {
+            for (queue, cap) in order.iter_mut() {
+                let want = pass.min(*cap).min(max - count);
+                if want == 0 {
+                    continue;
+                }
+                // SAFETY: queue is a live handle (released only under the queues lock, held by the
+                // caller); raw has `want` free slots from `count`; every message returned is
+                // destroyed by the caller.
+                let got = unsafe { (self.api.consume_batch_queue)(*queue, 0, raw.as_mut_ptr().add(count), want) };
+                let got = got.max(0) as usize;
+                count += got;
+                // A queue that gave fewer than asked is empty for now: none more from it.
+                *cap = if got < want { 0 } else { *cap - got };
+            }
+        }
+        count - start
+    }
+
     /// Copies up to `max` messages out of librdkafka (no GIL held): those queued now, or when none
-    /// are, the first to come within `timeout_ms` and those queued with it. A batch is what is there,
-    /// never held back to fill. Without `values` the records' values are not copied (None).
-    fn take(&self, max: usize, timeout_ms: c_int, values: bool) -> (Vec<Fetched>, Arena, Errors) {
-        let queues = self.queues.lock().expect("fetch queues lock");
+    /// are, those queued when the first comes within `timeout_ms` (or `wake` is called). A batch is
+    /// what is there, never held back to fill; it takes from the partitions in turn (`sweep`), from
+    /// those of `caps` only when given, no more than each one's cap. Without `values` the records'
+    /// values are not copied (None).
+    fn take(&self, max: usize, timeout_ms: c_int, values: bool, caps: Option<&HashMap<i32, usize>>)
+            -> (Vec<Fetched>, Arena, Errors) {
+        let mut queues = self.queues.lock().expect("fetch queues lock");
         let mut arena = Arena::default();
-        if queues.own.is_null() {
-            return (Vec::new(), arena, Vec::new());
+        let seen = self.waker.seen();
+        let mut order: Vec<(*mut c_void, usize)> = queues.partitions.iter()
+            .map(|(partition, &queue)| (queue, caps.map_or(usize::MAX, |caps| caps.get(partition).copied().unwrap_or(0))))
+            .filter(|&(_, cap)| cap > 0)
+            .collect();
+        if !order.is_empty() {
+            queues.rotation = (queues.rotation + 1) % order.len();
+            order.rotate_left(queues.rotation);
         }
         let mut raw: Vec<*mut RawMessage> = vec![ptr::null_mut(); max.clamp(1, BATCH_MAX)];
         let api = &self.api;
-        // SAFETY: queues.own is a live queue (destroyed only in close, under this lock); raw has room
-        // for the count asked for; every message returned is destroyed below.
-        let mut count = unsafe { (api.consume_batch_queue)(queues.own, 0, raw.as_mut_ptr(), raw.len()) };
-        if count == 0 && timeout_ms > 0 {
-            // Nothing there: wait for one message only (librdkafka's batch call waits until the batch
-            // is full or the time is up), then take what came with it, without waiting.
-            // SAFETY: as above, for one message, then for the room left after it.
-            count = unsafe { (api.consume_batch_queue)(queues.own, timeout_ms, raw.as_mut_ptr(), 1) };
-            if count == 1 && raw.len() > 1 {
-                // SAFETY: raw has raw.len() - 1 slots after its first.
-                let more = unsafe { (api.consume_batch_queue)(queues.own, 0, raw.as_mut_ptr().add(1), raw.len() - 1) };
-                count += more.max(0);
-            }
+        let mut count = if queues.open { self.sweep(&mut order.clone(), &mut raw, 0) } else { 0 };
+        if count == 0 && timeout_ms > 0 && queues.open {
+            self.waker.wait(seen, Duration::from_millis(timeout_ms as u64));
+            count = self.sweep(&mut order, &mut raw, 0);
         }
+        let count = count as isize;
         let mut records = Vec::with_capacity(count.max(0) as usize);
         let mut errors = Vec::new();
         arena.bytes.reserve(raw.iter().take(count.max(0) as usize).map(|&message| {
@@ -404,66 +509,75 @@ impl NativeFetch {
         if kind != RD_KAFKA_CONSUMER || !name.starts_with(name_prefix) {
             return Err(PyRuntimeError::new_err(format!("handle is {name} (type {kind}), not a consumer named {name_prefix}...")));
         }
-        // SAFETY: rk is a live consumer handle.
-        let own = unsafe { (api.queue_new)(rk) };
         Ok(NativeFetch {
             api,
             rk,
             topic: CString::new(topic).map_err(|_| PyRuntimeError::new_err("bad topic name"))?,
-            queues: Mutex::new(Queues { own, partitions: HashMap::new() }),
+            queues: Mutex::new(Queues { open: true, partitions: BTreeMap::new(), rotation: 0 }),
+            waker: Arc::new(Waker::default()),
             refs: Some(Refs { consumer, record: record.unbind(), metadata_of, empty }),
             plain: FastMap::default(),
         })
     }
 
-    /// Forward the fetch queues of newly assigned partitions to this fetch (after they are assigned).
-    /// Once the fetch is closed (the consumer is closing, its last rebalance may still assign) it
-    /// attaches nothing.
+    /// Split the fetch queues of newly assigned partitions off the consumer queue, to this fetch
+    /// (after they are assigned). Once the fetch is closed (the consumer is closing, its last
+    /// rebalance may still assign) it attaches nothing.
     fn attach(&self, partitions: Vec<i32>) -> PyResult<()> {
         let mut queues = self.queues.lock().expect("fetch queues lock");
-        if queues.own.is_null() {
+        if !queues.open {
             return Ok(());
         }
         for partition in partitions {
             if queues.partitions.contains_key(&partition) {
                 continue;
             }
-            // SAFETY: rk and own are live; the partition queue handle is kept until detach or close.
+            // SAFETY: rk is live; the partition queue handle is kept until detach or close, and the
+            // waker its events point to lives as long as this fetch (the events are disabled first).
             unsafe {
                 let queue = (self.api.queue_get_partition)(self.rk, self.topic.as_ptr(), partition);
                 if queue.is_null() {
                     return Err(PyRuntimeError::new_err(format!("no queue for partition {partition}")));
                 }
-                (self.api.queue_forward)(queue, queues.own);
+                (self.api.queue_forward)(queue, ptr::null_mut());
+                (self.api.queue_cb_event_enable)(queue, Some(queue_event), Arc::as_ptr(&self.waker) as *mut c_void);
                 queues.partitions.insert(partition, queue);
             }
         }
+        // Records may have come before the events were on: a waiting fetch looks again.
+        self.waker.wake();
         Ok(())
     }
 
-    /// Stop forwarding the fetch queues of partitions let go (before they are unassigned).
+    /// Let the fetch queues of partitions let go (before they are unassigned).
     fn detach(&self, partitions: Vec<i32>) {
         let mut queues = self.queues.lock().expect("fetch queues lock");
         for partition in partitions {
             if let Some(queue) = queues.partitions.remove(&partition) {
                 // SAFETY: queue is a handle attach got and nobody else destroys.
-                unsafe {
-                    (self.api.queue_forward)(queue, ptr::null_mut());
-                    (self.api.queue_destroy)(queue);
-                }
+                unsafe { self.let_go(queue) };
             }
         }
     }
 
-    /// The partitions forwarded to this fetch.
+    /// What wakes a fetch waiting for records, from any thread, while the fetch runs
+    /// (`FetchWaker.wake`).
+    fn waker(&self) -> FetchWaker {
+        FetchWaker { waker: Arc::clone(&self.waker) }
+    }
+
+    /// The partitions attached to this fetch.
     fn attached(&self) -> Vec<i32> {
         let mut partitions: Vec<i32> = self.queues.lock().expect("fetch queues lock").partitions.keys().copied().collect();
         partitions.sort_unstable();
         partitions
     }
 
-    /// Wait up to `timeout` s for records; returns (records, errors as (partition, offset, text)).
-    fn fetch<'py>(&mut self, py: Python<'py>, max: usize, timeout: f64) -> PyResult<(Bound<'py, PyList>, Errors)> {
+    /// Wait up to `timeout` s for records, from the partitions of `caps` only and no more than each
+    /// one's cap when given; returns (records, errors as (partition, offset, text)).
+    #[pyo3(signature = (max, timeout, caps=None))]
+    fn fetch<'py>(&mut self, py: Python<'py>, max: usize, timeout: f64, caps: Option<HashMap<i32, usize>>)
+                  -> PyResult<(Bound<'py, PyList>, Errors)> {
         let timeout_ms = (timeout * 1000.0).round().clamp(0.0, f64::from(i32::MAX)) as c_int;
         let Some(refs) = self.refs.as_ref().map(|refs| Refs {
             consumer: refs.consumer.clone_ref(py),
@@ -474,7 +588,7 @@ impl NativeFetch {
             return Ok((PyList::empty(py), Vec::new()));
         };
         let this = &*self;
-        let (fetched, arena, errors) = py.detach(|| this.take(max, timeout_ms, true));
+        let (fetched, arena, errors) = py.detach(|| this.take(max, timeout_ms, true, caps.as_ref()));
         let records = PyList::empty(py);
         let layout = refs.record.bind(py).get();
         let (zero, none, no) = (0i64.into_pyobject(py)?.into_any(), py.None().into_bound(py), PyBool::new(py, false).to_owned().into_any());
@@ -529,7 +643,7 @@ impl NativeFetch {
         let Some(moves) = Moves::new(0, counts) else { return Vec::new() };
         let this = self;
         let found: Vec<(i32, i64, Vec<u8>, u32)> = py.detach(|| {
-            let (fetched, arena, _errors) = this.take(max, timeout_ms, false);
+            let (fetched, arena, _errors) = this.take(max, timeout_ms, false, None);
             let mut found = Vec::new();
             for item in fetched {
                 let (Some(span), Ok(partition)) = (item.key, u32::try_from(item.partition)) else { continue };

@@ -843,6 +843,7 @@ impl LeaseTable {
 #[pyo3(name = "_core")]
 fn ordering_layer_core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<fetch::NativeFetch>()?;
+    module.add_class::<fetch::FetchWaker>()?;
     module.add_class::<PartitionCore>()?;
     module.add_class::<LeaseTable>()?;
     module.add_class::<SlotLayout>()?;

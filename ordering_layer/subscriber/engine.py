@@ -275,6 +275,9 @@ class Engine:
                 self._watch_due = self._watch(now)
             leases, gate, buffered = self._leases, self._gate, self._owned.buffered()
             gate.update(leases.count, leases.bytes, buffered, now, self._owned.ready())
+            if gate.state is not Gate.OPEN or gate.ample or gate.short:
+                gate.update_short({number: state.buffered for number, state in self._partitions.items()
+                                   if not state.revoking})
             if gate.state is not Gate.OPEN and buffered >= gate.buffer_limit() * gate.resume_fraction:
                 self._owned.end_walks()
             self._starts.note(self._pulls.take_served())

@@ -107,11 +107,14 @@ class Fetcher:
         self._requests: queue.SimpleQueue[list[TopicPartition] | SeekPartition] = queue.SimpleQueue()
         self._seeks: dict[int, SeekPartition] = {}  # seeks the consumer could not do yet, by partition
         self.generations: dict[int, int] = {}  # fetch thread: bumped on each assign, revoke, loss
-        self.paused = False  # the assignment is paused in the consumer
+        self.paused = False  # the assignment is paused in the consumer (but for the short partitions)
+        self._resumed: frozenset[int] = frozenset()  # short partitions left fetching while paused
         self.malformed_records = 0  # records whose ol- metadata was ignored (DLQ-4)
         self.highest_count = 0  # the highest ol-partition-count fetched (a growth, SUB-8)
         self.native = open_native_fetch(self.consumer, dict(config), topic, self._malformed_metadata,
                                         self._counted) if native else None
+        if self.native is not None:
+            gate.on_room = self.native.waker().wake
         self._worker = Worker(f"ordering-layer-fetch-{subscription}", self.step)
 
     def start(self) -> None:
@@ -168,18 +171,19 @@ class Fetcher:
                 _LOGGER.warning("%s: commit failed: %s", self.subscription, exc)
         if self._seeks:
             self._seek_partitions()
-        state = self._gate.fetch_state(time.monotonic())
-        if state is Gate.HELD or not self._gate.room_to_fetch():
+        gate, native = self._gate, self.native
+        state = gate.fetch_state(time.monotonic())
+        # SUB-2 across partitions: while the gate is not OPEN or records are ample, the partitions
+        # short of records still take up to their share (``FlowGate.short``, the native fetch only).
+        short = gate.short if native is not None and (state is not Gate.OPEN or gate.ample) else None
+        if (state is Gate.HELD and not short) or not gate.room_to_fetch():
             # SUB-7: no records taken while over the limit or not yet taken; the gate wakes this
             # thread when it opens (or the coordinator took the records), so that releases do not
             # run out of fetched records while it sleeps.
-            self._gate.wait_for_room(_PAUSED_POLL)
+            gate.wait_for_room(_PAUSED_POLL)
             return 0.0
-        if (state is Gate.PAUSED) != self.paused:
-            self.paused = state is Gate.PAUSED
-            self._pause(self.consumer.assignment(), self.paused)
-        timeout = _PAUSED_POLL if self.paused else 0.1
-        native = self.native
+        self._pause_as(state is Gate.PAUSED, short)
+        timeout = _PAUSED_POLL if self.paused and not short else 0.1
         # With the native fetch the consumer's queue carries events only (served here: rebalance
         # callbacks, commit reports); a record it still returns was queued before its partition was
         # attached, and is taken as one fetched by consume().
@@ -205,17 +209,17 @@ class Fetcher:
         # records are ready (``ample``) the native queue is left to librdkafka's prefetch, and this
         # thread waits for the ready keys to run low, serving the consumer's events meanwhile.
         if native is not None and len(messages) < _FETCH_BATCH:
-            if self._gate.ample:
+            if gate.ample and not short and state is Gate.OPEN:
                 if not records:
-                    self._gate.wait_for_room(_AMPLE_POLL)
+                    gate.wait_for_room(_AMPLE_POLL)
             else:
-                fetched, errors = native.fetch(_FETCH_BATCH, timeout if not records else 0)
+                fetched, errors = native.fetch(_FETCH_BATCH, timeout if not records else 0, short)
                 records.extend(fetched)
                 for partition, offset, error in errors:
                     _LOGGER.warning("fetch error on %s: partition %d offset %d: %s", self.subscription, partition,
                                     offset, error)
         if records:
-            self._gate.posted(len(records), payload_bytes(records))
+            gate.posted(len(records), payload_bytes(records))
             self._post(self.fetched(records))
         return 0.0
 
@@ -275,6 +279,7 @@ class Fetcher:
         consumer.incremental_assign(partitions)
         if self.native is not None:
             self.native.attach([tp.partition for tp in partitions])
+        self._resumed -= {tp.partition for tp in partitions}  # joins paused; resumed again if short
         self._pause(partitions, self.paused)
         _tell(self._rebalance.on_assign, partitions, "on_assign")
 
@@ -309,6 +314,22 @@ class Fetcher:
         if done or failed:
             self._post(Committed(done, failed))
         _tell(self._user_on_commit and functools.partial(self._user_on_commit, err), partitions, "on_commit")
+
+    def _pause_as(self, paused: bool, short: Mapping[int, int] | None) -> None:
+        """Pause the assignment in the consumer while the gate is PAUSED, but for the partitions
+        short of records (``FlowGate.short``); resume it when the gate opens."""
+        resumed = frozenset(short or ()) if paused else frozenset()
+        if paused == self.paused and resumed == self._resumed:
+            return
+        assignment = self.consumer.assignment()
+        if paused != self.paused:
+            self._pause([tp for tp in assignment if tp.partition not in resumed], paused)
+            if paused:
+                self._pause([tp for tp in assignment if tp.partition in resumed], False)
+        else:
+            self._pause([tp for tp in assignment if tp.partition in self._resumed - resumed], True)
+            self._pause([tp for tp in assignment if tp.partition in resumed - self._resumed], False)
+        self.paused, self._resumed = paused, resumed
 
     def _pause(self, partitions: list[TopicPartition], pause: bool) -> None:
         if partitions:

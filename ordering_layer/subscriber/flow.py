@@ -19,6 +19,15 @@ taken into the key queues long before they can go out cost memory and cache miss
 in a recovery walk) do not count as ready, so the fetch still reads past them up to the buffer
 limit.
 
+While the gate is closed by the buffer limit (not over the outstanding limits, SUB-7) or records are
+ample, the partitions *short* of records still take some (``short``; the native fetch only, whose
+partitions' queues are apart). Otherwise a partition whose fetch started late, or that was assigned
+while the others' records filled the buffer, would wait for the buffer to drain under
+``resume_fraction``, its keys idle while the other partitions' keys go on (SUB-2). A partition is
+short under an eighth of its equal share of the buffer limit (while records are ample and the gate
+OPEN: with none buffered) and stays short until it holds its share; it may take up to the share.
+The buffer holds at most about twice its limit so.
+
 Also the fetch takes no records while ``max_in_flight`` records it posted wait for the coordinator:
 the gate moves only once per coordinator step, and a fetch thread left to run through a long step
 would post tens of thousands of records more, each a live object for the garbage collector to walk
@@ -29,6 +38,7 @@ from __future__ import annotations
 
 import enum
 import threading
+from collections.abc import Callable, Mapping
 
 from ordering_layer.config import FlowControl
 
@@ -43,6 +53,7 @@ MIN_READY = 500  # the smallest max_ready: one fetch batch
 # 64 MiB at the average size of the records fetched lately.
 MAX_BUFFERED = 40_000
 MAX_BUFFERED_BYTES = 64 * 1024 * 1024
+SHORT_FRACTION = 8  # a partition is short under 1/8 of its equal share of the buffer limit
 
 
 class Gate(enum.Enum):
@@ -87,6 +98,13 @@ class FlowGate:
         self._since = 0.0
         self._lock = threading.Lock()
         self._room = threading.Condition(self._lock)  # notified when the fetch may take records again
+        self.on_room: Callable[[], None] | None = None  # called with it (wakes a fetch waiting in librdkafka)
+        # Partitions short of records while the gate is not OPEN or records are ample, with how
+        # many each may still take (see the module's documentation); replaced whole by the coordinator.
+        self.short: dict[int, int] = {}
+        # Over max_messages or max_bytes outstanding, and not yet under resume_fraction of both:
+        # no partition takes records then, short or not (SUB-7).
+        self.limited = False
 
     def buffer_limit(self) -> int:
         """The buffered records that close the gate: ``max_buffered``, or fewer when that many of
@@ -110,18 +128,43 @@ class FlowGate:
         elif self.ample and ready < self.max_ready * fraction:
             with self._lock:
                 self.ample = False
-                self._room.notify_all()
+                self._notify()
         buffer_limit = self.buffer_limit()
-        over = (outstanding >= limits.max_messages or outstanding_bytes >= limits.max_bytes
-                or buffered >= buffer_limit)
-        under = (outstanding < limits.max_messages * fraction and outstanding_bytes < limits.max_bytes * fraction
-                 and buffered < buffer_limit * fraction)
+        limited = outstanding >= limits.max_messages or outstanding_bytes >= limits.max_bytes
+        below = outstanding < limits.max_messages * fraction and outstanding_bytes < limits.max_bytes * fraction
+        self.limited = limited or (self.limited and not below)
+        over = limited or buffered >= buffer_limit
+        under = below and buffered < buffer_limit * fraction
         with self._lock:
             if over and self.state is Gate.OPEN:
                 self.state, self._since = Gate.HELD, now
             elif under and self.state is not Gate.OPEN:
                 self.state = Gate.OPEN
-                self._room.notify_all()
+                self._notify()
+
+    def _notify(self) -> None:
+        self._room.notify_all()
+        if self.on_room is not None:
+            self.on_room()
+
+    def update_short(self, buffered: Mapping[int, int]) -> None:
+        """Coordinator: ``short`` from the records each owned partition has buffered, while the gate
+        is not OPEN or records are ample, and not over the outstanding limits; empty otherwise. A
+        fetch waiting is woken when the short partitions change."""
+        if (self.state is Gate.OPEN and not self.ample) or self.limited:
+            short: dict[int, int] = {}
+        else:
+            share = max(1, self.buffer_limit() // max(1, len(buffered)))
+            # Records ample while the gate is OPEN: only a partition with none buffered is short, so
+            # that the others' records stay in librdkafka's prefetch.
+            enter = share // SHORT_FRACTION if self.state is not Gate.OPEN else 1
+            short = {partition: share - count for partition, count in buffered.items()
+                     if count < (share if partition in self.short else enter)}
+        changed = short.keys() != self.short.keys()
+        self.short = short
+        if changed:
+            with self._lock:
+                self._notify()
 
     def posted(self, records: int, payload_bytes: int = 0) -> None:
         """Fetch thread: ``records`` were posted to the coordinator, ``payload_bytes`` in all (the
@@ -137,7 +180,7 @@ class FlowGate:
         with self._lock:
             self.in_flight -= records
             if self.in_flight < self.max_in_flight <= self.in_flight + records:
-                self._room.notify_all()
+                self._notify()
 
     def room_to_fetch(self) -> bool:
         """Fetch thread: fewer than ``max_in_flight`` posted records wait for the coordinator."""

@@ -3,9 +3,11 @@ own librdkafka handle.
 
 confluent-kafka's ``consume()`` makes a ``Message`` per record under the GIL, which the fetcher then
 reads into a ``Record``. ``NativeFetch`` takes the records from librdkafka itself: the assigned
-partitions' fetch queues are forwarded to a queue of its own (``attach`` after an assignment,
-``detach`` before a revocation or loss), it waits for a batch and copies it without the GIL, and it
-makes the ``Record``s directly, reading the layer metadata once per distinct header set. The
+partitions' fetch queues are split off the consumer's queue and kept apart (``attach`` after an
+assignment, ``detach`` before a revocation or loss); a batch takes from each in turn, or from the
+partitions short of records only (``FlowGate.short``), waits for records without the GIL and copies
+them, and it makes the ``Record``s directly, reading the layer metadata once per distinct header
+set. The
 ``Consumer`` keeps everything else: membership, rebalance callbacks, commits, seeks, pauses; its
 queue carries only events, served by ``consume`` on the fetch thread as before.
 

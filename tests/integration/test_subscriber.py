@@ -24,6 +24,7 @@ from ordering_layer import (
     Subscriber,
 )
 from ordering_layer.errors import ConfigError, SubscriptionExistsError, SubscriptionNotFoundError
+from ordering_layer.kafka.partitioner import partition_for
 from ordering_layer.state import ApplyResult, StateStore
 from ordering_layer.state.client import redis_client
 from ordering_layer.state.store import (
@@ -119,6 +120,48 @@ def test_a_backlog_over_partitions_keeps_every_key_going(kafka_config: dict[str,
     late = {key: most for key, most in most_acked_at_first.items() if most >= 50}
     assert late == {}, f"keys first delivered after another key had 50 or more acked: {late}"
     assert least_at_first_done[0] >= 770, f"a key had {least_at_first_done[0]} acked when the first was done"
+
+
+def test_a_partition_behind_a_backlog_of_another_gets_its_records_at_once(kafka_config: dict[str, Any],
+                                                                          endpoints: Any,
+                                                                          subscription: Callable[..., tuple[str, str]]
+                                                                          ) -> None:
+    """SUB-2 across partitions: partition 0 holds a backlog larger than the subscriber's buffer, its 7
+    keys slow (20 ms a message, ~350 msg/s in all), so the buffer stays full and the fetch held;
+    messages then published to partition 1 are delivered within seconds, not after the buffer drained
+    under its resume mark (8,000 records: ~23 s here). With one queue for all partitions they came
+    behind the backlog's prefetched records; now partition 1 is short of records and takes its share
+    while the others' buffer holds the fetch."""
+    topic, name = subscription(partitions=2)
+    slow_keys = [key for key in (f"slow-{k}" for k in range(200)) if partition_for(key.encode(), 2) == 0][:7]
+    late_keys = [key for key in (f"late-{k}" for k in range(200)) if partition_for(key.encode(), 2) == 1][:5]
+    with OrderedProducer(kafka_config) as producer:
+        for n in range(60_000):
+            producer.produce(topic, b"x" * 100, key=slow_keys[n % len(slow_keys)])
+    delivered: dict[str, float] = {}
+
+    async def callback(message: Message) -> None:
+        key = message.ordering_key or ""
+        if key.startswith("late"):
+            delivered.setdefault(f"{key}:{message.data.decode()}", time.monotonic())
+        else:
+            await asyncio.sleep(0.02)
+        message.ack()
+
+    subscriber = Subscriber(kafka_config, redis_url=endpoints.redis_url)
+    with subscriber.subscribe(name, callback) as handle:
+        engine = handle.engine
+        wait_until(lambda: engine.stats()["fetch_held"] == 1 and engine.stats()["buffered"] >= 32_000, 60,
+                   "the buffer full of partition 0's backlog")
+        published = time.monotonic()
+        with OrderedProducer(kafka_config) as producer:
+            for n in range(20):
+                producer.produce(topic, str(n).encode(), key=late_keys[n % len(late_keys)])
+        wait_until(lambda: len(delivered) == 20, 60, "partition 1's messages delivered")
+        waited = max(delivered.values()) - published
+        backlog_left = engine.stats()["buffered"]
+    assert waited < 5.0, f"partition 1's messages waited {waited:.1f} s behind partition 0's backlog"
+    assert backlog_left >= 20_000  # the backlog was still there: they did not just come after it
 
 
 def test_a_new_owner_skips_what_the_floor_in_redis_says_was_acked(kafka_config: dict[str, Any], endpoints: Any,

@@ -336,7 +336,8 @@ class CountingNativeFetch:
     def __init__(self) -> None:
         self.fetches = 0
 
-    def fetch(self, max_messages: int, timeout: float) -> tuple[list[Record], list[tuple[int, int, str]]]:
+    def fetch(self, max_messages: int, timeout: float,
+              caps: dict[int, int] | None = None) -> tuple[list[Record], list[tuple[int, int, str]]]:
         self.fetches += 1
         return [], []
 

@@ -127,3 +127,43 @@ def test_payload_bytes_estimates_a_batch_from_a_sample() -> None:
     assert payload_bytes(records) == pytest.approx(sum(100 + n for n in range(1000)), rel=0.05)
     assert payload_bytes(records[:1]) == 100
     assert payload_bytes([Record(0, 0, b"k", None, [], RecordMetadata(None, None, None), 10, 0)]) == 0
+
+
+def test_partitions_short_of_records_take_their_share_while_the_buffer_holds_the_fetch() -> None:
+    """SUB-2 across partitions: while the buffer limit holds the fetch, a partition under an eighth
+    of its equal share of the limit may take up to the share, and stays short until it holds it;
+    over the outstanding limits none does (SUB-7); with the gate open, none is short."""
+    gate = FlowGate(FlowControl(max_messages=10, max_bytes=1000), max_buffered=800)
+    woken: list[int] = []
+    gate.on_room = lambda: woken.append(1)
+    gate.update(0, 0, 100, now=0.0)
+    gate.update_short({0: 100, 1: 0})
+    assert gate.short == {}  # open
+    gate.update(0, 0, 800, now=0.1)
+    gate.update_short({0: 790, 1: 10})  # share 400: 1 is under 50
+    assert gate.short == {1: 390} and woken
+    gate.update_short({0: 700, 1: 100})  # over an eighth, under the share: still short
+    assert gate.short == {1: 300}
+    gate.update_short({0: 700, 1: 400})
+    assert gate.short == {}
+    gate.update_short({0: 700, 1: 100})  # not short again until under an eighth
+    assert gate.short == {}
+    gate.update(10, 0, 800, now=0.2)  # over max_messages: SUB-7 holds every partition
+    gate.update_short({0: 790, 1: 0})
+    assert gate.limited and gate.short == {}
+    gate.update(9, 0, 800, now=0.3)  # not yet under 80 % of max_messages
+    gate.update_short({0: 790, 1: 0})
+    assert gate.short == {}
+    gate.update(7, 0, 800, now=0.4)
+    gate.update_short({0: 790, 1: 0})
+    assert not gate.limited and gate.short == {1: 400}
+
+
+def test_with_records_ample_only_a_partition_with_none_buffered_is_short() -> None:
+    """While records are ample and the gate open, the others' records stay in librdkafka's
+    prefetch: only a partition with none buffered is short."""
+    gate = FlowGate(FlowControl(max_messages=10, max_bytes=1000), max_buffered=800, max_ready=100)
+    gate.update(0, 0, 200, now=0.0, ready=100)
+    assert gate.ample and gate.state is Gate.OPEN
+    gate.update_short({0: 199, 1: 1, 2: 0})
+    assert gate.short == {2: 266}
