@@ -20,6 +20,8 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+import redis
+
 from ordering_layer.errors import OrderingLayerError
 from ordering_layer.kafka.compacted import CompactedTopic
 
@@ -106,9 +108,9 @@ class PartitionCounts:
             redis.RedisError: Redis did not answer.
             TopicError: Redis had none and the durable copy could not be read.
         """
-        stored = self._client.hgetall(counts_key(topic))
+        stored = self.stored(topic)
         if stored:
-            return normalised([(int(count), int(since)) for count, since in stored.items()])
+            return stored
         if self._durable is None:
             return []
         value = self._durable.read_all().get(topic)
@@ -117,6 +119,23 @@ class PartitionCounts:
             _LOGGER.warning("partition counts of %s missing in Redis: restored from their durable copy", topic)
             self._client.hset(counts_key(topic), mapping={str(count): since for count, since in kept})
         return kept
+
+    def stored(self, topic: str) -> History:
+        """The topic's history in Redis (empty when Redis has none; the durable copy is not read).
+
+        Raises:
+            redis.RedisError: Redis did not answer.
+        """
+        stored = self._client.hgetall(counts_key(topic))
+        return normalised([(int(count), int(since)) for count, since in stored.items()])
+
+    def last_count(self, topic: str) -> int | None:
+        """The topic's latest partition count in Redis; None when Redis has none or did not answer."""
+        try:
+            stored = self.stored(topic)
+        except redis.RedisError:
+            return None
+        return stored[-1][0] if stored else None
 
     def record(self, topic: str, count: int, since_ms: int) -> History:
         """Record that ``topic`` has ``count`` partitions from ``since_ms`` on (a count recorded

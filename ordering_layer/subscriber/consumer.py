@@ -38,7 +38,7 @@ from ordering_layer.publisher.activation import join_activation
 from ordering_layer.state import StateStore
 from ordering_layer.subscriber.client_config import redis_url_from, verify_credentials
 from ordering_layer.subscriber.delivery_tracing import DeliveryTracing
-from ordering_layer.subscriber.engine import Engine, RebalanceHooks
+from ordering_layer.subscriber.engine import Engine, RebalanceHooks, known_partitions
 from ordering_layer.subscriber.message import AckResponse, Message
 from ordering_layer.subscriptions import Subscriptions
 from ordering_layer.tracing import tracer
@@ -132,7 +132,7 @@ class OrderedConsumer:
             raise ConfigError(f"subscription {name!r} consumes {settings.topic!r}, not {topic!r}")
         hooks = RebalanceHooks(self._bind(on_assign), self._bind(on_revoke), self._bind(on_lost))
         self._engine = Engine(self._config, self._store, name, settings, flow_control=self._flow_control,
-                              on_messages=None, rebalance=hooks)
+                              on_messages=None, rebalance=hooks, partitions=known_partitions(self._store, topic))
         self._topic = topic
         if self._tracer is not None:
             self._tracing = DeliveryTracing(self._tracer, name)

@@ -32,6 +32,7 @@ from confluent_kafka import Consumer, TopicPartition
 
 from ordering_layer.config import FlowControl, SubscriptionSettings
 from ordering_layer.state import StateStore
+from ordering_layer.state.counts import PartitionCounts
 from ordering_layer.subscriber.client_config import consumer_settings
 from ordering_layer.subscriber.commits import Commits
 from ordering_layer.subscriber.dead_letters import DeadLetters
@@ -61,6 +62,12 @@ _LOGGER = logging.getLogger(__name__)
 LEAVE_TIMEOUT = 10.0  # seconds close waits for the last commit and the group leave
 
 
+def known_partitions(store: StateStore, topic: str) -> int | None:
+    """The topic's partition count as Redis last recorded it (``Engine``'s ``partitions``), None
+    when it has none or did not answer."""
+    return PartitionCounts(store.client, None).last_count(topic)
+
+
 class Engine:
     """Ordered (or unordered) dispatch of one subscription at one subscriber.
 
@@ -76,13 +83,16 @@ class Engine:
         watch: callback mode: called at each coordinator step with the time, returns when to be
             called again (None: next step); the pool wakes workers for waiting messages with it.
         track_leases: watch, extend and expire lease deadlines (ACK-1, ACK-2); off only for comparisons.
+        partitions: the topic's partition count as last known (``PartitionCounts.last_count``),
+            which sizes librdkafka's prefetch per partition (``client_config.prefetch_kbytes``);
+            None: not known.
     """
 
     def __init__(self, kafka_config: Mapping[str, Any], store: StateStore, subscription: str,
                  settings: SubscriptionSettings, *, flow_control: FlowControl,
                  on_messages: Callable[[list[Message]], None] | None,
                  rebalance: RebalanceHooks | None = None, track_leases: bool = True,
-                 watch: Callable[[float], float | None] | None = None) -> None:
+                 watch: Callable[[float], float | None] | None = None, partitions: int | None = None) -> None:
         self.subscription = subscription
         self.settings = settings
         self.topic = settings.topic
@@ -90,7 +100,6 @@ class Engine:
         self._on_messages = on_messages
         self._watch = watch
         self._watch_due: float | None = None
-        conf = consumer_settings(kafka_config, subscription)
         self._inbox: Inbox[Any] = Inbox()
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
@@ -100,6 +109,7 @@ class Engine:
         self._dead_letters = DeadLetters(kafka_config, store, subscription, settings, self._inbox.put)
         self._pulls = PullWaiters()
         self._moves = MoveGuard(kafka_config, store, subscription, self.topic, self._inbox.put)
+        conf = consumer_settings(kafka_config, subscription, partitions)
         self._owned = Partitions(store, subscription, settings, suspects=on_messages is not None,
                                  submit=self._inbox.put, counts_for=self._moves.counts_for,
                                  departed_for=self._moves.departed_for)

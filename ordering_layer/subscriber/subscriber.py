@@ -18,7 +18,7 @@ from ordering_layer.scheduler.participant import Activation
 from ordering_layer.state import StateStore
 from ordering_layer.subscriber.client_config import redis_url_from, verify_credentials
 from ordering_layer.subscriber.delivery_tracing import DeliveryTracing
-from ordering_layer.subscriber.engine import Engine
+from ordering_layer.subscriber.engine import Engine, known_partitions
 from ordering_layer.subscriber.executors import AsyncWorkers, Callback, Handoff, handoff_for
 from ordering_layer.subscriber.message import Message, ack_all
 from ordering_layer.subscriber.runs import Hooks
@@ -173,7 +173,8 @@ class Subscriber:
 
         engine = Engine(self._kafka, self._store, subscription, settings,
                         flow_control=flow_control or FlowControl(), on_messages=pool.submit,
-                        track_leases=track_leases, watch=pool.watch)
+                        track_leases=track_leases, watch=pool.watch,
+                        partitions=known_partitions(self._store, settings.topic))
         engine.start()
         if self._metrics_port is not None:
             metrics.register(engine, kafka_config=self._kafka)
@@ -193,7 +194,8 @@ class Subscriber:
             if engine is None:
                 settings = self._store.settings(subscription)
                 engine = Engine(self._kafka, self._store, subscription, settings,
-                                flow_control=flow_control or FlowControl(), on_messages=None)
+                                flow_control=flow_control or FlowControl(), on_messages=None,
+                                partitions=known_partitions(self._store, settings.topic))
                 engine.start()
                 self._pull_engines[subscription] = engine
                 if self._tracer is not None:

@@ -43,14 +43,15 @@ def test_partition_fetch_bytes_default_small_and_the_users_value_wins() -> None:
     assert conf["max.partition.fetch.bytes"] == 1 << 20
 
 
-def test_prefetch_per_partition_defaults_bounded_and_the_users_values_win() -> None:
-    """The native fetch keeps each partition's queue apart, so librdkafka's prefetch bounds apply per
-    partition: 20,000 records or 8 MiB each by default (librdkafka's 100,000 and 64 MiB)."""
-    conf = consumer_settings({"bootstrap.servers": "b"}, "s")
-    assert (conf["queued.min.messages"], conf["queued.max.messages.kbytes"]) == (20_000, 8 * 1024)
-    conf = consumer_settings({"bootstrap.servers": "b", "queued.min.messages": 5,
-                              "queued.max.messages.kbytes": 7}, "s")
-    assert (conf["queued.min.messages"], conf["queued.max.messages.kbytes"]) == (5, 7)
+def test_prefetch_is_split_over_the_topics_partitions_and_the_users_value_wins() -> None:
+    """The native fetch keeps each partition's queue apart, so librdkafka's prefetch bound applies per
+    partition: 64 MiB over the topic's partitions, at least 1 MiB each, 8 MiB each when the count is
+    not known."""
+    kbytes = {count: consumer_settings({"bootstrap.servers": "b"}, "s", count)["queued.max.messages.kbytes"]
+              for count in (None, 1, 6, 64, 200)}
+    assert kbytes == {None: 8192, 1: 65536, 6: 10922, 64: 1024, 200: 1024}
+    conf = consumer_settings({"bootstrap.servers": "b", "queued.max.messages.kbytes": 7}, "s", 6)
+    assert conf["queued.max.messages.kbytes"] == 7
 
 
 def test_nested_topic_settings_cannot_move_the_engines_start() -> None:
