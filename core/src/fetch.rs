@@ -352,15 +352,16 @@ impl NativeFetch {
         }
     }
 
-    /// Takes up to `max` messages from `order`'s queues, without waiting, into `raw` from `start`:
-    /// each queue first up to an equal share of `max`, then the rest in the same order; no queue
-    /// more than its cap. Returns how many were taken.
-    fn sweep(&self, order: &mut [(*mut c_void, usize)], raw: &mut [*mut RawMessage], start: usize) -> usize {
+    /// Takes up to `raw.len()` messages from `order`'s queues into `raw`, without waiting: each
+    /// queue first up to an equal share, then the rest in the same order; no queue more than its
+    /// cap. Returns how many were taken.
+    fn sweep(&self, order: &[(*mut c_void, usize)], raw: &mut [*mut RawMessage]) -> usize {
         let max = raw.len();
-        let mut count = start;
+        let mut caps: Vec<usize> = order.iter().map(|&(_, cap)| cap).collect();
+        let mut count = 0;
         let share = max.div_ceil(order.len().max(1)).max(1);
         for pass in [share, max] {
-            for (queue, cap) in order.iter_mut() {
+            for (&(queue, _), cap) in order.iter().zip(caps.iter_mut()) {
                 let want = pass.min(*cap).min(max - count);
                 if want == 0 {
                     continue;
@@ -368,14 +369,14 @@ impl NativeFetch {
                 // SAFETY: queue is a live handle (released only under the queues lock, held by the
                 // caller); raw has `want` free slots from `count`; every message returned is
                 // destroyed by the caller.
-                let got = unsafe { (self.api.consume_batch_queue)(*queue, 0, raw.as_mut_ptr().add(count), want) };
+                let got = unsafe { (self.api.consume_batch_queue)(queue, 0, raw.as_mut_ptr().add(count), want) };
                 let got = got.max(0) as usize;
                 count += got;
                 // A queue that gave fewer than asked is empty for now: none more from it.
                 *cap = if got < want { 0 } else { *cap - got };
             }
         }
-        count - start
+        count
     }
 
     /// Copies up to `max` messages out of librdkafka (no GIL held): those queued now, or when none
@@ -398,20 +399,19 @@ impl NativeFetch {
         }
         let mut raw: Vec<*mut RawMessage> = vec![ptr::null_mut(); max.clamp(1, BATCH_MAX)];
         let api = &self.api;
-        let mut count = if queues.open { self.sweep(&mut order.clone(), &mut raw, 0) } else { 0 };
+        let mut count = if queues.open { self.sweep(&order, &mut raw) } else { 0 };
         if count == 0 && timeout_ms > 0 && queues.open {
             self.waker.wait(seen, Duration::from_millis(timeout_ms as u64));
-            count = self.sweep(&mut order, &mut raw, 0);
+            count = self.sweep(&order, &mut raw);
         }
-        let count = count as isize;
-        let mut records = Vec::with_capacity(count.max(0) as usize);
+        let mut records = Vec::with_capacity(count);
         let mut errors = Vec::new();
-        arena.bytes.reserve(raw.iter().take(count.max(0) as usize).map(|&message| {
+        arena.bytes.reserve(raw.iter().take(count).map(|&message| {
             // SAFETY: librdkafka returned it; it is destroyed below.
             let m = unsafe { &*message };
             (if values { m.len } else { 0 }) + m.key_len + 64
         }).sum());
-        for &message in raw.iter().take(count.max(0) as usize) {
+        for &message in raw.iter().take(count) {
             // SAFETY: librdkafka returned it; its fields are valid until message_destroy.
             unsafe {
                 let m = &*message;
