@@ -102,6 +102,32 @@ def no_config_warnings() -> Iterator[None]:
 
 
 _EXIT_STATUS = pytest.StashKey[int]()
+_STDERR = pytest.StashKey[int]()
+
+# How long a test may outlive pytest-timeout's limit. pytest-timeout interrupts a test from a signal
+# handler, which runs only when the main thread gets back to Python: a test stuck in native code
+# that never returns, or behind a thread that holds the GIL for good, would run into CI's own limit
+# with nothing said. Past this grace every thread's stack is printed and the process ends, failed.
+STUCK_GRACE = 300.0
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # The real stderr, kept before a test's output capture takes file descriptor 2.
+    config.stash[_STDERR] = os.dup(sys.__stderr__.fileno() if sys.__stderr__ is not None else 2)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    marker = item.get_closest_marker("timeout")
+    limit = float(marker.args[0] if marker is not None and marker.args else item.config.getini("timeout") or 0)
+    watched = limit > 0 and not float(item.config.getini("faulthandler_timeout") or 0)
+    if watched:
+        faulthandler.dump_traceback_later(limit + STUCK_GRACE, exit=True, file=item.config.stash[_STDERR])
+    try:
+        yield
+    finally:
+        if watched:
+            faulthandler.cancel_dump_traceback_later()
 
 # How long the test process may take to exit once the session is over. A thread a test left running
 # (a non-daemon thread, or a Kafka client blocked on services the session has stopped) would keep it
