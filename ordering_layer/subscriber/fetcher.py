@@ -109,6 +109,9 @@ class Fetcher:
         self.generations: dict[int, int] = {}  # fetch thread: bumped on each assign, revoke, loss
         self.paused = False  # the assignment is paused in the consumer (but for the short partitions)
         self._resumed: frozenset[int] = frozenset()  # short partitions left fetching while paused
+        # The assignment, kept from the rebalance callbacks: the consumer's ``assignment()`` asks
+        # librdkafka's main thread and waits for its answer with the GIL held.
+        self._assigned: set[int] = set()
         self.malformed_records = 0  # records whose ol- metadata was ignored (DLQ-4)
         self.highest_count = 0  # the highest ol-partition-count fetched (a growth, SUB-8)
         self.native = open_native_fetch(self.consumer, dict(config), topic, self._malformed_metadata,
@@ -243,9 +246,8 @@ class Fetcher:
         """Seek the consumer where asked (GRP-3). A partition assigned just now cannot be sought until
         its fetch has started: it is tried again at the next turn. Records of the partition fetched
         from here on get a new generation (those fetched before belong to the state of before)."""
-        assigned = {tp.partition for tp in self.consumer.assignment()}
         for partition, request in list(self._seeks.items()):
-            if partition not in assigned:
+            if partition not in self._assigned:
                 del self._seeks[partition]  # revoked or lost since: the next owner applies the seek at claim
                 continue
             try:
@@ -277,6 +279,7 @@ class Fetcher:
         # (SUB-7), and resumed otherwise, as librdkafka may keep a pause from an earlier ownership
         # of the partition, which no later resume of the then assignment reached.
         consumer.incremental_assign(partitions)
+        self._assigned.update(tp.partition for tp in partitions)
         if self.native is not None:
             self.native.attach([tp.partition for tp in partitions])
         self._resumed -= {tp.partition for tp in partitions}  # joins paused; resumed again if short
@@ -284,6 +287,7 @@ class Fetcher:
         _tell(self._rebalance.on_assign, partitions, "on_assign")
 
     def _detach(self, partitions: list[TopicPartition]) -> None:
+        self._assigned.difference_update(tp.partition for tp in partitions)
         if self.native is not None:
             self.native.detach([tp.partition for tp in partitions])
 
@@ -321,7 +325,7 @@ class Fetcher:
         resumed = frozenset(short or ()) if paused else frozenset()
         if paused == self.paused and resumed == self._resumed:
             return
-        assignment = self.consumer.assignment()
+        assignment = [TopicPartition(self.topic, partition) for partition in sorted(self._assigned)]
         if paused != self.paused:
             self._pause([tp for tp in assignment if tp.partition not in resumed], paused)
             if paused:

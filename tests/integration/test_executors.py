@@ -137,27 +137,33 @@ class Run:
             return self.checker.acked_count()
         return len({e["id"] for e in _events(self.events) if e["action"] == "ack"})
 
-    def finish(self, killed_pid: int | None = None) -> None:
+    def finish(self) -> None:
         """After cancel: the worker processes' events into the checker; the pool shut down.
 
-        ``killed_pid``: a worker process killed by the test. Its death breaks the pool, and the
-        subscriber nacks everything the pool held (ACK-6), which the processes' logs do not say:
-        - a task of several messages is settled when it returns, so the messages the killed
-          process ran before the one it was killed in were logged as acked there: such an ack
-          followed by a later attempt of its message is recorded as that nack;
-        - the pool's other process is ended with it, maybe inside a callback: a delivery logged
-          with no outcome and followed by a later attempt is recorded as nacked just before it."""
+        A worker process that dies (killed by the test, or exiting in a poison's callback) breaks
+        the pool, whose other process is ended with it, and the subscriber nacks everything the
+        pool held (ACK-6), which the processes' logs do not say. A process is known dead at a
+        redelivery when it logged nothing from then on:
+        - a task of several messages is settled when it returns, so the messages a dead process
+          ran before the one it died in were logged as acked there: such an ack followed by a
+          later attempt of its message is recorded as that nack;
+        - a delivery logged with no outcome, by a process dead at its message's next attempt, is
+          recorded as nacked just before that attempt (but the one the test killed a process in,
+          whose nack the test records)."""
         if self.kind == "processes":
             events = _events(self.events)
             redelivered = {(e["id"], e["attempt"] - 1): e["at"] for e in events if e["action"] == "deliver"}
             settled = {(e["id"], e["attempt"]) for e in events if e["action"] != "deliver"}
+            last_seen: dict[int, float] = {}
+            for event in events:
+                last_seen[event["pid"]] = max(last_seen.get(event["pid"], event["at"]), event["at"])
             for event in events:
                 action, attempt = event["action"], (event["id"], event["attempt"])
-                if action == "ack" and event["pid"] == killed_pid and attempt in redelivered:
+                dead = attempt in redelivered and last_seen[event["pid"]] < redelivered[attempt]
+                if action == "ack" and dead:
                     action = "nack"
                 self.checker.record(event["id"], "s1", event["attempt"], action, at=event["at"])
-                if (killed_pid is not None and action == "deliver" and attempt not in settled
-                        and attempt in redelivered and event["id"] != self.killed_in):
+                if action == "deliver" and dead and attempt not in settled and event["id"] != self.killed_in:
                     self.checker.record(event["id"], "s1", event["attempt"], "nack", at=redelivered[attempt] - 1e-6)
         self.pool_shutdown()
 
@@ -275,7 +281,7 @@ def test_sub9_worker_process_killed_mid_message_nacks_it_and_the_pool_is_replace
         os.kill(killed, signal.SIGKILL)
         checker.record(held, "s1", 1, "nack")  # what the subscriber makes of the death
         wait_until(lambda: run.acked() == checker.total(), 120, "every message acked")
-    run.finish(killed_pid=killed)
+    run.finish()
     assert [e.attempt for e in checker.deliveries() if e.message_id == held] == [1, 2]
     assert checker.verify() == []
 
