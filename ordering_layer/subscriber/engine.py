@@ -241,7 +241,8 @@ class Engine:
         with self._lock:
             return {"outstanding": self._leases.count, "outstanding_bytes": self._leases.bytes,
                     "buffered": self._owned.buffered(), "partitions": len(self._partitions),
-                    "fetch_held": int(self._gate.state is not Gate.OPEN), "fetch_paused": int(self._fetcher.paused)}
+                    "fetch_held": int(self._gate.state is not Gate.OPEN),
+                    "fetch_paused": int(self._gate.state is Gate.PAUSED)}
 
     def metrics_snapshot(self) -> dict[str, Any]:
         """Counters, gauges and the observations since the previous call (see ``metrics.snapshot``)."""

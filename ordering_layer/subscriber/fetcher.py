@@ -2,13 +2,14 @@
 
 librdkafka's consumer is not safe for concurrent calls from Python threads, so only the fetch thread
 calls it while it runs: ``consume`` (which also serves the rebalance callbacks and commit reports),
-pause and resume as the flow-control gate says (SUB-7), and commits and seeks (GRP-3), which reach
-it only as queued requests. Each fetched batch carries every partition's assignment generation,
-bumped on each assignment, revocation, loss and seek, so that records fetched for an ownership (or
-a position) that has ended are never taken by a later one (SUB-3). Records are read once here
-(``fetched``): metadata, size, timestamp (PUB-7, DLQ-4). Where it can, the fetcher takes them natively
-(``native_fetch``: the assigned partitions' queues are attached after an assignment and detached
-before a revocation or loss, on this thread); ``consume()`` then serves only the consumer's events.
+pause and resume as the flow-control gate says (SUB-7; through ``consume()`` only), and commits and
+seeks (GRP-3), which reach it only as queued requests. Each fetched batch carries every partition's
+assignment generation, bumped on each assignment, revocation, loss and seek, so that records
+fetched for an ownership (or a position) that has ended are never taken by a later one (SUB-3).
+Records are read once here (``fetched``): metadata, size, timestamp (PUB-7, DLQ-4). Where it can,
+the fetcher takes them natively (``native_fetch``: the assigned partitions' queues are attached
+after an assignment and detached before a revocation or loss, on this thread); ``consume()`` then
+serves only the consumer's events.
 """
 
 from __future__ import annotations
@@ -107,8 +108,7 @@ class Fetcher:
         self._requests: queue.SimpleQueue[list[TopicPartition] | SeekPartition] = queue.SimpleQueue()
         self._seeks: dict[int, SeekPartition] = {}  # seeks the consumer could not do yet, by partition
         self.generations: dict[int, int] = {}  # fetch thread: bumped on each assign, revoke, loss
-        self.paused = False  # the assignment is paused in the consumer (but for the short partitions)
-        self._resumed: frozenset[int] = frozenset()  # short partitions left fetching while paused
+        self.paused = False  # the assignment is paused in the consumer (through consume() only)
         # The assignment, kept from the rebalance callbacks: the consumer's ``assignment()`` asks
         # librdkafka's main thread and waits for its answer with the GIL held.
         self._assigned: set[int] = set()
@@ -185,8 +185,8 @@ class Fetcher:
             # run out of fetched records while it sleeps.
             gate.wait_for_room(_PAUSED_POLL)
             return 0.0
-        self._pause_as(state is Gate.PAUSED, short)
-        timeout = _PAUSED_POLL if self.paused and not short else 0.1
+        if native is None:
+            self._pause_as(state is Gate.PAUSED)
         # With the native fetch the consumer's queue carries events only (served here: rebalance
         # callbacks, commit reports); a record it still returns was queued before its partition was
         # attached, and is taken as one fetched by consume().
@@ -194,7 +194,7 @@ class Fetcher:
         if not messages and native is None:
             # consume() waits until its batch is full or the time is up: wait for one record only,
             # then take what came with it (a batch is what is there, never held back to fill).
-            messages = self.consumer.consume(1, timeout)
+            messages = self.consumer.consume(1, _PAUSED_POLL if self.paused else 0.1)
             if messages:
                 messages += self.consumer.consume(_FETCH_BATCH - 1, 0)
         records: list[Record] = []
@@ -209,14 +209,17 @@ class Fetcher:
             records.append(record)
         # A full batch from consume() may have more of its partitions' records behind it: the native
         # queue, whose records of those partitions are newer, waits for the next turn. While enough
-        # records are ready (``ample``) the native queue is left to librdkafka's prefetch, and this
-        # thread waits for the ready keys to run low, serving the consumer's events meanwhile.
+        # records are ready (``ample``), or the gate is PAUSED, the partitions' queues are left to
+        # librdkafka's prefetch (bounded by queued.max.messages.kbytes), but for the short ones, and
+        # this thread waits for the gate, serving the consumer's events meanwhile. The assignment is
+        # never paused in the consumer: librdkafka's pause() waits for its broker thread with the
+        # GIL held, and throws the prefetch away.
         if native is not None and len(messages) < _FETCH_BATCH:
-            if gate.ample and not short and state is Gate.OPEN:
+            if not short and (state is Gate.PAUSED or (gate.ample and state is Gate.OPEN)):
                 if not records:
-                    gate.wait_for_room(_AMPLE_POLL)
+                    gate.wait_for_room(_PAUSED_POLL if state is Gate.PAUSED else _AMPLE_POLL)
             else:
-                fetched, errors = native.fetch(_FETCH_BATCH, timeout if not records else 0, short)
+                fetched, errors = native.fetch(_FETCH_BATCH, 0.1 if not records else 0, short)
                 records.extend(fetched)
                 for partition, offset, error in errors:
                     _LOGGER.warning("fetch error on %s: partition %d offset %d: %s", self.subscription, partition,
@@ -275,15 +278,15 @@ class Fetcher:
             if tp.partition in starts:
                 tp.offset = starts[tp.partition]  # a claim applied a seek (GRP-3)
         # Assigned here rather than by the client after this callback, so that the new partitions
-        # join the gate's state before their first fetch: paused while the assignment is paused
-        # (SUB-7), and resumed otherwise, as librdkafka may keep a pause from an earlier ownership
-        # of the partition, which no later resume of the then assignment reached.
+        # join the gate's state before their first fetch: through consume(), paused while the
+        # assignment is paused (SUB-7), and resumed otherwise, as librdkafka may keep a pause from
+        # an earlier ownership of the partition, which no later resume of the then assignment reached.
         consumer.incremental_assign(partitions)
         self._assigned.update(tp.partition for tp in partitions)
         if self.native is not None:
             self.native.attach([tp.partition for tp in partitions])
-        self._resumed -= {tp.partition for tp in partitions}  # joins paused; resumed again if short
-        self._pause(partitions, self.paused)
+        else:
+            self._pause(partitions, self.paused)
         _tell(self._rebalance.on_assign, partitions, "on_assign")
 
     def _detach(self, partitions: list[TopicPartition]) -> None:
@@ -319,21 +322,12 @@ class Fetcher:
             self._post(Committed(done, failed))
         _tell(self._user_on_commit and functools.partial(self._user_on_commit, err), partitions, "on_commit")
 
-    def _pause_as(self, paused: bool, short: Mapping[int, int] | None) -> None:
-        """Pause the assignment in the consumer while the gate is PAUSED, but for the partitions
-        short of records (``FlowGate.short``); resume it when the gate opens."""
-        resumed = frozenset(short or ()) if paused else frozenset()
-        if paused == self.paused and resumed == self._resumed:
-            return
-        assignment = [TopicPartition(self.topic, partition) for partition in sorted(self._assigned)]
+    def _pause_as(self, paused: bool) -> None:
+        """Through consume(): pause the assignment in the consumer while the gate is PAUSED; resume
+        it when the gate opens."""
         if paused != self.paused:
-            self._pause([tp for tp in assignment if tp.partition not in resumed], paused)
-            if paused:
-                self._pause([tp for tp in assignment if tp.partition in resumed], False)
-        else:
-            self._pause([tp for tp in assignment if tp.partition in self._resumed - resumed], True)
-            self._pause([tp for tp in assignment if tp.partition in resumed - self._resumed], False)
-        self.paused, self._resumed = paused, resumed
+            self._pause([TopicPartition(self.topic, partition) for partition in sorted(self._assigned)], paused)
+            self.paused = paused
 
     def _pause(self, partitions: list[TopicPartition], pause: bool) -> None:
         if partitions:

@@ -2,13 +2,16 @@
 
 ``FlowControl`` bounds what is outstanding at a subscriber. The gate is OPEN (the fetch takes
 records), HELD (over a limit: the fetch takes no records, librdkafka keeps its prefetch) or PAUSED
-(held longer than ``hold_before_pause``: the assignment is paused in the consumer, so that the
-group protocol and rebalance callbacks keep running while nothing is fetched). Over any limit the
+(held longer than ``hold_before_pause``: the fetch serves the consumer's events again, so that the
+group protocol and rebalance callbacks keep running while no records are taken). Over any limit the
 gate closes; it opens again under ``resume_fraction`` of every limit. The coordinator moves it
 between OPEN and HELD after each step; the fetch thread moves it from HELD to PAUSED.
 
-Why HELD before PAUSED: ``pause()`` throws librdkafka's prefetch away and the resume costs a refetch
-of ~0.2-0.5 s, which a short hold at every release step would pay again and again.
+Through ``consume()`` (no native fetch) PAUSED pauses the assignment in the consumer, as records
+and events come through the same queue. Why HELD before PAUSED then: ``pause()`` throws librdkafka's
+prefetch away and the resume costs a refetch of ~0.2-0.5 s, which a short hold at every release
+step would pay again and again. The native fetch never pauses: the partitions' queues are apart from
+the events, and librdkafka bounds each one's prefetch (``queued.max.messages.kbytes``).
 
 Apart from the gate, the fetch takes no records while enough are *ready* (``ample``: at least
 ``max_ready`` keys a release could take now, by default ``max_messages``; it ends under
@@ -187,10 +190,11 @@ class FlowGate:
         return self.in_flight < self.max_in_flight
 
     def wait_for_room(self, timeout: float) -> None:
-        """Fetch thread: wait up to ``timeout`` s while the gate is HELD, ``max_in_flight`` posted
-        records wait for the coordinator or the ready keys are ``ample``; returns as soon as they end."""
+        """Fetch thread: wait up to ``timeout`` s while the gate is not OPEN, ``max_in_flight`` posted
+        records wait for the coordinator or the ready keys are ``ample``; returns as soon as they end
+        (or the short partitions change)."""
         with self._room:
-            if self.state is Gate.HELD or self.in_flight >= self.max_in_flight or self.ample:
+            if self.state is not Gate.OPEN or self.in_flight >= self.max_in_flight or self.ample:
                 self._room.wait(timeout)
 
     def fetch_state(self, now: float) -> Gate:

@@ -289,9 +289,9 @@ def test_partitions_assigned_while_the_fetch_is_paused_join_the_pause(kafka_conf
                                                                     subscription: Callable[..., tuple[str, str]]
                                                                     ) -> None:
     """SUB-7: partitions assigned to a subscriber whose fetch is paused (over its flow-control limit)
-    are paused from their assignment on: no record of them is fetched while over the limit (before,
-    they were fetched at once); and when the limit clears they are resumed with the rest, so every
-    message is delivered, each key in order."""
+    join the pause from their assignment on: no record of them is taken while over the limit (paused
+    in the consumer through consume(); with the native fetch, left in librdkafka's queues); and when
+    the limit clears they are taken with the rest, so every message is delivered, each key in order."""
     topic, name = subscription(partitions=4)
     fast = {**kafka_config, "session.timeout.ms": 6000, "heartbeat.interval.ms": 500}
     unblock = threading.Event()

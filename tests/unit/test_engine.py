@@ -18,6 +18,7 @@ from ordering_layer.record import RecordMetadata
 from ordering_layer.state import ApplyResult, StateStore
 from ordering_layer.state.store import ClaimedPartition, Op, OpKind, unpack_ops
 from ordering_layer.subscriber.engine import Engine
+from ordering_layer.subscriber.flow import Gate
 from ordering_layer.subscriber.handoff import AHEAD_AT_LEAST
 from ordering_layer.subscriber.message import Message, ack_all
 from ordering_layer.subscriber.owned_partition import OwnedPartition
@@ -367,6 +368,62 @@ def test_the_fetch_takes_no_records_while_enough_keys_are_ready(engine: Engine) 
         assert not gate.ample
         engine._fetcher.step()
         assert (counting.consumed, native.fetches) == (2, 1)
+    finally:
+        engine._fetcher.consumer, engine._fetcher.native = real_consumer, real_native
+
+
+class PausingConsumer(CountingConsumer):
+    """``CountingConsumer`` that records ``pause`` and ``resume`` calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pauses: list[tuple[str, list[int]]] = []
+
+    def pause(self, partitions: list[TopicPartition]) -> None:
+        self.pauses.append(("pause", [tp.partition for tp in partitions]))
+
+    def resume(self, partitions: list[TopicPartition]) -> None:
+        self.pauses.append(("resume", [tp.partition for tp in partitions]))
+
+
+class CapsNativeFetch(CountingNativeFetch):
+    """``CountingNativeFetch`` that records the caps of each fetch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.caps: list[dict[int, int] | None] = []
+
+    def fetch(self, max_messages: int, timeout: float,
+              caps: dict[int, int] | None = None) -> tuple[list[Record], list[tuple[int, int, str]]]:
+        self.caps.append(None if caps is None else dict(caps))
+        return super().fetch(max_messages, timeout, caps)
+
+
+def test_the_native_fetch_holds_a_paused_gate_without_pausing_the_consumer(engine: Engine) -> None:
+    """SUB-7: with the native fetch a PAUSED gate takes no records but the short partitions' share,
+    and the consumer is never paused or resumed (librdkafka's pause() waits for a broker thread with
+    the GIL held, and throws the prefetch away): its events are still served at every turn, and the
+    gate's opening takes from every partition again."""
+    engine._fetcher._on_assign(engine.consumer, P0)
+    gate = engine._gate
+    gate.update(0, 0, gate.buffer_limit(), 0.0)  # over the buffer limit since t = 0: PAUSED from now on
+    assert gate.fetch_state(time.monotonic()) is Gate.PAUSED and engine.stats()["fetch_paused"] == 1
+    real_consumer, real_native = engine._fetcher.consumer, engine._fetcher.native
+    consumer, native = PausingConsumer(), CapsNativeFetch()
+    engine._fetcher.consumer, engine._fetcher.native = cast(Consumer, consumer), cast(NativeFetch, native)
+    try:
+        gate.short = {}
+        engine._fetcher.step()
+        assert (consumer.consumed, native.caps) == (1, [])
+        gate.short = {0: 100}
+        engine._fetcher.step()
+        assert (consumer.consumed, native.caps) == (2, [{0: 100}])
+        gate.short = {}
+        gate.update(0, 0, 0, time.monotonic())
+        assert gate.state is Gate.OPEN
+        engine._fetcher.step()
+        assert (consumer.consumed, native.caps) == (3, [{0: 100}, None])
+        assert consumer.pauses == []
     finally:
         engine._fetcher.consumer, engine._fetcher.native = real_consumer, real_native
 
