@@ -113,13 +113,14 @@ STUCK_GRACE = 300.0
 
 def pytest_configure(config: pytest.Config) -> None:
     # The real stderr, kept before a test's output capture takes file descriptor 2.
-    config.stash[_STDERR] = os.dup(sys.__stderr__.fileno() if sys.__stderr__ is not None else 2)
+    config.stash[_STDERR] = os.dup(2)
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
-    marker = item.get_closest_marker("timeout")
-    limit = float(marker.args[0] if marker is not None and marker.args else item.config.getini("timeout") or 0)
+    marker = item.get_closest_marker("timeout")  # pytest-timeout's own: timeout(N) or timeout(timeout=N)
+    given = (marker.kwargs.get("timeout", marker.args[0] if marker.args else None)) if marker is not None else None
+    limit = float(given if given is not None else item.config.getini("timeout") or 0)
     watched = limit > 0 and not float(item.config.getini("faulthandler_timeout") or 0)
     if watched:
         faulthandler.dump_traceback_later(limit + STUCK_GRACE, exit=True, file=item.config.stash[_STDERR])
