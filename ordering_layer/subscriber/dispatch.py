@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Collection
-from operator import attrgetter
+from operator import attrgetter, countOf
 
 from ordering_layer.config import SubscriptionSettings
 from ordering_layer.subscriber.dead_letters import DeadLetters
@@ -33,7 +33,11 @@ from ordering_layer.subscriber.settlement import REQUEUE_DELAY
 from ordering_layer.subscriber.state_writer import StateWriter
 
 _ATTEMPT = attrgetter("attempt")
-_AFTER_FIRST = (1).__lt__  # attempt -> whether it is a redelivery
+
+
+def _redeliveries(messages: list[Message]) -> int:
+    """How many of ``messages`` are not a first attempt (counted in C)."""
+    return len(messages) - countOf(map(_ATTEMPT, messages), 1)
 
 
 class Dispatcher:
@@ -116,7 +120,7 @@ class Dispatcher:
         them back already)."""
         counts = self._counts
         counts["delivered"] -= len(messages)
-        counts["redelivered"] -= sum(map(_AFTER_FIRST, map(_ATTEMPT, messages)))
+        counts["redelivered"] -= _redeliveries(messages)
         self._give_back_messages(messages, now)
 
     def _give_back_messages(self, messages: list[Message], now: float) -> None:
@@ -144,7 +148,7 @@ class Dispatcher:
                 continue  # fenced by the flush that recorded these deliveries: the new owner has them
             if not screen:
                 messages.extend(batch)
-                redelivered += sum(map(_AFTER_FIRST, map(_ATTEMPT, batch)))  # attempts above 1, counted in C
+                redelivered += _redeliveries(batch)
                 continue
             epoch = state.epoch
             for message in batch:

@@ -21,6 +21,7 @@ import socket
 import sys
 import weakref
 from collections import deque
+from itertools import repeat, starmap
 from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
@@ -104,7 +105,8 @@ class Inbox(Generic[T]):
         """Consumer side: every event waiting now, oldest first (a nudge is taken with them)."""
         self._nudged = False
         items = self._items
-        return [items.popleft() for _ in range(len(items))]
+        # As many pops as there are events now, in C; posters only append, so none is lost.
+        return list(starmap(items.popleft, repeat((), len(items))))
 
     def __len__(self) -> int:
         return len(self._items)

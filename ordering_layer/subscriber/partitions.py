@@ -289,6 +289,8 @@ class Partitions:
             for state in states:
                 if budget <= 0 or byte_budget <= 0:
                     return released
+                if not state.ready:
+                    continue  # no key ready: nothing to release
                 batch, size = state.release_ready(now, min(cap, budget), per_key, byte_budget, lease_ms,
                                                   pooled=pooled, leases=leases)
                 if batch:
