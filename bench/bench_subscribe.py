@@ -16,7 +16,13 @@
 (f) a coroutine callback (``await asyncio.sleep(0.005)`` then ack) on the subscriber's event loop,
     100 keys and 1,000 keys (SUB-9; ceilings min(keys, outstanding) / 5 ms);
 (g) a ~2 ms pure-Python CPU-bound callback over 200 keys: ``executor=ProcessPoolExecutor(2)`` vs
-    the subscriber's thread pool (SUB-9).
+    the subscriber's thread pool (SUB-9);
+(h) the ceiling of callback mode's thread shape: (a)'s workload through that shape with no
+    bookkeeping at all (``bare_shape``: a fetch thread, a coordinator that wraps each record in a
+    slots object under the same 1,000 outstanding, one callback thread whose no-op callback posts
+    each ack back; no keys, leases, Redis or commits), against the raw loop and the layer's
+    callback mode, rounds interleaved; then one more callback pass with the coordinator's thread CPU
+    per step, fitted as a cost per step plus a cost per message.
 
 Every consumer, raw or the layer's, fetches with ``fetch.queue.backoff.ms`` at the layer's default
 (``FETCH_QUEUE_BACKOFF_MS``).
@@ -25,13 +31,15 @@ Every consumer, raw or the layer's, fetches with ``fetch.queue.backoff.ms`` at t
 from the earliest offset) and print every round and the median of the per-round ratios.
 
     .venv/bin/python bench/bench_subscribe.py [--messages 100000] [--workers 16] [--rounds 3]
-        [--scenarios abcdefg]
+        [--scenarios abcdefgh]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
+import contextlib
 import functools
 import itertools
 import os
@@ -41,11 +49,12 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from confluent_kafka import Consumer
+from confluent_kafka import Consumer, TopicPartition
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -54,6 +63,9 @@ from ordering_layer import Admin, FlowControl, Message, OrderedConsumer, Ordered
 from ordering_layer.stack import Endpoints
 from ordering_layer.state.client import redis_client
 from ordering_layer.subscriber.client_config import FETCH_QUEUE_BACKOFF_MS
+from ordering_layer.subscriber.engine import Engine
+from ordering_layer.subscriber.native_fetch import open_native_fetch
+from ordering_layer.subscriber.partitions import Partitions
 
 
 def publish(endpoints: Endpoints, topic: str, keys: list[str], count: int, payload: bytes = b"x" * 100) -> None:
@@ -185,7 +197,7 @@ def main() -> None:
     parser.add_argument("--e-messages", type=int, default=20_000, help="messages of (e)")
     parser.add_argument("--f-messages", type=int, default=100_000, help="messages of (f), each key count")
     parser.add_argument("--g-messages", type=int, default=4_000, help="messages of (g)")
-    parser.add_argument("--scenarios", default="abcde", help="which of a..g to run (d needs a)")
+    parser.add_argument("--scenarios", default="abcde", help="which of a..h to run (d needs a)")
     args = parser.parse_args()
     with bench_stack() as endpoints:
         admin = Admin(endpoints.kafka_config(), redis_url=endpoints.redis_url)
@@ -201,6 +213,8 @@ def main() -> None:
             coroutines(endpoints, admin, args.f_messages)
         if "g" in args.scenarios:
             cpu_bound(endpoints, admin, args.g_messages, args.workers)
+        if "h" in args.scenarios:
+            shape_ceiling(endpoints, admin, args.messages, args.workers, args.rounds)
 
 
 def noop(endpoints: Endpoints, admin: Admin, messages: int, workers: int, rounds: int,
@@ -249,6 +263,173 @@ def noop(endpoints: Endpoints, admin: Admin, messages: int, workers: int, rounds
     if round_trips:
         print(f"(d) Redis round trips per message during (a) callback: {statistics.median(per_message):.4f} "
               "(goal <= 0.05)")
+
+
+class _Wrapped:
+    """What the bare shape hands to its callback thread: a record in a slots object, as a release does."""
+
+    __slots__ = ("post", "record", "settled")
+
+    def __init__(self, record: Any, post: Any) -> None:
+        self.record = record
+        self.post = post
+        self.settled = False
+
+
+def bare_shape(endpoints: Endpoints, topic: str, count: int, *, native: bool, max_outstanding: int = 1000) -> float:
+    """(h): callback mode's threads and hand-offs, with none of the layer's bookkeeping. A fetch
+    thread posts batches to a coordinator, which wraps each record, releases within
+    ``max_outstanding`` and hands them to one callback thread; the callback marks each settled and
+    posts it back; the coordinator counts the acks. The fetch is ``consume(500)`` like
+    ``raw_consume``'s, or with ``native`` the layer's own (``open_native_fetch``: ``Record``s made
+    straight from librdkafka's queues). Returns msg/s from the first callback to the last ack."""
+    config = {**endpoints.kafka_config(), "group.id": f"shape-{uuid.uuid4().hex}", "enable.auto.commit": False,
+              "auto.offset.reset": "earliest", "fetch.queue.backoff.ms": FETCH_QUEUE_BACKOFF_MS}
+    consumer = Consumer(config)
+    fast = open_native_fetch(consumer, config, topic, lambda record: None) if native else None
+    if native and fast is None:
+        raise RuntimeError("the native fetch is not available here")
+
+    def assigned(_: Consumer, partitions: list[TopicPartition]) -> None:
+        if fast is not None:
+            fast.attach([tp.partition for tp in partitions])
+
+    consumer.subscribe([topic], on_assign=assigned)
+    inbox: collections.deque[Any] = collections.deque()
+    work: collections.deque[_Wrapped] = collections.deque()
+    events, handed = threading.Condition(threading.Lock()), threading.Condition(threading.Lock())
+    finished, stop = threading.Event(), threading.Event()
+    first = [0.0]
+
+    def post(item: Any) -> None:
+        inbox.append(item)
+        if len(inbox) == 1:
+            with events:
+                events.notify()
+
+    def fetch() -> None:
+        while not stop.is_set():
+            if len(inbox) > 40:  # batches the coordinator has not taken yet
+                time.sleep(0.001)
+                continue
+            if fast is None:
+                batch = consumer.consume(500, 0.1)
+            else:
+                consumer.consume(500, 0)  # events only: the partitions' records are fetched natively
+                batch, _ = fast.fetch(500, 0.1)
+            if batch:
+                post(batch)
+
+    def coordinate() -> None:
+        fetched: collections.deque[Any] = collections.deque()
+        outstanding = acked = 0
+        while acked < count:
+            with events:
+                if not inbox:
+                    events.wait(0.05)
+            for event in [inbox.popleft() for _ in range(len(inbox))]:
+                if type(event) is list:
+                    fetched.extend(event)
+                else:
+                    outstanding -= 1
+                    acked += 1
+            released = [_Wrapped(fetched.popleft(), post) for _ in range(min(len(fetched),
+                                                                               max_outstanding - outstanding))]
+            if released:
+                outstanding += len(released)
+                work.extend(released)
+                with handed:
+                    handed.notify()
+        finished.set()
+
+    def call_back() -> None:
+        while not finished.is_set():
+            try:
+                message = work.popleft()
+            except IndexError:
+                with handed:
+                    if not work:
+                        handed.wait(0.05)
+                continue
+            if not first[0]:
+                first[0] = time.perf_counter()
+            message.settled = True
+            message.post(message)
+
+    threads = [threading.Thread(target=target, daemon=True) for target in (fetch, coordinate, call_back)]
+    for thread in threads:
+        thread.start()
+    finished.wait(600)
+    elapsed = time.perf_counter() - first[0]
+    stop.set()
+    for thread in threads:
+        thread.join()
+    if fast is not None:
+        fast.close()
+    consumer.close()
+    return count / elapsed
+
+
+def shape_ceiling(endpoints: Endpoints, admin: Admin, messages: int, workers: int, rounds: int) -> None:
+    """(h): the raw loop, the bare shape and the layer's callback mode on one topic, rounds
+    interleaved; medians of the per-round ratios."""
+    topic = workload_topic(endpoints, admin, "bench-shape", messages)
+    runs: dict[str, list[float]] = {"raw": [], "bare shape": [], "bare, native fetch": [], "callback": []}
+    for round_ in range(rounds):
+        runs["raw"].append(raw_consume(endpoints, topic, messages))
+        runs["bare shape"].append(bare_shape(endpoints, topic, messages, native=False))
+        runs["bare, native fetch"].append(bare_shape(endpoints, topic, messages, native=True))
+        runs["callback"].append(layer_consume(endpoints, admin, topic, messages, workers))
+        print(f"round {round_ + 1}: " + ", ".join(f"{name} {rates[-1]:,.0f}" for name, rates in runs.items())
+              + " msg/s", flush=True)
+
+    def ratio(layer: str, reference: str = "raw") -> float:
+        return statistics.median(a / b for a, b in zip(runs[layer], runs[reference], strict=True))
+
+    print(f"medians of {rounds} interleaved rounds:")
+    print(ratio_line("(h) bare shape (no bookkeeping)", statistics.median(runs["bare shape"]),
+                     statistics.median(runs["raw"])) + f"   median ratio {ratio('bare shape'):.3f}")
+    print(ratio_line("(h) bare shape, native fetch", statistics.median(runs["bare, native fetch"]),
+                     statistics.median(runs["raw"])) + f"   median ratio {ratio('bare, native fetch'):.3f}")
+    print(ratio_line("(h) callback mode", statistics.median(runs["callback"]), statistics.median(runs["raw"]))
+          + f"   median ratio {ratio('callback'):.3f}")
+    print(f"    callback mode / bare shape with the native fetch: {ratio('callback', 'bare, native fetch'):.2f}")
+    steps: list[tuple[float, int]] = []
+    with step_costs(steps):
+        rate = layer_consume(endpoints, admin, topic, messages, workers)
+    busy = [(cpu, work) for cpu, work in steps if work]
+    per_message, fixed = statistics.linear_regression([work / 3 for _, work in busy], [cpu for cpu, _ in busy])
+    total_cpu, total_work = sum(cpu for cpu, _ in busy), sum(work for _, work in busy) / 3
+    print(f"(h) the coordinator, one more callback pass ({rate:,.0f} msg/s): {len(busy)} steps, "
+          f"{total_work / len(busy):.0f} messages a step, thread CPU {total_cpu / total_work * 1e6:.2f} us a message "
+          f"= {fixed * 1e6:.0f} us a step + {per_message * 1e6:.2f} us a message (least squares; a message is "
+          "taken in, released and acked, a third of its work each)")
+
+
+@contextlib.contextmanager
+def step_costs(steps: list[tuple[float, int]]) -> Iterator[None]:
+    """For engines made inside: each coordinator step's thread CPU time and its work (records taken
+    in + messages released + acks applied) appended to ``steps``."""
+    step, take = Engine._step, Partitions.take
+    taken = [0]
+
+    def timed_step(self: Engine) -> float:
+        counts = self._counts
+        taken[0], before, start = 0, counts["delivered"] + counts["acked"], time.thread_time()
+        try:
+            return step(self)
+        finally:
+            steps.append((time.thread_time() - start, taken[0] + counts["delivered"] + counts["acked"] - before))
+
+    def counted_take(self: Partitions, fetched: Any) -> None:
+        taken[0] += len(fetched.records)
+        take(self, fetched)
+
+    Engine._step, Partitions.take = timed_step, counted_take  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        Engine._step, Partitions.take = step, take  # type: ignore[method-assign]
 
 
 def ordered_vs_unordered(endpoints: Endpoints, admin: Admin, messages: int, workers: int, rounds: int) -> None:
