@@ -11,6 +11,7 @@
 //! generations, epochs, start notes and dead-letter policy stay in Python; leases are the
 //! `LeaseTable`'s (`leases.rs`).
 
+mod delivery;
 mod fetch;
 mod key_queue;
 mod leases;
@@ -27,11 +28,12 @@ use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::{PyTraverseError, PyVisit};
-use pyo3::types::{PyBool, PyBytes, PyDict, PyList, PyTuple};
+use pyo3::types::{PyBool, PyBytes, PyDict, PyList, PyTuple, PyType};
 
 use leases::{LeaseSettings, Leases};
 use partition::{Admission, PartitionCore as Core, QueueKey};
-use slots::{field, SlotLayout, MESSAGE_FIELDS, RECORD_FIELDS};
+use delivery::{AckQueue, Delivery, Fields, Maker};
+use slots::{field, SlotLayout, RECORD_FIELDS};
 
 /// What `release_ready` returns: records, tokens, attempts (parallel lists), payload bytes, the
 /// positions of the suspects among them (rare: after a crash), and the deliveries' lease handles
@@ -123,8 +125,7 @@ struct ReleaseOut {
     bytes: i64,
 }
 
-/// Positions in the names the layouts are built from (`slots::MESSAGE_FIELDS`, `slots::RECORD_FIELDS`).
-const MESSAGE_LEASE: usize = field(&MESSAGE_FIELDS, "lease");
+/// Positions in the names the record layout is built from (`slots::RECORD_FIELDS`).
 const RECORD_PARTITION: usize = field(&RECORD_FIELDS, "partition");
 const RECORD_OFFSET: usize = field(&RECORD_FIELDS, "offset");
 const RECORD_KEY: usize = field(&RECORD_FIELDS, "key");
@@ -135,45 +136,49 @@ const METADATA_PARTITION_COUNT: usize = 1; // `RecordMetadata.partition_count`
 const RECORD_ATTEMPTS: usize = field(&RECORD_FIELDS, "attempts");
 const RECORD_SUSPECT: usize = field(&RECORD_FIELDS, "suspect");
 
-/// How one partition's released records become `Message`s: the layouts of `Message`
-/// (`record, queue_key, token, attempt, lease, _topic, _epoch, _submit, settled`) and `Record`
-/// (`partition, offset, key, value, headers, metadata, size, timestamp_ms, attempts, last_error,
-/// suspect, quarantined`), the topic, where acks are posted, and whether keys order (otherwise each
-/// message queues alone, under its offset).
+/// How one partition's released records become `Message`s: the `Message` class (a subclass of
+/// `Delivery`, `delivery.rs`), the layout of `Record` (`partition, offset, key, value, headers,
+/// metadata, size, timestamp_ms, attempts, last_error, suspect, quarantined`), the topic, where
+/// requests are posted (the engine's inbox), where first plain acks go (the engine's `AckQueue`), and
+/// whether keys order (otherwise each message queues alone, under its offset).
 #[pyclass(module = "ordering_layer._core", name = "Deliveries", frozen)]
 struct Deliveries {
-    messages: Py<SlotLayout>,
+    messages: Maker,
     records: Py<SlotLayout>,
     topic: Py<PyAny>,
     submit: Py<PyAny>,
+    acks: Option<Py<AckQueue>>,
     ordered: bool,
 }
 
 #[pymethods]
 impl Deliveries {
     #[new]
-    fn new(messages: Bound<'_, SlotLayout>, records: Bound<'_, SlotLayout>, topic: Py<PyAny>, submit: Py<PyAny>,
-           ordered: bool) -> PyResult<Self> {
-        if !messages.get().names_are(&MESSAGE_FIELDS) || !records.get().names_are(&RECORD_FIELDS) {
-            return Err(PyValueError::new_err("Deliveries needs layouts of MESSAGE_FIELDS and RECORD_FIELDS"));
+    #[pyo3(signature = (messages, records, topic, submit, ordered, acks = None))]
+    fn new(messages: &Bound<'_, PyType>, records: Bound<'_, SlotLayout>, topic: Py<PyAny>, submit: Py<PyAny>,
+           ordered: bool, acks: Option<Py<AckQueue>>) -> PyResult<Self> {
+        if !records.get().names_are(&RECORD_FIELDS) {
+            return Err(PyValueError::new_err("Deliveries needs a layout of RECORD_FIELDS"));
         }
-        Ok(Deliveries { messages: messages.unbind(), records: records.unbind(), topic, submit, ordered })
+        Ok(Deliveries { messages: Maker::new(messages)?, records: records.unbind(), topic, submit, acks, ordered })
     }
 
     fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
-        visit.call(&self.messages)?;
+        self.messages.traverse(&visit)?;
         visit.call(&self.records)?;
         visit.call(&self.topic)?;
-        visit.call(&self.submit)
+        visit.call(&self.submit)?;
+        if let Some(acks) = &self.acks {
+            visit.call(acks)?;
+        }
+        Ok(())
     }
 }
 
 impl Deliveries {
     /// The messages of one release (see `release_messages`), and its payload bytes.
     fn make<'py>(&self, py: Python<'py>, out: ReleaseOut, epoch: i64) -> PyResult<(Bound<'py, PyList>, i64)> {
-        let (layout, records) = (self.messages.get(), self.records.get());
-        let (topic, submit, epoch) = (self.topic.bind(py), self.submit.bind(py), epoch.into_pyobject(py)?.into_any());
-        let settled = PyBool::new(py, false).to_owned().into_any();
+        let records = self.records.get();
         let suspect = PyBool::new(py, true).to_owned().into_any();
         let mut suspects = out.suspects.iter().peekable();
         let messages = PyList::empty(py);
@@ -182,10 +187,10 @@ impl Deliveries {
             if !records.is_instance(&record) {
                 return Err(PyTypeError::new_err("a released item is not a Record"));
             }
-            let attempt = out.attempts[position].into_pyobject(py)?.into_any();
+            let attempt = out.attempts[position];
             // SAFETY: `record` is an instance of exactly the records layout's class (checked above).
             unsafe {
-                records.set(&record, RECORD_ATTEMPTS, attempt.clone());
+                records.set(&record, RECORD_ATTEMPTS, attempt.into_pyobject(py)?.into_any());
                 if suspects.next_if_eq(&&position).is_some() {
                     records.set(&record, RECORD_SUSPECT, suspect.clone());
                 }
@@ -194,16 +199,23 @@ impl Deliveries {
             let key = unsafe { records.get(&record, RECORD_KEY) };
             let queue_key = if self.ordered && key.is_truthy()? { key } else { unsafe { records.get(&record, RECORD_OFFSET) } };
             let lease = out.handles.get(position).copied().unwrap_or(0);
-            let message = layout.make(py, &[record, queue_key, out.tokens[position].into_pyobject(py)?.into_any(), attempt,
-                                            lease.into_pyobject(py)?.into_any(), topic.clone(), epoch.clone(),
-                                            submit.clone(), settled.clone()])?;
-            // Out of the cyclic collector's sight: a message refers to its record (untracked too), ints,
-            // bytes, its topic and its engine inbox's bound `put`; the only cycle it can be part of runs
-            // through that inbox while it waits there as an ack, and the engine drains its inbox, so
-            // reference counting alone frees it. Thousands of messages are outstanding at a time:
-            // tracked, each young collection walked them (measured: the history of `bench/RESULTS.md`).
-            // SAFETY: the message is alive (we hold it) and was allocated tracked, with the GIL held.
-            unsafe { pyo3::ffi::PyObject_GC_UnTrack(message.as_ptr().cast()) };
+            // Out of the cyclic collector's sight (`Maker::make`): a message refers to its record
+            // (untracked too), ints, bytes, its topic, its engine's ack queue and its inbox's bound
+            // `put`; the only cycle it can be part of runs through that inbox while it waits there as
+            // a request, and the engine drains its inbox, so reference counting alone frees it.
+            // Thousands of messages are outstanding at a time: tracked, each young collection walked
+            // them (measured: the history of `bench/RESULTS.md`).
+            let message = self.messages.make(py, Fields {
+                record: record.unbind(),
+                queue_key: queue_key.unbind(),
+                token: out.tokens[position],
+                attempt: i64::from(attempt),
+                lease,
+                topic: self.topic.clone_ref(py),
+                epoch,
+                submit: self.submit.clone_ref(py),
+                acks: self.acks.as_ref().map(|acks| acks.clone_ref(py)),
+            })?;
             messages.append(message)?;
         }
         Ok((messages, out.bytes))
@@ -604,9 +616,12 @@ struct LeaseTable {
     leases: Leases,
 }
 
-/// A delivery's lease handle (its `lease` attribute).
+/// A delivery's lease handle (a `Delivery`'s field, else its `lease` attribute).
 fn handle_of(item: &Bound<'_, PyAny>) -> PyResult<u64> {
-    item.getattr(intern!(item.py(), "lease"))?.extract()
+    match item.cast::<Delivery>() {
+        Ok(delivery) => Ok(delivery.get().lease),
+        Err(_) => item.getattr(intern!(item.py(), "lease"))?.extract(),
+    }
 }
 
 /// An owned partition's core and owner epoch.
@@ -637,6 +652,22 @@ impl<'py> OwnedCache<'py> {
             Some((_, Some((core, owned_epoch)))) if *owned_epoch == epoch => Some(core),
             _ => None,
         })
+    }
+}
+
+impl LeaseTable {
+    /// Settle the deliveries `handles` name (see `ack_run`).
+    fn ack_handles(&mut self, handles: &[u64], owned: &Bound<'_, PyDict>, now: f64) -> PyResult<usize> {
+        let mut settled = 0;
+        let mut cache = OwnedCache { owned: owned.clone(), current: None };
+        for &handle in handles {
+            let Some(&lease) = self.leases.get(handle) else { continue };
+            let Some(core) = cache.core(lease.partition, lease.epoch)? else { continue };
+            core.borrow_mut().core.ack_leased(lease.offset, lease.token, lease.written);
+            self.leases.pop(handle, Some(now));
+            settled += 1;
+        }
+        Ok(settled)
     }
 }
 
@@ -728,27 +759,16 @@ impl LeaseTable {
     /// still outstanding, whose partition is owned under the epoch it went out with (`owned`:
     /// partition -> `OwnedPartition`), is forgotten here and settled in the partition's core, which
     /// queues its SETTLED op. Returns how many were settled; an ack of a delivery given back or
-    /// dropped since, or made under an older epoch, changes nothing (ACK-5). With `layout` (the
-    /// `Message` layout) the handle of a `Message` is read from its slot.
-    #[pyo3(signature = (messages, owned, now, layout = None))]
-    fn ack_run(&mut self, messages: &Bound<'_, PyList>, owned: &Bound<'_, PyDict>, now: f64,
-               layout: Option<&Bound<'_, SlotLayout>>) -> PyResult<usize> {
-        let mut settled = 0;
-        let mut cache = OwnedCache { owned: owned.clone(), current: None };
-        let layout = layout.map(Bound::get);
-        for message in messages.iter() {
-            let handle = match layout.filter(|layout| layout.is_instance(&message)) {
-                // SAFETY: `message` is an instance of exactly the layout's class.
-                Some(layout) => unsafe { layout.get(&message, MESSAGE_LEASE) }.extract()?,
-                None => handle_of(&message)?,
-            };
-            let Some(&lease) = self.leases.get(handle) else { continue };
-            let Some(core) = cache.core(lease.partition, lease.epoch)? else { continue };
-            core.borrow_mut().core.ack_leased(lease.offset, lease.token, lease.written);
-            self.leases.pop(handle, Some(now));
-            settled += 1;
-        }
-        Ok(settled)
+    /// dropped since, or made under an older epoch, changes nothing (ACK-5).
+    fn ack_run(&mut self, messages: &Bound<'_, PyList>, owned: &Bound<'_, PyDict>, now: f64) -> PyResult<usize> {
+        let handles = messages.iter().map(|message| handle_of(&message)).collect::<PyResult<Vec<u64>>>()?;
+        self.ack_handles(&handles, owned, now)
+    }
+
+    /// Settle the plain acks waiting in `queue` (their lease handles, in order), as `ack_run`.
+    fn ack_queued(&mut self, queue: &Bound<'_, AckQueue>, owned: &Bound<'_, PyDict>, now: f64) -> PyResult<usize> {
+        let handles = queue.get().drain();
+        self.ack_handles(&handles, owned, now)
     }
 
     /// Queue the STARTED op (`kind`) of each noted start (deliveries: `lease` and `attempt`) whose
@@ -760,7 +780,10 @@ impl LeaseTable {
         for note in notes.iter() {
             let Some(&lease) = self.leases.get(handle_of(&note)?) else { continue };
             let Some(core) = cache.core(lease.partition, lease.epoch)? else { continue };
-            let attempt: i64 = note.getattr(intern!(note.py(), "attempt"))?.extract()?;
+            let attempt: i64 = match note.cast::<Delivery>() {
+                Ok(delivery) => delivery.get().attempt(),
+                Err(_) => note.getattr(intern!(note.py(), "attempt"))?.extract()?,
+            };
             core.borrow_mut().core.push_op(kind, lease.offset, attempt);
             queued += 1;
         }
@@ -848,13 +871,14 @@ fn ordering_layer_core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<LeaseTable>()?;
     module.add_class::<SlotLayout>()?;
     module.add("RECORD_FIELDS", PyTuple::new(module.py(), RECORD_FIELDS)?)?;
-    module.add("MESSAGE_FIELDS", PyTuple::new(module.py(), MESSAGE_FIELDS)?)?;
     let letters = PyDict::new(module.py());
     for (name, letter) in ops::LETTERS {
         letters.set_item(name, letter.to_string())?;
     }
     module.add("OP_LETTERS", letters)?;
     module.add_class::<Deliveries>()?;
+    module.add_class::<Delivery>()?;
+    module.add_class::<AckQueue>()?;
     module.add_function(wrap_pyfunction!(partition_runs, module)?)?;
     module.add_function(wrap_pyfunction!(command_runs, module)?)?;
     module.add_function(wrap_pyfunction!(evalsha_commands, module)?)?;

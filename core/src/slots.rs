@@ -1,9 +1,8 @@
 //! Instances of a Python class with `__slots__`, made without running its `__init__`.
 //!
-//! The subscriber makes two Python objects per message: a `Record` at the fetch and a `Message` at
-//! the release. Calling the class runs its `__init__`, a Python frame that stores each slot in turn
-//! (about 120 ns each, measured: the history of `bench/RESULTS.md`); the objects are plain slot holders, so `SlotLayout`
-//! allocates one (`PyType_GenericAlloc`, as calling the class does) and stores the values in its
+//! The subscriber makes a `Record` per fetched record. Calling the class runs its `__init__`, a
+//! Python frame that stores each slot in turn (about 120 ns each, measured: the history of
+//! `bench/RESULTS.md`); records are plain slot holders, so `SlotLayout` allocates one (`PyType_GenericAlloc`, as calling the class does) and stores the values in its
 //! slots directly. A slot of such a class is a `PyObject *` at a fixed offset in the instance; the
 //! offsets are found once per class by storing a fresh object in each named slot of a probe
 //! instance and looking for its address in the instance's memory (`__basicsize__` bytes), so no
@@ -22,10 +21,6 @@ const POINTER: usize = std::mem::size_of::<*mut ffi::PyObject>();
 /// name: a layout's values come in this order, whatever the order of the class's fields.
 pub const RECORD_FIELDS: [&str; 12] = ["partition", "offset", "key", "value", "headers", "metadata", "size",
                                        "timestamp_ms", "attempts", "last_error", "suspect", "quarantined"];
-/// The `Message` slots the core fills and reads (`ordering_layer.subscriber.message.Message`), by name.
-pub const MESSAGE_FIELDS: [&str; 9] = ["record", "queue_key", "token", "attempt", "lease", "_topic", "_epoch",
-                                       "_submit", "settled"];
-
 /// The position of `name` in `names`, at compile time (a misspelt name does not build).
 pub const fn field(names: &[&str], name: &str) -> usize {
     let mut index = 0;

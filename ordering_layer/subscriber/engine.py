@@ -30,6 +30,7 @@ from typing import Any
 
 from confluent_kafka import Consumer, TopicPartition
 
+from ordering_layer._core import AckQueue
 from ordering_layer.config import FlowControl, SubscriptionSettings
 from ordering_layer.state import StateStore
 from ordering_layer.state.counts import PartitionCounts
@@ -101,6 +102,8 @@ class Engine:
         self._watch = watch
         self._watch_due: float | None = None
         self._inbox: Inbox[Any] = Inbox()
+        # Plain acks that are the first request of their message: lease handles, no Python per ack.
+        self._acks = AckQueue(self._inbox.nudge)
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
         self._gate = FlowGate(flow_control)
@@ -111,7 +114,7 @@ class Engine:
         self._moves = MoveGuard(kafka_config, store, subscription, self.topic, self._inbox.put)
         conf = consumer_settings(kafka_config, subscription, partitions)
         self._owned = Partitions(store, subscription, settings, suspects=on_messages is not None,
-                                 submit=self._inbox.put, counts_for=self._moves.counts_for,
+                                 submit=self._inbox.put, acks=self._acks, counts_for=self._moves.counts_for,
                                  departed_for=self._moves.departed_for)
         self._partitions = self._moves.owned = self._owned.owned
         self._closing = False
@@ -257,7 +260,9 @@ class Engine:
         inbox = self._inbox
         # A step takes what is there: batches (one Redis round trip for many messages, ACK-4) form
         # from the events that came while the last step and its flush ran, never from waiting.
-        inbox.wait(1, wait, answer)
+        if self._acks.arm():  # no ack waiting: sleep until one comes, or an event
+            inbox.wait(1, wait, answer)
+            self._acks.disarm()
         events = inbox.take()
         with self._lock:
             now = time.monotonic()
@@ -301,6 +306,9 @@ class Engine:
         return min([0.1, *(max(0.0, t - now) for t in times if t is not None)])
 
     def _handle(self, events: list[Any], now: float) -> None:
+        # The ack queue is taken after the inbox's ``events`` and applied before them: an ack queued
+        # is its message's first request, posted before any request about the same message in them.
+        self._settlement.acks_queued(self._acks, now)
         settle, acks = self._settlement.settle, self._settlement.acks
         for kind, group in groupby(events, type):  # plain acks in a row are applied in one pass
             if kind is Message:

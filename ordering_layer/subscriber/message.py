@@ -3,6 +3,8 @@
 A ``Message`` is the engine's ``Delivery`` itself (made at release, by the core:
 ``PartitionCore.release_messages``), so a message handed to user code is one object, not a wrapper
 around another; ``lease`` names it in the engine's ``LeaseTable`` while it is outstanding.
+``Delivery`` is compiled (``core/src/delivery.rs``): its fields, ``settled`` and ``ack`` are there, so
+a plain ack runs no Python (it goes to the engine's ``AckQueue``); this class adds the accessors.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from datetime import UTC, datetime
 from confluent_kafka import TIMESTAMP_LOG_APPEND_TIME, KafkaError
 
 from ordering_layer.record import HeaderPairs, attributes_of, display_key
-from ordering_layer.subscriber.records import Delivery, QueueKey, Record
+from ordering_layer.subscriber.records import Delivery
 from ordering_layer.subscriber.requests import Settle, SettleKind
 
 _ACK, _NACK, _DEADLINE = SettleKind.ACK, SettleKind.NACK, SettleKind.DEADLINE
@@ -48,23 +50,11 @@ class Message(Delivery):
     ``partition()``, ``offset()``, ``timestamp()``, ``error()``.
     """
 
-    __slots__ = ("_epoch", "_submit", "_topic", "settled")
-
-    def __init__(self, record: Record, queue_key: QueueKey, token: int, attempt: int, topic: str, epoch: int,
-                 submit: Callable[[Settle | Message | list[Message]], None] = unattached, lease: int = 0) -> None:
-        # The subscriber's releases do not call this: the core fills the slots (``_core.MESSAGE_FIELDS``) of
-        # each message it releases directly. Delivery's fields are set here, not by its __init__.
-        self.record = record
-        self.queue_key = queue_key
-        self.token = token
-        self.attempt = attempt
-        self.lease = lease
-        self._topic = topic
-        self._epoch = epoch
-        self._submit = submit
-        # True: an ack was sent; NACKED: a nack was, and stays so whatever comes after it (a key's run
-        # never goes on past a nacked message, ``runs``); the answer may still be pending.
-        self.settled: int = False
+    # ``Message(record, queue_key, token, attempt, topic, epoch, submit=None, lease=0)`` (``Delivery``'s
+    # constructor; the subscriber's releases make messages in the core). ``settled``: False; True once
+    # an ack was sent; NACKED once a nack was, and so whatever comes after it (a key's run never goes on
+    # past a nacked message, ``runs``); the answer may still be pending.
+    __slots__ = ()
 
     @property
     def data(self) -> bytes:
@@ -112,17 +102,11 @@ class Message(Delivery):
 
     def _send(self, kind: int, seconds: float = 0.0, error: str | None = None,
               future: Future[AckResponse] | None = None) -> None:
-        if kind == _NACK:
-            self.settled = NACKED
-        elif kind != _DEADLINE and self.settled != NACKED:
-            self.settled = True
-        self._submit(Settle(kind, self, self._epoch, seconds, error, future))
-
-    def ack(self) -> None:
-        """Done with the message: it is settled and never delivered again (unless a cascade)."""
-        if self.settled != NACKED:
-            self.settled = True
-        self._submit(self)  # a plain ack is the message itself: no request made per ack
+        self._mark(kind)
+        submit = self._submit
+        if submit is None:
+            unattached(self)
+        submit(Settle(kind, self, self._epoch, seconds, error, future))
 
     def ack_with_response(self) -> Future[AckResponse]:
         """Ack and learn whether it took effect (SUCCESS once written to Redis by the owner)."""
@@ -187,11 +171,12 @@ class Message(Delivery):
 
 
 def ack_all(messages: Iterable[Message]) -> None:
-    """Ack many messages as ``Message.ack`` would each, with one event per engine: the messages of
-    one engine go to its inbox as one list (the coordinator settles it as a run of plain acks)."""
+    """Ack many messages as ``Message.ack`` would each: the first request of a released message goes
+    to its engine's ack queue (the engine is woken once, and settles the queue in one call); the rest
+    go to their engine's inbox as one list per engine (settled as a run of plain acks)."""
     batches: dict[Callable[[Settle | Message | list[Message]], None], list[Message]] = {}
     for message in messages:
-        message.settled = True
-        batches.setdefault(message._submit, []).append(message)
+        if not message._ack_queued():
+            batches.setdefault(message._submit, []).append(message)
     for submit, batch in batches.items():
         submit(batch)

@@ -19,18 +19,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ordering_layer._core import MESSAGE_FIELDS, RECORD_FIELDS, Deliveries, LeaseTable, PartitionCore, SlotLayout
+from ordering_layer._core import RECORD_FIELDS, AckQueue, Deliveries, LeaseTable, PartitionCore, SlotLayout
 from ordering_layer.state.store import OpLetter
 from ordering_layer.subscriber.message import Message, unattached
 from ordering_layer.subscriber.records import Delivery, QueueKey, Record
 
-__all__ = ["MESSAGE_LAYOUT", "RECORD_LAYOUT", "OwnedPartition"]
+__all__ = ["RECORD_LAYOUT", "OwnedPartition"]
 
-# Records and messages are made by the core without running ``__init__``, and their fields read from
-# their slots (``core/src/slots.rs``), found by the names the core gives: the order of the classes'
-# fields does not matter.
+# Records are made by the core without running ``__init__``, and their fields read from their slots
+# (``core/src/slots.rs``), found by the names the core gives: the order of the class's fields does not
+# matter. Messages are compiled ``Delivery``s (``core/src/delivery.rs``).
 RECORD_LAYOUT = SlotLayout(Record, list(RECORD_FIELDS))
-MESSAGE_LAYOUT = SlotLayout(Message, list(MESSAGE_FIELDS))
 
 
 class OwnedPartition:
@@ -39,7 +38,9 @@ class OwnedPartition:
     Args: those of ``PartitionState`` (partition, epoch, ordering, the claim's settled offsets,
     charged attempts, cascade marks and floor, suspects, generation, seek), and:
         topic: the topic, named in each ``Message``.
-        submit: where a released ``Message`` posts its acks (the engine's inbox).
+        submit: where a released ``Message`` posts its requests (the engine's inbox).
+        acks: where a released ``Message`` puts a first plain ack (the engine's ``AckQueue``; without
+            one, acks go to ``submit`` too).
     """
 
     __slots__ = ("_charged_up_to", "_deliveries", "core", "epoch", "generation", "partition", "revoking",
@@ -49,7 +50,7 @@ class OwnedPartition:
                  settled_before: frozenset[int] = frozenset(), attempts_before: dict[int, int] | None = None,
                  suspects: bool = True, generation: int = 0, start_offset: int | None = None,
                  seek_generation: int = 0, cascades: frozenset[int] = frozenset(), floor: int | None = None,
-                 topic: str = "", submit: Callable[[Any], None] = unattached) -> None:
+                 topic: str = "", submit: Callable[[Any], None] = unattached, acks: AckQueue | None = None) -> None:
         self.partition = partition
         self.epoch = epoch
         self.generation = generation
@@ -60,7 +61,7 @@ class OwnedPartition:
             ordered=ordered, settled_before=set(settled_before), attempts_before=attempts_before or {},
             suspects=suspects, start_offset=start_offset, cascades=set(cascades), floor=floor)
         self._charged_up_to = max(attempts_before) if attempts_before else None
-        self._deliveries = Deliveries(MESSAGE_LAYOUT, RECORD_LAYOUT, topic, submit, ordered)  # what releases make
+        self._deliveries = Deliveries(Message, RECORD_LAYOUT, topic, submit, ordered, acks)  # what releases make
 
     def charged_pending(self) -> bool:
         """Some record the claim charged attempts to is not settled yet (its commit point is not past

@@ -25,7 +25,7 @@ from typing import Any
 import redis
 from confluent_kafka import TopicPartition
 
-from ordering_layer._core import LeaseTable, partition_runs
+from ordering_layer._core import AckQueue, LeaseTable, partition_runs
 from ordering_layer.config import SubscriptionSettings
 from ordering_layer.errors import OrderingLayerError
 from ordering_layer.kafka.offsets import seek_tag
@@ -79,20 +79,22 @@ class Partitions:
         subscription: subscription name.
         settings: the subscription's settings (ordering on or off; stored again after a Redis loss).
         suspects: callback mode: records charged at a claim are suspects (``OwnedPartition``).
-        submit: where the released messages post their acks (the engine's inbox).
+        submit: where the released messages post their requests (the engine's inbox).
+        acks: where they put a first plain ack (the engine's ``AckQueue``).
         counts_for: the topic's partition-count history for a partition claimed (``MoveGuard``).
         departed_for: the marks of keys that left a partition claimed, with their seek generations
             (``MoveGuard``; raises ``redis.RedisError`` or ``OrderingLayerError``).
     """
 
     def __init__(self, store: StateStore, subscription: str, settings: SubscriptionSettings, *,
-                 suspects: bool = True, submit: Callable[[Any], None] = unattached,
+                 suspects: bool = True, submit: Callable[[Any], None] = unattached, acks: AckQueue | None = None,
                  counts_for: Callable[[int], list[tuple[int, int]]] = lambda partition: [],
                  departed_for: Callable[[int], list[Departed]] = lambda partition: []) -> None:
         self._store = store
         self._counts_for = counts_for
         self._departed_for = departed_for
         self._submit = submit
+        self._acks = acks
         self._suspects = suspects
         self._subscription = subscription
         self._settings = settings
@@ -152,7 +154,8 @@ class Partitions:
             partition, claimed.epoch, ordered=self._settings.enable_message_ordering,
             settled_before=claimed.settled, attempts_before=attempts, suspects=self._suspects,
             generation=generation, start_offset=claimed.seek_offset, seek_generation=claimed.seek_generation,
-            cascades=claimed.cascades, floor=claimed.floor, topic=self._settings.topic, submit=self._submit)
+            cascades=claimed.cascades, floor=claimed.floor, topic=self._settings.topic, submit=self._submit,
+            acks=self._acks)
         history = self._counts_for(partition)
         if len(history) > 1:  # keys moved in by a growth wait for their old partitions (SUB-8)
             state.core.set_moves(partition, history)

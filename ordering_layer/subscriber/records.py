@@ -1,11 +1,14 @@
 """What the subscriber queues and hands out: a fetched ``Record`` and one hand-off of it, a ``Delivery``
-(``message.Message`` is the engine's). Records are made and read by the compiled core
-(``core/src/partition.rs``) through their slots, by name (``_core.RECORD_FIELDS``)."""
+(compiled, ``core/src/delivery.rs``; ``message.Message`` is the engine's). Records are made and read
+by the compiled core (``core/src/partition.rs``) through their slots, by name (``_core.RECORD_FIELDS``).
+A ``Delivery`` is ``Delivery(record, queue_key, token, attempt)``; its ``lease`` is its handle in the
+engine's ``LeaseTable`` (``leases``) while it is outstanding there (0: not taken by one)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ordering_layer._core import Delivery
 from ordering_layer.record import HeaderPairs, RecordMetadata
 
 __all__ = ["AWAITING_SEEK", "Delivery", "QueueKey", "Record"]
@@ -42,23 +45,3 @@ class Record:
     last_error: str | None = None
     suspect: bool = False
     quarantined: bool = False
-
-
-class Delivery:
-    """One hand-off of a record; ``token`` identifies it for acks (stale tokens are refused). One
-    object per hand-off: it is made for every message. ``lease`` is its handle in the engine's
-    ``LeaseTable`` (``leases``) while it is outstanding there (0: not taken by one).
-    """
-
-    __slots__ = ("attempt", "lease", "queue_key", "record", "token")
-
-    def __init__(self, record: Record, queue_key: QueueKey, token: int, attempt: int) -> None:
-        self.record = record
-        self.queue_key = queue_key
-        self.token = token
-        self.attempt = attempt
-        self.lease = 0
-
-    def __repr__(self) -> str:
-        return (f"Delivery({self.record.partition}:{self.record.offset}, key={self.queue_key!r}, "
-                f"token={self.token}, attempt={self.attempt})")

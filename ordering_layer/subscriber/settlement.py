@@ -21,11 +21,12 @@ from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future
 
+from ordering_layer._core import AckQueue
 from ordering_layer.config import SubscriptionSettings
 from ordering_layer.state.store import OpKind
 from ordering_layer.subscriber.leases import LeaseTable
 from ordering_layer.subscriber.message import AckResponse, Message
-from ordering_layer.subscriber.owned_partition import MESSAGE_LAYOUT, OwnedPartition
+from ordering_layer.subscriber.owned_partition import OwnedPartition
 from ordering_layer.subscriber.records import Delivery
 from ordering_layer.subscriber.requests import DeadLettered, SettleKind
 from ordering_layer.subscriber.state_writer import StateWriter, resolve
@@ -100,7 +101,16 @@ class Settlement:
         run of them, in one call to the lease table (no Python per message). An ack under an epoch
         that is no longer the partition's, or of a message that is not the delivery outstanding
         (given back since), changes nothing."""
-        acked = self._leases.ack_run(messages, self._owned, now, MESSAGE_LAYOUT)
+        self._acked(self._leases.ack_run(messages, self._owned, now), now)
+
+    def acks_queued(self, queue: AckQueue, now: float) -> None:
+        """Apply the plain acks waiting in ``queue`` (first requests of messages, ``Message.ack``) as
+        ``acks`` does. Taken before the inbox's events of the same step: a request made after an ack
+        of the same message went through the inbox, so it is applied after the ack."""
+        if len(queue):
+            self._acked(self._leases.ack_queued(queue, self._owned, now), now)
+
+    def _acked(self, acked: int, now: float) -> None:
         if acked:
             self._writer.queued(acked, now)
             self._counts["acked"] += acked

@@ -12,7 +12,7 @@ import pytest
 import redis
 from confluent_kafka import Consumer, TopicPartition
 
-from ordering_layer._core import NativeFetch
+from ordering_layer._core import AckQueue, LeaseTable, NativeFetch
 from ordering_layer.config import FlowControl, RetryPolicy, SubscriptionSettings
 from ordering_layer.record import RecordMetadata
 from ordering_layer.state import ApplyResult, StateStore
@@ -20,7 +20,7 @@ from ordering_layer.state.store import ClaimedPartition, Op, OpKind, unpack_ops
 from ordering_layer.subscriber.engine import Engine
 from ordering_layer.subscriber.flow import Gate
 from ordering_layer.subscriber.handoff import AHEAD_AT_LEAST
-from ordering_layer.subscriber.message import Message, ack_all
+from ordering_layer.subscriber.message import NACKED, Message, ack_all
 from ordering_layer.subscriber.owned_partition import OwnedPartition
 from ordering_layer.subscriber.records import Delivery, Record
 from ordering_layer.subscriber.requests import DeadLettered, Pull
@@ -479,9 +479,10 @@ def test_a_pull_that_cannot_get_the_lock_in_its_timeout_goes_through_the_inbox(s
 
 
 def test_ack_all_posts_one_list_per_engine_which_settles_it_as_a_run_of_acks(store: FakeStore) -> None:
-    """GRP-5, ACK-4: ``Subscriber.acknowledge`` (``ack_all``) marks each message settled and posts the
-    messages of one engine to its inbox as one list; the coordinator settles the list as it settles
-    plain acks one by one (SETTLED ops, the commit point past them)."""
+    """GRP-5, ACK-4: ``Subscriber.acknowledge`` (``ack_all``) marks each message settled, puts the
+    first acks of released messages in their engine's ack queue, and posts the other messages of one
+    engine to its inbox as one list; the coordinator settles them as it settles plain acks one by one
+    (SETTLED ops, the commit point past them)."""
     handed: list[Message] = []
     engine = make_engine(store, handed.extend)
     try:
@@ -491,10 +492,178 @@ def test_ack_all_posts_one_list_per_engine_which_settles_it_as_a_run_of_acks(sto
         foreign = Message(record(7), b"key-1", 1, 1, TOPIC, 1, elsewhere.append)
         ack_all([*handed, foreign])
         assert all(m.settled for m in handed) and foreign.settled
-        assert len(engine._inbox) == 1 and elsewhere == [[foreign]]
+        assert len(engine._acks) == 3 and len(engine._inbox) == 0 and elsewhere == [[foreign]]
         step(engine)
         assert engine._partitions[0].watermark == 3 and engine._counts["acked"] == 3
         engine._flushes.flush()
         assert sorted(op[1] for _, op in store.op_log if op[0] == OpKind.SETTLED) == [0, 1, 2]
     finally:
         engine.consumer.close()
+
+
+def settled_offsets(store: FakeStore) -> list[int]:
+    return sorted(op[1] for _, op in store.op_log if op[0] == OpKind.SETTLED)
+
+
+def test_a_plain_ack_goes_to_the_ack_queue_and_is_settled_once(store: FakeStore) -> None:
+    """ACK-4, ACK-5: a released message's first plain ack is its lease handle in the engine's ack
+    queue (the inbox is not written); acking it again goes through the inbox and changes nothing."""
+    handed: list[Message] = []
+    engine = make_engine(store, handed.extend)
+    try:
+        hand_out(engine, 3)
+        handed[0].ack()
+        assert list(engine._acks.take()) == [handed[0].lease] and len(engine._inbox) == 0
+        engine._acks.post(handed[0].lease)  # as it was
+        handed[0].ack()
+        assert len(engine._acks) == 1 and len(engine._inbox) == 1
+        step(engine)
+        engine._flushes.flush()
+        assert engine._counts["acked"] == 1 and engine._partitions[0].watermark == 1
+        assert settled_offsets(store) == [0] and handed[0].settled is True
+    finally:
+        engine.consumer.close()
+
+
+def test_a_request_after_a_queued_ack_is_applied_after_it(store: FakeStore) -> None:
+    """SUB-4, ACK-5: an ack queued is its message's first request; a nack of the same message after
+    it goes through the inbox, and the step applies the queue first, so the ack stands (the nack
+    finds nothing outstanding). Nacked first, a message's later ack follows the nack through the
+    inbox: the nack stands. A nack marks a message NACKED whatever came before it (``Message.settled``)."""
+    handed: list[Message] = []
+    engine = make_engine(store, handed.extend)
+    try:
+        hand_out(engine, 2)
+        acked, nacked = handed
+        assert acked.queue_key != nacked.queue_key
+        acked.ack()
+        acked.nack()
+        nacked.nack()
+        nacked.ack()
+        assert len(engine._acks) == 1 and len(engine._inbox) == 3
+        step(engine)
+        engine._flushes.flush()
+        assert (engine._counts["acked"], engine._counts["nacked"]) == (1, 1)
+        assert settled_offsets(store) == [0] and acked.settled == nacked.settled == NACKED  # as ``_send`` marks
+    finally:
+        engine.consumer.close()
+
+
+def test_the_first_ack_after_the_engine_armed_its_queue_wakes_it_once() -> None:
+    """The engine arms its ack queue before it sleeps: the first post calls the waker (the inbox's
+    nudge), the posts after it do not; with acks waiting, arming refuses (the engine must not sleep);
+    a disarmed queue wakes no one."""
+    woken: list[None] = []
+    queue = AckQueue(lambda: woken.append(None))
+    assert queue.arm()
+    queue.post(5)
+    queue.post(6)
+    assert len(woken) == 1 and not queue.arm() and queue.take() == [5, 6] and len(queue) == 0
+    assert queue.arm()
+    queue.disarm()
+    queue.post(7)
+    assert len(woken) == 1 and queue.take() == [7]
+
+
+def test_a_sleeping_engine_is_woken_by_a_queued_ack(store: FakeStore) -> None:
+    """The coordinator's wait ends when an ack is queued (no timer could end it here)."""
+    handed: list[Message] = []
+    engine = make_engine(store, handed.extend)
+    stop = threading.Event()
+    try:
+        hand_out(engine, 1)
+
+        def coordinator() -> None:
+            while engine._counts["acked"] == 0 and not stop.is_set():
+                engine._step()
+
+        engine._wait_time = lambda now: 3600.0  # type: ignore[method-assign]
+        waiting = threading.Thread(target=coordinator, daemon=True)
+        waiting.start()
+        wait_until(lambda: engine._inbox._wake_at == 1, 5, "the coordinator to sleep")
+        handed[0].ack()
+        wait_until(lambda: engine._counts["acked"] == 1, 5, "the ack to be settled")
+        waiting.join(5)
+    finally:
+        stop.set()
+        engine._inbox.nudge()
+        engine.consumer.close()
+
+
+def test_messages_no_engine_queues_for_ack_through_their_submit(store: FakeStore) -> None:
+    """A message made outside a release (no ack queue), or whose ``_submit`` was replaced (tracing),
+    hands every request, plain acks included, to ``_submit``; one made with no ``_submit`` refuses."""
+    handed: list[Message] = []
+    engine = make_engine(store, handed.extend)
+    try:
+        hand_out(engine, 1)
+        traced: list[object] = []
+        handed[0]._submit = traced.append
+        handed[0].ack()
+        assert traced == [handed[0]] and len(engine._acks) == 0
+        elsewhere: list[object] = []
+        made = Message(record(7), b"key-1", 1, 1, TOPIC, 1, elsewhere.append, lease=3)
+        made.ack()
+        assert elsewhere == [made] and made.settled is True
+        with pytest.raises(RuntimeError):
+            Message(record(8), b"key-2", 1, 1, TOPIC, 1).ack()
+    finally:
+        engine.consumer.close()
+
+
+def test_threads_reading_and_acking_the_same_messages_at_once() -> None:
+    """Messages are read and settled by several threads at once (workers, user code, the engine):
+    four threads ack every released message, in different orders, while another reads their fields
+    and a third settles the queue as the coordinator would. No call fails, each message's first ack
+    alone is queued (the others go to the inbox), and every delivery is settled exactly once."""
+    leases = LeaseTable(ack_deadline=10.0, max_lease_duration=60.0, min_extension=10.0, max_extension=600.0)
+    inbox: list[object] = []
+    queue = AckQueue(lambda: None)
+    owned = {0: OwnedPartition(0, 1, ordered=False, submit=inbox.append, acks=queue)}
+    count = 4000
+    owned[0].add([record(offset, keys=count) for offset in range(count)])
+    messages, _ = owned[0].release_ready(0.0, count, 1, 10**9, None, pooled=True, leases=leases)
+    assert len(messages) == count
+    failures: list[BaseException] = []
+    settled = [0]
+    done = threading.Event()
+
+    def guarded(work: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                work()
+            except BaseException as exc:  # noqa: BLE001 - reported by the test
+                failures.append(exc)
+        return run
+
+    def acker(order: int) -> Callable[[], None]:
+        turned = messages[order * count // 4:] + messages[:order * count // 4]
+        ordered = turned if order % 2 else list(reversed(turned))
+        def ack_each() -> None:
+            for message in ordered:
+                message.ack()
+        return guarded(ack_each)
+
+    def reader() -> None:
+        while not done.is_set():
+            for message in messages:
+                _ = (message.record.offset, message.lease, message.settled, message._submit, message.queue_key,
+                     message.attempt, message.token, message._epoch)
+
+    def coordinator() -> None:
+        while not done.is_set():
+            settled[0] += leases.ack_queued(queue, owned, 0.0)
+
+    threads = [threading.Thread(target=guarded(work)) for work in (reader, coordinator)]
+    ackers = [threading.Thread(target=acker(order)) for order in range(4)]
+    for thread in threads + ackers:
+        thread.start()
+    for thread in ackers:
+        thread.join(60)
+    done.set()
+    for thread in threads:
+        thread.join(60)
+    settled[0] += leases.ack_queued(queue, owned, 0.0)
+    assert not failures
+    assert settled[0] == count and leases.count == 0 and all(m.settled is True for m in messages)
+    assert len(inbox) == 3 * count and leases.ack_run(inbox, owned, 0.0) == 0

@@ -252,11 +252,16 @@ def test_closing_the_gate_ends_its_waits() -> None:
 
 @dataclass
 class AckedMessage:
-    """What ``Subscriber.acknowledge`` reads of a message: ``settled`` and its engine's ``_submit``."""
+    """What ``Subscriber.acknowledge`` reads of a message (``message.ack_all``): ``_ack_queued`` (here
+    never queued: a message no engine released) and its engine's ``_submit``."""
 
     name: str
     _submit: Callable[[list[AckedMessage]], None]
     settled: int = False
+
+    def _ack_queued(self) -> bool:
+        self.settled = True
+        return False
 
 
 def test_the_acks_of_one_loop_pass_reach_the_engine_as_one_event() -> None:

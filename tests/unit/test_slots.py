@@ -1,5 +1,6 @@
 """Records and messages made by the core without running ``__init__`` (``core/src/slots.rs``,
-``PartitionCore.release_messages``): the same objects as the classes make, freed as they are."""
+``core/src/delivery.rs``, ``PartitionCore.release_messages``): the same objects as the classes make,
+freed as they are."""
 
 from __future__ import annotations
 
@@ -7,12 +8,12 @@ import gc
 import sys
 import weakref
 from dataclasses import dataclass, fields
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 
 from ordering_layer._core import (
-    MESSAGE_FIELDS,
     RECORD_FIELDS,
     Deliveries,
     LeaseTable,
@@ -22,8 +23,8 @@ from ordering_layer._core import (
 )
 from ordering_layer.record import RecordMetadata
 from ordering_layer.subscriber.message import NACKED, Message
-from ordering_layer.subscriber.owned_partition import MESSAGE_LAYOUT, RECORD_LAYOUT, OwnedPartition
-from ordering_layer.subscriber.records import Delivery, Record
+from ordering_layer.subscriber.owned_partition import RECORD_LAYOUT, OwnedPartition
+from ordering_layer.subscriber.records import Record
 
 _META = RecordMetadata(None, 1, None)
 
@@ -94,10 +95,10 @@ def test_a_made_record_is_the_one_the_class_makes() -> None:
     assert SlotLayout(Twin, ["x", "y"]).new_instance(1, b"2") == Twin(1, b"2")
 
 
-def test_the_core_names_every_slot_of_a_message_and_a_record() -> None:
-    assert sorted(MESSAGE_FIELDS) == sorted((*Delivery.__slots__, *Message.__slots__))
+def test_the_core_names_every_slot_of_a_record() -> None:
+    assert Message.__slots__ == ()  # a message's fields are the compiled Delivery's
     assert sorted(RECORD_FIELDS) == sorted(f.name for f in fields(Record))
-    assert MESSAGE_LAYOUT.names == list(MESSAGE_FIELDS) and RECORD_LAYOUT.names == list(RECORD_FIELDS)
+    assert RECORD_LAYOUT.names == list(RECORD_FIELDS)
 
 
 @dataclass(slots=True, eq=False)
@@ -131,16 +132,16 @@ def test_fields_in_another_order_are_read_and_written_by_name() -> None:
         (0, 0, b"k", 5, False), (0, 1, b"j", 5, False), (0, 2, b"k", 5, False)]
     core: PartitionCore[Any] = PartitionCore(ordered=True, attempts_before={0: 1}, suspects=True)
     core.add(made, 0, None, shuffled)
-    deliveries = Deliveries(MESSAGE_LAYOUT, shuffled, "orders", lambda message: None, True)
+    deliveries = Deliveries(Message, shuffled, "orders", lambda message: None, True)
     messages, _ = core.release_messages(0.0, 10, 1, 10**6, None, pooled=True, leases=None, partition=0, epoch=1,
                                         deliveries=deliveries)
     assert [(m.record.offset, m.queue_key, m.attempt, m.record.attempts, m.record.suspect) for m in messages] == [
         (0, b"k", 2, 2, True), (1, b"j", 1, 1, False)]  # one per key in callback mode: 2 waits for 0
     assert partition_runs(made, shuffled) == [(0, 0, 3)]
     with pytest.raises(ValueError):
-        Deliveries(MESSAGE_LAYOUT, SlotLayout(ShuffledRecord, list(reversed(RECORD_FIELDS))), "t", print, True)
-    with pytest.raises(ValueError):
-        Deliveries(SlotLayout(Message, list(MESSAGE_FIELDS[:-1])), RECORD_LAYOUT, "t", print, True)
+        Deliveries(Message, SlotLayout(ShuffledRecord, list(reversed(RECORD_FIELDS))), "t", print, True)
+    with pytest.raises(TypeError):
+        Deliveries(cast(Any, Record), RECORD_LAYOUT, "t", print, True)  # messages are Deliveries
 
 
 def records(partition: int, keys: list[bytes | None]) -> list[Record]:
@@ -205,8 +206,9 @@ class Fake:
 
 
 def test_fields_read_from_slots_are_those_read_as_attributes() -> None:
-    """``partition_runs``, ``PartitionCore.add`` and ``LeaseTable.ack_run`` read a ``Record``'s or
-    ``Message``'s fields from its slots when given the layout, anything else's as attributes."""
+    """``partition_runs`` and ``PartitionCore.add`` read a ``Record``'s fields from its slots when
+    given the layout, anything else's as attributes; ``LeaseTable.ack_run`` reads a ``Delivery``'s
+    lease handle from its field, anything else's as an attribute."""
     batch: list[Any] = [*records(0, [b"a", b"b"]), *records(1, [b"a"]), Fake(1, 5, b"c", 2)]
     assert partition_runs(batch, RECORD_LAYOUT) == partition_runs(batch) == [(0, 0, 2), (1, 2, 4)]
     read = OwnedPartition(1, 1, ordered=True)
@@ -219,18 +221,18 @@ def test_fields_read_from_slots_are_those_read_as_attributes() -> None:
     owned = {0: OwnedPartition(0, 1, ordered=True)}
     owned[0].add(records(0, [b"a", b"b", b"c"]))
     messages, _ = owned[0].release_ready(0.0, 10, 1, 10**6, None, pooled=True, leases=leases)
-    assert leases.ack_run(messages[:1], owned, 0.0, MESSAGE_LAYOUT) == 1
-    assert leases.ack_run(messages[1:2], owned, 0.0) == 1
-    assert leases.ack_run(messages[:2], owned, 0.0, MESSAGE_LAYOUT) == 0 and leases.count == 1  # stale now
+    assert leases.ack_run(messages[:1], owned, 0.0) == 1
+    assert leases.ack_run([SimpleNamespace(lease=messages[1].lease)], owned, 0.0) == 1  # read as an attribute
+    assert leases.ack_run(messages[:2], owned, 0.0) == 0 and leases.count == 1  # stale now
 
 
 def test_the_collector_sees_what_layouts_and_deliveries_hold() -> None:
     """A subscriber's objects form cycles (the engine and its components): the collector must see
     through the core's objects to free them."""
     acks: list[object] = []
-    deliveries = Deliveries(MESSAGE_LAYOUT, RECORD_LAYOUT, "orders", acks.append, True)
+    deliveries = Deliveries(Message, RECORD_LAYOUT, "orders", acks.append, True)
     held = gc.get_referents(deliveries)
-    assert MESSAGE_LAYOUT in held and RECORD_LAYOUT in held and "orders" in held
+    assert Message in held and RECORD_LAYOUT in held and "orders" in held
     assert any(getattr(r, "__self__", None) is acks for r in held)
     assert Record in gc.get_referents(RECORD_LAYOUT)
 
