@@ -3,8 +3,9 @@
 Two threads and one lock. The *fetch* thread (``Fetcher``) owns the Kafka consumer and tells the
 coordinator of assignments, revocations and losses (``ownership``). The *engine* thread runs the
 coordinator: it takes everything waiting in the inbox at once (fetched batches, acks, nacks,
-deadline changes, pulls, commit and dead-letter reports), routes each typed request to where its
-state is kept and applies the verdicts: partitions release what may go out (``OwnedPartition``: the
+deadline changes, pulls, commit and dead-letter reports) and in its ack queue (the lease handles of
+plain acks, which ``Message.ack`` puts there without running Python), routes each typed request to
+where its state is kept and applies the verdicts: partitions release what may go out (``OwnedPartition``: the
 compiled core's key queues) within flow control (``FlowGate``), as outstanding leases (``LeaseTable``).
 Attempts and leases reach Redis in one pipeline (``StateWriter``) *before* the messages are handed
 out (``handoff``) or dead-lettered (``DeadLetters``); on a single Redis server the coordinator

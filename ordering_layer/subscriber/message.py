@@ -56,6 +56,10 @@ class Message(Delivery):
     # past a nacked message, ``runs``); the answer may still be pending.
     __slots__ = ()
 
+    ack = Delivery.ack
+    """Done with the message: it is settled and never delivered again (unless a cascade). Compiled: a
+    message's first request, when it is this, goes to its engine's ack queue without running Python."""
+
     @property
     def data(self) -> bytes:
         """The record value (empty for a null value)."""
