@@ -181,6 +181,9 @@ def ack_all(messages: Iterable[Message]) -> None:
     batches: dict[Callable[[Settle | Message | list[Message]], None], list[Message]] = {}
     for message in messages:
         if not message._ack_queued():
-            batches.setdefault(message._submit, []).append(message)
+            submit = message._submit
+            if submit is None:
+                unattached(message)
+            batches.setdefault(submit, []).append(message)
     for submit, batch in batches.items():
         submit(batch)

@@ -607,6 +607,8 @@ def test_messages_no_engine_queues_for_ack_through_their_submit(store: FakeStore
         assert elsewhere == [made] and made.settled is True
         with pytest.raises(RuntimeError):
             Message(record(8), b"key-2", 1, 1, TOPIC, 1).ack()
+        with pytest.raises(RuntimeError):
+            ack_all([Message(record(9), b"key-0", 1, 1, TOPIC, 1)])
     finally:
         engine.consumer.close()
 
