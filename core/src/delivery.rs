@@ -119,7 +119,7 @@ pub struct Delivery {
     record: Py<PyAny>,
     queue_key: Py<PyAny>,
     token: u64,
-    attempt: i64,
+    pub attempt: i64,
     pub lease: u64,
     topic: Py<PyAny>,
     epoch: i64,
@@ -165,9 +165,15 @@ impl Delivery {
         }
     }
 
-    /// The attempt count the release gave this delivery.
-    pub fn attempt(&self) -> i64 {
-        self.attempt
+    /// Mark a request of `kind` (`SettleKind`): any request sets SENT; a nack sets NACKED for good;
+    /// an ack sets SETTLED unless nacked. Returns the bits before.
+    fn mark(&self, kind: u8) -> u8 {
+        let bits = if kind == KIND_NACK { NACKED | SENT } else { SENT };
+        let before = self.state.fetch_or(bits, Ordering::AcqRel);
+        if kind == KIND_ACK && before & NACKED == 0 {
+            self.state.fetch_or(SETTLED, Ordering::AcqRel);
+        }
+        before
     }
 }
 
@@ -261,21 +267,14 @@ impl Delivery {
     /// NACKED for good, an ack sets settled unless nacked; any request makes later plain acks go
     /// through the inbox, after it.
     fn _mark(&self, kind: u8) {
-        let bits = if kind == KIND_NACK { NACKED | SENT } else { SENT };
-        let before = self.state.fetch_or(bits, Ordering::AcqRel);
-        if kind == KIND_ACK && before & NACKED == 0 {
-            self.state.fetch_or(SETTLED, Ordering::AcqRel);
-        }
+        self.mark(kind);
     }
 
     /// Mark a plain ack and, when it is the first request of a released message whose `_submit` was
     /// not replaced, put it in its engine's ack queue: True. False: the caller hands the message to
     /// `_submit` (as `ack` does; `message.ack_all` gathers them per engine).
     fn _ack_queued(&self, py: Python<'_>) -> PyResult<bool> {
-        let before = self.state.fetch_or(SENT, Ordering::AcqRel);
-        if before & NACKED == 0 {
-            self.state.fetch_or(SETTLED, Ordering::AcqRel);
-        }
+        let before = self.mark(KIND_ACK);
         if before & SENT == 0 && self.lease != 0 && !self.submit_replaced.load(Ordering::Acquire) {
             if let Some(acks) = &self.acks {
                 acks.get().push(py, self.lease)?;

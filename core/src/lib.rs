@@ -781,7 +781,7 @@ impl LeaseTable {
             let Some(&lease) = self.leases.get(handle_of(&note)?) else { continue };
             let Some(core) = cache.core(lease.partition, lease.epoch)? else { continue };
             let attempt: i64 = match note.cast::<Delivery>() {
-                Ok(delivery) => delivery.get().attempt(),
+                Ok(delivery) => delivery.get().attempt,
                 Err(_) => note.getattr(intern!(note.py(), "attempt"))?.extract()?,
             };
             core.borrow_mut().core.push_op(kind, lease.offset, attempt);
