@@ -3,7 +3,7 @@
 from collections.abc import Callable, Mapping, Set
 from typing import Any, Generic, Protocol, TypeVar
 
-from ordering_layer.subscriber.records import Record
+from ordering_layer.record import HeaderPairs, RecordMetadata
 
 class FetchedRecord(Protocol):
     """What the core reads of a record: its partition, offset, ordering key and payload size."""
@@ -27,8 +27,7 @@ class PartitionCore(Generic[_R]):
                  attempts_before: Mapping[int, int] | None = None, suspects: bool = True,
                  start_offset: int | None = None, cascades: Set[int] | None = None,
                  floor: int | None = None) -> None: ...
-    def add(self, records: list[_R], start: int = 0, stop: int | None = None,
-            layout: SlotLayout | None = None) -> list[int]: ...
+    def add(self, records: list[_R], start: int = 0, stop: int | None = None) -> list[int]: ...
     def release_ready(self, now: float, budget: int, per_key: int, byte_budget: int, lease_ms: int | None = None,
                       *, pooled: bool = False, leases: LeaseTable | None = None, partition: int = 0,
                       epoch: int = 0) -> tuple[list[_R], list[int], list[int], int, list[int], list[int]]: ...
@@ -118,7 +117,7 @@ class LeaseTable:
     def per_partition(self, now: float) -> dict[int, tuple[int, float]]: ...
     def allocated(self) -> tuple[int, int]: ...
 
-def partition_runs(records: list[_R], layout: SlotLayout | None = None) -> list[tuple[int, int, int]]: ...
+def partition_runs(records: list[_R]) -> list[tuple[int, int, int]]: ...
 def command_runs(packed: str) -> tuple[str, list[bytes]]:
     """``apply.lua``'s runs of Redis writes for packed state ops: the header and each run's
     arguments (MessagePack); ``ValueError`` for a malformed op or a batch op before a batch lease."""
@@ -131,7 +130,6 @@ class NativeFetch:
     """The fetch of one consumer's partitions straight from librdkafka (``core/src/fetch.rs``)."""
 
     def __init__(self, consumer: Any, handle: int, library: str, name_prefix: str, topic: str,
-                 record: SlotLayout,
                  metadata_of: Callable[[list[tuple[str, bytes | None]], int, int], tuple[Any, Any, bool]],
                  empty: Any) -> None: ...
     def attach(self, partitions: list[int]) -> None: ...
@@ -151,25 +149,40 @@ class FetchWaker:
 
 OP_LETTERS: dict[str, str]
 """Each state op's letter in ``apply.lua``'s packed argument, by its ``OpKind`` name (``core/src/ops.rs``)."""
-RECORD_FIELDS: tuple[str, ...]
-"""The ``Record`` slots the core fills and reads, by name, in the order its layout names them."""
+class Record:
+    """A fetched Kafka record as the subscriber queues it (``core/src/record.rs``): its numbers as
+    Rust values, its fetched value made into ``bytes`` on each read of ``value``."""
 
-class SlotLayout:
-    """Where the named slots of a ``__slots__`` class are (``core/src/slots.rs``); TypeError for a
-    class with a ``__dict__`` or a name that is not one slot of it."""
-
-    def __init__(self, cls: type, names: list[str]) -> None: ...
+    def __init__(self, partition: int, offset: int, key: bytes | None, value: bytes | None,
+                 headers: HeaderPairs | None, metadata: RecordMetadata, size: int, timestamp_ms: int,
+                 attempts: int = 0, last_error: str | None = None, suspect: bool = False,
+                 quarantined: bool = False) -> None: ...
     @property
-    def names(self) -> list[str]:
-        """The slots named, in order."""
-    def new_instance(self, *values: Any) -> Any:
-        """An instance with ``values`` in the named slots, in order, without running ``__init__``."""
+    def partition(self) -> int: ...
+    @property
+    def offset(self) -> int: ...
+    @property
+    def key(self) -> bytes | None: ...
+    @property
+    def value(self) -> bytes | None: ...
+    @property
+    def headers(self) -> HeaderPairs | None: ...
+    @property
+    def metadata(self) -> RecordMetadata: ...
+    @property
+    def size(self) -> int: ...
+    @property
+    def timestamp_ms(self) -> int: ...
+    attempts: int
+    last_error: str | None
+    suspect: bool
+    quarantined: bool
 
 class Deliveries:
     """How a partition's released records become ``Message``s (``core/src/lib.rs``)."""
 
-    def __init__(self, messages: type[Delivery], records: SlotLayout, topic: str, submit: Callable[[Any], None],
-                 ordered: bool, acks: AckQueue | None = None) -> None: ...
+    def __init__(self, messages: type[Delivery], topic: str, submit: Callable[[Any], None], ordered: bool,
+                 acks: AckQueue | None = None) -> None: ...
 
 class AckQueue:
     """Plain acks posted by any thread as lease handles, taken by the engine (``core/src/delivery.rs``)."""

@@ -12,8 +12,8 @@
 //! others fill its buffer). A queue that gets records while empty wakes a waiting fetch
 //! (`rd_kafka_queue_cb_event_enable`). librdkafka bounds each partition's queue on its own
 //! (`queued.min.messages`, `queued.max.messages.kbytes` apply per partition queue). `fetch` waits
-//! for and copies a batch without the GIL (into one buffer per batch), then makes the `Record`s the
-//! engine takes (`slots.rs`), with the layer metadata read once per distinct header set
+//! for and copies a batch without the GIL (keys and headers into one buffer per batch, each value
+//! into its own), then makes the compiled `Record`s the engine takes (`record.rs`), with the layer metadata read once per distinct header set
 //! (`metadata_of`, a Python function, is called only for header sets not shared).
 //! A batch comes from the same librdkafka call as `consume()`'s (`rd_kafka_consume_batch_queue`),
 //! so records of an outdated fetch version (after a revoke, an unassign or a seek) are treated as
@@ -30,10 +30,10 @@ use foldhash::HashMap as FastMap;
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::{PyTraverseError, PyVisit};
-use pyo3::types::{PyBool, PyBytes, PyList, PyString, PyTuple};
+use pyo3::types::{PyBytes, PyList, PyString, PyTuple};
 
 use crate::moves::{murmur2, Moves};
-use crate::slots::{SlotLayout, RECORD_FIELDS};
+use crate::record::{FetchedFields, Record};
 
 const RTLD_NOW: c_int = 2;
 const RTLD_NOLOAD: c_int = 4;
@@ -148,7 +148,8 @@ struct Fetched {
     partition: i32,
     offset: i64,
     key: Span,
-    value: Span,
+    /// The value, copied out of librdkafka's message (the `Record` keeps it as it is).
+    value: Option<Box<[u8]>>,
     headers: Span,
     timestamp_ms: i64,
 }
@@ -265,7 +266,6 @@ pub struct NativeFetch {
 /// fetcher that holds the fetch).
 struct Refs {
     consumer: Py<PyAny>,
-    record: Py<SlotLayout>,
     metadata_of: Py<PyAny>,
     empty: Py<PyAny>,
 }
@@ -409,7 +409,7 @@ impl NativeFetch {
         arena.bytes.reserve(raw.iter().take(count).map(|&message| {
             // SAFETY: librdkafka returned it; it is destroyed below.
             let m = unsafe { &*message };
-            (if values { m.len } else { 0 }) + m.key_len + 64
+            m.key_len + 64
         }).sum());
         for &message in raw.iter().take(count) {
             // SAFETY: librdkafka returned it; its fields are valid until message_destroy.
@@ -423,7 +423,11 @@ impl NativeFetch {
                         partition: m.partition,
                         offset: m.offset,
                         key: arena.copy(m.key, m.key_len),
-                        value: if values { arena.copy(m.payload, m.len) } else { None },
+                        value: if values && !m.payload.is_null() {
+                            Some(std::slice::from_raw_parts(m.payload, m.len).into())
+                        } else {
+                            None
+                        },
                         headers: self.headers(message, &mut arena),
                         timestamp_ms: (api.message_timestamp)(message, ptr::null_mut()),
                     });
@@ -489,16 +493,12 @@ impl NativeFetch {
     ///
     /// `consumer` is the `Consumer` (kept until the fetch is dropped), `handle` its `rd_kafka_t` pointer, `library` the path of the librdkafka confluent-kafka
     /// loaded, `name_prefix` how the name librdkafka reports for the handle begins (checked before use),
-    /// `record` the `SlotLayout` of the records made (`Record`'s slots named by `RECORD_FIELDS`, in
-    /// that order), `metadata_of(headers, partition, offset)` gives
+    /// `metadata_of(headers, partition, offset)` gives
     /// `(metadata, headers to keep, shareable)` of a record's header list, `empty` the metadata of a record without headers.
     #[new]
     #[allow(clippy::too_many_arguments)]
-    fn new(consumer: Py<PyAny>, handle: usize, library: &str, name_prefix: &str, topic: &str, record: Bound<'_, SlotLayout>, metadata_of: Py<PyAny>,
+    fn new(consumer: Py<PyAny>, handle: usize, library: &str, name_prefix: &str, topic: &str, metadata_of: Py<PyAny>,
            empty: Py<PyAny>) -> PyResult<Self> {
-        if !record.get().names_are(&RECORD_FIELDS) {
-            return Err(PyRuntimeError::new_err("the record layout names other slots than RECORD_FIELDS"));
-        }
         let api = Api::load(library)?;
         let rk = handle as *mut c_void;
         if rk.is_null() {
@@ -515,7 +515,7 @@ impl NativeFetch {
             topic: CString::new(topic).map_err(|_| PyRuntimeError::new_err("bad topic name"))?,
             queues: Mutex::new(Queues { open: true, partitions: BTreeMap::new(), rotation: 0 }),
             waker: Arc::new(Waker::default()),
-            refs: Some(Refs { consumer, record: record.unbind(), metadata_of, empty }),
+            refs: Some(Refs { consumer, metadata_of, empty }),
             plain: FastMap::default(),
         })
     }
@@ -581,7 +581,6 @@ impl NativeFetch {
         let timeout_ms = (timeout * 1000.0).round().clamp(0.0, f64::from(i32::MAX)) as c_int;
         let Some(refs) = self.refs.as_ref().map(|refs| Refs {
             consumer: refs.consumer.clone_ref(py),
-            record: refs.record.clone_ref(py),
             metadata_of: refs.metadata_of.clone_ref(py),
             empty: refs.empty.clone_ref(py),
         }) else {
@@ -590,39 +589,25 @@ impl NativeFetch {
         let this = &*self;
         let (fetched, arena, errors) = py.detach(|| this.take(max, timeout_ms, true, caps.as_ref()));
         let records = PyList::empty(py);
-        let layout = refs.record.bind(py).get();
-        let (zero, none, no) = (0i64.into_pyobject(py)?.into_any(), py.None().into_bound(py), PyBool::new(py, false).to_owned().into_any());
-        let mut stamp: Option<(i64, Bound<'py, PyAny>)> = None; // records of one produce batch share their time
         for item in fetched {
-            let size = item.value.map_or(0, |(start, end)| end - start);
             let (metadata, headers) =
                 self.metadata(py, &refs, item.headers.map(|span| arena.get(span)), item.partition, item.offset)?;
             let key = match item.key {
-                Some(span) if span.1 > span.0 => PyBytes::new(py, arena.get(span)).into_any(),
-                _ => none.clone(),
+                Some(span) if span.1 > span.0 => Some(PyBytes::new(py, arena.get(span)).unbind()),
+                _ => None,
             };
-            let value = match item.value {
-                Some(span) => PyBytes::new(py, arena.get(span)).into_any(),
-                None => none.clone(),
-            };
-            let timestamp = match &stamp {
-                Some((ms, object)) if *ms == item.timestamp_ms => object.clone(),
-                _ => {
-                    let object = item.timestamp_ms.into_pyobject(py)?.into_any();
-                    stamp = Some((item.timestamp_ms, object.clone()));
-                    object
-                }
-            };
-            // The Record's slots, in `RECORD_FIELDS` order.
-            let record = layout.make(py, &[item.partition.into_pyobject(py)?.into_any(), item.offset.into_pyobject(py)?.into_any(),
-                                           key, value, headers.into_bound(py), metadata.into_bound(py),
-                                           size.into_pyobject(py)?.into_any(), timestamp, zero.clone(), none.clone(),
-                                           no.clone(), no.clone()])?;
-            // Out of the cyclic garbage collector's sight: a record refers only to bytes, ints, strings,
-            // its header pairs and its `RecordMetadata`, none of which refers back, so it can never be
-            // part of a reference cycle and reference counting alone frees it. Thousands of records
-            // wait in the key queues at a time; tracked, each collection of the young generation
-            // walked them and their survival triggered full collections (measured: the history of `bench/RESULTS.md`).
+            // Out of the cyclic collector's sight (`record.rs`): thousands of records wait in the key
+            // queues at a time; tracked, each collection of the young generation walked them and
+            // their survival triggered full collections (measured: the history of `bench/RESULTS.md`).
+            let record = Bound::new(py, Record::fetched(FetchedFields {
+                partition: item.partition,
+                offset: item.offset,
+                key,
+                value: item.value,
+                headers,
+                metadata,
+                timestamp_ms: item.timestamp_ms,
+            }))?;
             // SAFETY: the record is alive (we hold it) and was allocated tracked, with the GIL held.
             unsafe { pyo3::ffi::PyObject_GC_UnTrack(record.as_ptr().cast()) };
             records.append(record)?;
@@ -677,7 +662,6 @@ impl NativeFetch {
             for object in [&refs.consumer, &refs.metadata_of, &refs.empty] {
                 visit.call(object)?;
             }
-            visit.call(&refs.record)?;
         }
         for (metadata, headers) in self.plain.values() {
             visit.call(metadata)?;

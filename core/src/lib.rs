@@ -18,8 +18,8 @@ mod leases;
 mod moves;
 mod ops;
 mod partition;
+mod record;
 mod runs;
-mod slots;
 mod tracker;
 
 use std::collections::{HashMap as StdHashMap, HashSet as StdHashSet};
@@ -28,12 +28,12 @@ use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::{PyTraverseError, PyVisit};
-use pyo3::types::{PyBool, PyBytes, PyDict, PyList, PyTuple, PyType};
+use pyo3::types::{PyBytes, PyDict, PyList, PyType};
 
 use leases::{LeaseSettings, Leases};
 use partition::{Admission, PartitionCore as Core, QueueKey};
 use delivery::{AckQueue, Delivery, Fields, Maker};
-use slots::{field, SlotLayout, RECORD_FIELDS};
+use record::Record;
 
 /// What `release_ready` returns: records, tokens, attempts (parallel lists), payload bytes, the
 /// positions of the suspects among them (rare: after a crash), and the deliveries' lease handles
@@ -50,21 +50,32 @@ impl PartitionCore {
     /// `items[start:stop]` into the core; `read` gives an item's offset, payload size and key, and
     /// `published` the partition count it was published under (0: unknown) and its append time in
     /// ms, asked only while keys moved in by an expansion are looked for.
-    fn take<'py>(
-        &mut self,
-        items: &Bound<'py, PyList>,
-        start: usize,
-        stop: Option<usize>,
-        read: impl Fn(&Bound<'py, PyAny>) -> PyResult<(i64, i64, Bound<'py, PyAny>)>,
-        published: impl Fn(&Bound<'py, PyAny>) -> PyResult<(u32, i64)>,
-    ) -> PyResult<Vec<i64>> {
+    /// Take `items[start:stop]`, each a `Record` or an object with its fields by name; returns the
+    /// offsets skipped (duplicates, or settled before a crash).
+    fn take(&mut self, items: &Bound<'_, PyList>, start: usize, stop: Option<usize>) -> PyResult<Vec<i64>> {
+        let py = items.py();
         let stop = stop.unwrap_or(usize::MAX).min(items.len());
         let mut skipped = Vec::new();
         for index in start..stop {
             let item = items.get_item(index)?;
-            let (offset, size, key) = read(&item)?;
-            let publish = if self.core.has_moves() { published(&item)? } else { (0, 0) };
-            if !self.core.add_published(offset, key_bytes(&key)?, size, item.unbind(), publish) {
+            let (offset, added) = if let Ok(record) = item.cast::<Record>() {
+                let fields = record.get();
+                let publish = if self.core.has_moves() { published(fields.metadata_of(py), fields.timestamp_ms)? } else { (0, 0) };
+                let item_ref = item.clone().unbind();
+                (fields.offset, self.core.add_published(fields.offset, fields.key_bytes(py), fields.size, item_ref, publish))
+            } else {
+                let offset: i64 = item.getattr(intern!(py, "offset"))?.extract()?;
+                let size: i64 = item.getattr(intern!(py, "size"))?.extract()?;
+                let key = item.getattr(intern!(py, "key"))?;
+                let publish = if self.core.has_moves() {
+                    let timestamp: i64 = item.getattr(intern!(py, "timestamp_ms"))?.extract()?;
+                    published(&item.getattr(intern!(py, "metadata"))?, timestamp)?
+                } else {
+                    (0, 0)
+                };
+                (offset, self.core.add_published(offset, key_bytes(&key)?, size, item.clone().unbind(), publish))
+            };
+            if !added {
                 skipped.push(offset);
             }
         }
@@ -125,26 +136,15 @@ struct ReleaseOut {
     bytes: i64,
 }
 
-/// Positions in the names the record layout is built from (`slots::RECORD_FIELDS`).
-const RECORD_PARTITION: usize = field(&RECORD_FIELDS, "partition");
-const RECORD_OFFSET: usize = field(&RECORD_FIELDS, "offset");
-const RECORD_KEY: usize = field(&RECORD_FIELDS, "key");
-const RECORD_METADATA: usize = field(&RECORD_FIELDS, "metadata");
-const RECORD_SIZE: usize = field(&RECORD_FIELDS, "size");
-const RECORD_TIMESTAMP: usize = field(&RECORD_FIELDS, "timestamp_ms");
 const METADATA_PARTITION_COUNT: usize = 1; // `RecordMetadata.partition_count`
-const RECORD_ATTEMPTS: usize = field(&RECORD_FIELDS, "attempts");
-const RECORD_SUSPECT: usize = field(&RECORD_FIELDS, "suspect");
 
 /// How one partition's released records become `Message`s: the `Message` class (a subclass of
-/// `Delivery`, `delivery.rs`), the layout of `Record` (`partition, offset, key, value, headers,
-/// metadata, size, timestamp_ms, attempts, last_error, suspect, quarantined`), the topic, where
+/// `Delivery`, `delivery.rs`) of the released `Record`s (`record.rs`), the topic, where
 /// requests are posted (the engine's inbox), where first plain acks go (the engine's `AckQueue`), and
 /// whether keys order (otherwise each message queues alone, under its offset).
 #[pyclass(module = "ordering_layer._core", name = "Deliveries", frozen)]
 struct Deliveries {
     messages: Maker,
-    records: Py<SlotLayout>,
     topic: Py<PyAny>,
     submit: Py<PyAny>,
     acks: Option<Py<AckQueue>>,
@@ -154,18 +154,14 @@ struct Deliveries {
 #[pymethods]
 impl Deliveries {
     #[new]
-    #[pyo3(signature = (messages, records, topic, submit, ordered, acks = None))]
-    fn new(messages: &Bound<'_, PyType>, records: Bound<'_, SlotLayout>, topic: Py<PyAny>, submit: Py<PyAny>,
-           ordered: bool, acks: Option<Py<AckQueue>>) -> PyResult<Self> {
-        if !records.get().names_are(&RECORD_FIELDS) {
-            return Err(PyValueError::new_err("Deliveries needs a layout of RECORD_FIELDS"));
-        }
-        Ok(Deliveries { messages: Maker::new(messages)?, records: records.unbind(), topic, submit, acks, ordered })
+    #[pyo3(signature = (messages, topic, submit, ordered, acks = None))]
+    fn new(messages: &Bound<'_, PyType>, topic: Py<PyAny>, submit: Py<PyAny>, ordered: bool,
+           acks: Option<Py<AckQueue>>) -> PyResult<Self> {
+        Ok(Deliveries { messages: Maker::new(messages)?, topic, submit, acks, ordered })
     }
 
     fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
         self.messages.traverse(&visit)?;
-        visit.call(&self.records)?;
         visit.call(&self.topic)?;
         visit.call(&self.submit)?;
         if let Some(acks) = &self.acks {
@@ -178,26 +174,20 @@ impl Deliveries {
 impl Deliveries {
     /// The messages of one release (see `release_messages`), and its payload bytes.
     fn make<'py>(&self, py: Python<'py>, out: ReleaseOut, epoch: i64) -> PyResult<(Bound<'py, PyList>, i64)> {
-        let records = self.records.get();
-        let suspect = PyBool::new(py, true).to_owned().into_any();
         let mut suspects = out.suspects.iter().peekable();
         let messages = PyList::empty(py);
         for (position, item) in out.items.into_iter().enumerate() {
             let record = item.into_bound(py);
-            if !records.is_instance(&record) {
-                return Err(PyTypeError::new_err("a released item is not a Record"));
-            }
+            let fields = record.cast::<Record>().map_err(|_| PyTypeError::new_err("a released item is not a Record"))?.get();
             let attempt = out.attempts[position];
-            // SAFETY: `record` is an instance of exactly the records layout's class (checked above).
-            unsafe {
-                records.set(&record, RECORD_ATTEMPTS, attempt.into_pyobject(py)?.into_any());
-                if suspects.next_if_eq(&&position).is_some() {
-                    records.set(&record, RECORD_SUSPECT, suspect.clone());
-                }
+            fields.set_attempt(i64::from(attempt));
+            if suspects.next_if_eq(&&position).is_some() {
+                fields.mark_suspect();
             }
-            // SAFETY: as above.
-            let key = unsafe { records.get(&record, RECORD_KEY) };
-            let queue_key = if self.ordered && key.is_truthy()? { key } else { unsafe { records.get(&record, RECORD_OFFSET) } };
+            let queue_key = match &fields.key {
+                Some(key) if self.ordered && !key.bind(py).as_bytes().is_empty() => key.clone_ref(py).into_any(),
+                _ => fields.offset.into_pyobject(py)?.into_any().unbind(),
+            };
             let lease = out.handles.get(position).copied().unwrap_or(0);
             // Out of the cyclic collector's sight (`Maker::make`): a message refers to its record
             // (untracked too), ints, bytes, its topic, its engine's ack queue and its inbox's bound
@@ -207,7 +197,7 @@ impl Deliveries {
             // them (measured: the history of `bench/RESULTS.md`).
             let message = self.messages.make(py, Fields {
                 record: record.unbind(),
-                queue_key: queue_key.unbind(),
+                queue_key,
                 token: out.tokens[position],
                 attempt: i64::from(attempt),
                 lease,
@@ -220,6 +210,13 @@ impl Deliveries {
         }
         Ok((messages, out.bytes))
     }
+}
+
+/// The partition count a record was published under (its `RecordMetadata.partition_count`, 0 when
+/// unknown) and its timestamp: where a grown topic's history places it (SUB-8).
+fn published(metadata: &Bound<'_, PyAny>, timestamp_ms: i64) -> PyResult<(u32, i64)> {
+    let count: Option<u32> = metadata.get_item(METADATA_PARTITION_COUNT)?.extract()?;
+    Ok((count.unwrap_or(0), timestamp_ms))
 }
 
 fn key_bytes<'a>(key: &'a Bound<'_, PyAny>) -> PyResult<Option<&'a [u8]>> {
@@ -256,34 +253,12 @@ impl PartitionCore {
         }
     }
 
-    /// Take fetched records `records[start:stop]` (objects with `offset`, `key`, `size`); returns
-    /// the offsets skipped (duplicates, or settled before a crash). With `layout` (the `Record`
-    /// layout) the fields of `Record`s are read from their slots.
-    #[pyo3(signature = (records, start = 0, stop = None, layout = None))]
-    fn add(&mut self, records: &Bound<'_, PyList>, start: usize, stop: Option<usize>,
-           layout: Option<&Bound<'_, SlotLayout>>) -> PyResult<Vec<i64>> {
-        let py = records.py();
-        let layout = layout.map(Bound::get);
-        self.take(records, start, stop, |record| {
-            if let Some(layout) = layout.filter(|layout| layout.is_instance(record)) {
-                // SAFETY: `record` is an instance of exactly the layout's class.
-                let (offset, size, key) = unsafe {
-                    (layout.get(record, RECORD_OFFSET), layout.get(record, RECORD_SIZE), layout.get(record, RECORD_KEY))
-                };
-                return Ok((offset.extract()?, size.extract()?, key));
-            }
-            let offset: i64 = record.getattr(intern!(py, "offset"))?.extract()?;
-            let size: i64 = record.getattr(intern!(py, "size"))?.extract()?;
-            Ok((offset, size, record.getattr(intern!(py, "key"))?))
-        }, |record| {
-            let (metadata, timestamp) = match layout.filter(|layout| layout.is_instance(record)) {
-                // SAFETY: `record` is an instance of exactly the layout's class.
-                Some(layout) => unsafe { (layout.get(record, RECORD_METADATA), layout.get(record, RECORD_TIMESTAMP)) },
-                None => (record.getattr(intern!(py, "metadata"))?, record.getattr(intern!(py, "timestamp_ms"))?),
-            };
-            let count: Option<u32> = metadata.get_item(METADATA_PARTITION_COUNT)?.extract()?;
-            Ok((count.unwrap_or(0), timestamp.extract()?))
-        })
+    /// Take fetched records `records[start:stop]` (`Record`s, or objects with `offset`, `key`,
+    /// `size`, `metadata` and `timestamp_ms`); returns the offsets skipped (duplicates, or settled
+    /// before a crash).
+    #[pyo3(signature = (records, start = 0, stop = None))]
+    fn add(&mut self, records: &Bound<'_, PyList>, start: usize, stop: Option<usize>) -> PyResult<Vec<i64>> {
+        self.take(records, start, stop)
     }
 
     /// Release from the ready keys, oldest first: up to `per_key` records of each, `budget` in all,
@@ -586,17 +561,13 @@ fn runs_of(
 }
 
 /// Runs of one partition in a fetched batch: (partition, start, stop) each, in order (records are
-/// objects with a `partition`; a batch from `consume` comes in runs of one partition). With `layout`
-/// (the `Record` layout) the partition of a `Record` is read from its slot.
+/// `Record`s or objects with a `partition`; a batch from `consume` comes in runs of one partition).
 #[pyfunction]
-#[pyo3(signature = (records, layout = None))]
-fn partition_runs(records: &Bound<'_, PyList>, layout: Option<&Bound<'_, SlotLayout>>) -> PyResult<Vec<(i64, usize, usize)>> {
+fn partition_runs(records: &Bound<'_, PyList>) -> PyResult<Vec<(i64, usize, usize)>> {
     let py = records.py();
-    let layout = layout.map(Bound::get);
-    runs_of(records, |record| match layout.filter(|layout| layout.is_instance(record)) {
-        // SAFETY: `record` is an instance of exactly the layout's class.
-        Some(layout) => unsafe { layout.get(record, RECORD_PARTITION) }.extract(),
-        None => record.getattr(intern!(py, "partition"))?.extract(),
+    runs_of(records, |record| match record.cast::<Record>() {
+        Ok(record) => Ok(i64::from(record.get().partition)),
+        Err(_) => record.getattr(intern!(py, "partition"))?.extract(),
     })
 }
 
@@ -869,8 +840,7 @@ fn ordering_layer_core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<fetch::FetchWaker>()?;
     module.add_class::<PartitionCore>()?;
     module.add_class::<LeaseTable>()?;
-    module.add_class::<SlotLayout>()?;
-    module.add("RECORD_FIELDS", PyTuple::new(module.py(), RECORD_FIELDS)?)?;
+    module.add_class::<Record>()?;
     let letters = PyDict::new(module.py());
     for (name, letter) in ops::LETTERS {
         letters.set_item(name, letter.to_string())?;

@@ -41,7 +41,6 @@ from confluent_kafka import Consumer
 from ordering_layer._core import NativeFetch
 from ordering_layer.record import HeaderPairs, RecordMetadata, read_metadata
 from ordering_layer.subscriber.fetched import read_headers
-from ordering_layer.subscriber.owned_partition import RECORD_LAYOUT
 from ordering_layer.subscriber.records import Record
 
 _LOGGER = logging.getLogger(__name__)
@@ -133,8 +132,8 @@ def open_native_fetch(consumer: Consumer, config: dict[str, Any], topic: str, ma
     handle = ctypes.c_void_p.from_address(id(consumer) + _HANDLE_OFFSET).value
     prefix = f"{config.get('client.id', DEFAULT_CLIENT_ID)}#consumer-"
     try:
-        return NativeFetch(consumer, handle or 0, library, prefix, topic, RECORD_LAYOUT,
-                           header_metadata(malformed, counted), read_metadata(None))
+        return NativeFetch(consumer, handle or 0, library, prefix, topic, header_metadata(malformed, counted),
+                           read_metadata(None))
     except RuntimeError as exc:
         _LOGGER.info("fetching through consume(): %s", exc)
         return None

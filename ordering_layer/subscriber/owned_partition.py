@@ -19,17 +19,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ordering_layer._core import RECORD_FIELDS, AckQueue, Deliveries, LeaseTable, PartitionCore, SlotLayout
+from ordering_layer._core import AckQueue, Deliveries, LeaseTable, PartitionCore
 from ordering_layer.state.store import OpLetter
 from ordering_layer.subscriber.message import Message, unattached
 from ordering_layer.subscriber.records import Delivery, QueueKey, Record
 
-__all__ = ["RECORD_LAYOUT", "OwnedPartition"]
-
-# Records are made by the core without running ``__init__``, and their fields read from their slots
-# (``core/src/slots.rs``), found by the names the core gives: the order of the class's fields does not
-# matter. Messages are compiled ``Delivery``s (``core/src/delivery.rs``).
-RECORD_LAYOUT = SlotLayout(Record, list(RECORD_FIELDS))
+__all__ = ["OwnedPartition"]
 
 
 class OwnedPartition:
@@ -61,7 +56,7 @@ class OwnedPartition:
             ordered=ordered, settled_before=set(settled_before), attempts_before=attempts_before or {},
             suspects=suspects, start_offset=start_offset, cascades=set(cascades), floor=floor)
         self._charged_up_to = max(attempts_before) if attempts_before else None
-        self._deliveries = Deliveries(Message, RECORD_LAYOUT, topic, submit, ordered, acks)  # what releases make
+        self._deliveries = Deliveries(Message, topic, submit, ordered, acks)  # what releases make
 
     def charged_pending(self) -> bool:
         """Some record the claim charged attempts to is not settled yet (its commit point is not past
@@ -78,7 +73,7 @@ class OwnedPartition:
     def add(self, records: list[Record], start: int = 0, stop: int | None = None) -> None:
         """Take fetched records ``records[start:stop]`` (duplicates and records settled before a
         crash are skipped)."""
-        self.core.add(records, start, stop, RECORD_LAYOUT)
+        self.core.add(records, start, stop)
 
     def release_ready(self, now: float, budget: int, per_key: int, byte_budget: int, lease_ms: int | None,
                       *, pooled: bool, leases: LeaseTable | None = None) -> tuple[list[Message], int]:

@@ -32,7 +32,7 @@ from ordering_layer.kafka.offsets import seek_tag
 from ordering_layer.state import ClaimedPartition, StateStore
 from ordering_layer.state.departed import Departed
 from ordering_layer.subscriber.message import Message, unattached
-from ordering_layer.subscriber.owned_partition import RECORD_LAYOUT, OwnedPartition
+from ordering_layer.subscriber.owned_partition import OwnedPartition
 from ordering_layer.subscriber.records import AWAITING_SEEK, Record
 from ordering_layer.subscriber.requests import Fetched, SeekPartition
 
@@ -220,7 +220,7 @@ class Partitions:
         like duplicates (SUB-3)."""
         owned, unclaimed, generations = self.owned, self._unclaimed, fetched.generations
         records = fetched.records
-        for partition, start, stop in partition_runs(records, RECORD_LAYOUT):  # records come in runs of one partition
+        for partition, start, stop in partition_runs(records):  # records come in runs of one partition
             state = owned.get(partition)
             if state is not None:
                 if state.generation == generations.get(partition):

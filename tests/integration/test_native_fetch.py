@@ -123,7 +123,7 @@ def test_native_fetch_makes_the_records_consume_makes(kafka_config: dict[str, An
 def test_native_records_are_out_of_the_collectors_sight(kafka_config: dict[str, Any],
                                                          topic_factory: Callable[..., str]) -> None:
     """The records the native fetch makes are not tracked by the cyclic garbage collector (none can
-    be part of a cycle); those of ``consume()`` are, as any new slotted object."""
+    be part of a cycle); those of ``consume()`` are, as any new compiled object."""
     topic = topic_factory(partitions=2)
     count = produce_shapes(kafka_config, topic)
     native, fetcher = by_fetcher(kafka_config, topic, count, native=True)

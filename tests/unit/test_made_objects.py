@@ -1,147 +1,95 @@
-"""Records and messages made by the core without running ``__init__`` (``core/src/slots.rs``,
-``core/src/delivery.rs``, ``PartitionCore.release_messages``): the same objects as the classes make,
-freed as they are."""
+"""Records and messages the core makes and reads (``core/src/record.rs``, ``core/src/delivery.rs``,
+``PartitionCore.release_messages``): compiled records with the fields a ``Record`` is given, messages
+made without running ``__init__``, both freed as they are."""
 
 from __future__ import annotations
 
 import gc
 import sys
-import weakref
-from dataclasses import dataclass, fields
+import threading
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
 
-from ordering_layer._core import (
-    RECORD_FIELDS,
-    Deliveries,
-    LeaseTable,
-    PartitionCore,
-    SlotLayout,
-    partition_runs,
-)
+from ordering_layer._core import Deliveries, LeaseTable, PartitionCore, partition_runs
 from ordering_layer.record import RecordMetadata
 from ordering_layer.subscriber.message import NACKED, Message
-from ordering_layer.subscriber.owned_partition import RECORD_LAYOUT, OwnedPartition
+from ordering_layer.subscriber.owned_partition import OwnedPartition
 from ordering_layer.subscriber.records import Record
 
 _META = RecordMetadata(None, 1, None)
 
 
-class Held:
-    """A value whose release is observable."""
-
-
-class Base:
-    __slots__ = ("a",)
-    a: object
-
-
-class Pair(Base):
-    __slots__ = ("b", "c")
-    b: object
-    c: object
-
-    def __init__(self) -> None:
-        raise AssertionError("__init__ must not run")
-
-
-def test_a_layout_fills_the_named_slots_of_a_class_and_its_bases_without_running_init() -> None:
-    layout = SlotLayout(Pair, ["c", "a", "b"])
-    first, second, third = Held(), Held(), Held()
-    before = sys.getrefcount(first)
-    pair = layout.new_instance(first, second, third)
-    assert type(pair) is Pair
-    assert (pair.c, pair.a, pair.b) == (first, second, third)
-    assert sys.getrefcount(first) == before + 1  # one reference, held by the slot
-    watched = weakref.ref(first)
-    del pair, first
-    assert watched() is None  # the instance let go of its values when freed
+def test_a_record_has_the_fields_it_is_given() -> None:
+    headers = [("h", b"1")]
+    record = Record(3, 17, b"k", b"value", headers, _META, 5, 1_700_000_000_000)
+    assert (record.partition, record.offset, record.key, record.value, record.headers, record.metadata,
+            record.size, record.timestamp_ms) == (3, 17, b"k", b"value", headers, _META, 5, 1_700_000_000_000)
+    assert record.headers is headers and record.metadata is _META  # shared, not copied
+    assert (record.attempts, record.last_error, record.suspect, record.quarantined) == (0, None, False, False)
+    named = Record(partition=0, offset=1, key=None, value=None, headers=None, metadata=_META, size=0, timestamp_ms=0,
+                   attempts=2, last_error="boom", suspect=True, quarantined=True)
+    assert (named.key, named.value, named.attempts, named.last_error, named.suspect, named.quarantined) == (
+        None, None, 2, "boom", True, True)
+    assert repr(record) == "Record(partition=3, offset=17, key=b'k', size=5, attempts=0)"
     with pytest.raises(TypeError):
-        layout.new_instance(1, 2)  # a value per named slot
-
-
-def test_an_unnamed_slot_is_left_empty() -> None:
-    pair = SlotLayout(Pair, ["a"]).new_instance(1)
-    assert pair.a == 1
+        Record(0, 0, cast(Any, "k"), None, None, _META, 0, 0)  # a key is bytes (PUB-7) or None
     with pytest.raises(AttributeError):
-        _ = pair.b
+        cast(Any, record).offset = 18  # what was fetched stays as fetched
 
 
-def test_a_class_that_is_not_a_plain_slot_holder_is_refused() -> None:
-    class Open:
-        pass
+def test_a_records_dispatch_fields_are_set_from_any_thread() -> None:
+    """``attempts``, ``last_error``, ``suspect`` and ``quarantined`` change as the record is
+    dispatched, read and set by the coordinator and the workers."""
+    record = Record(0, 0, b"k", b"v", None, _META, 1, 0)
+    record.attempts += 1
+    record.last_error = "ValueError: bad"
+    record.suspect = record.quarantined = True
+    assert (record.attempts, record.last_error, record.suspect, record.quarantined) == (
+        1, "ValueError: bad", True, True)
+    record.last_error = None
+    assert record.last_error is None
 
-    with pytest.raises(TypeError):
-        SlotLayout(Open, [])  # instances have a __dict__
-    with pytest.raises(TypeError):
-        SlotLayout(Pair, ["a", "d"])  # no such slot
-    with pytest.raises(TypeError):
-        SlotLayout(Pair, ["a", "a"])  # one slot named twice
+    def bump() -> None:
+        for _ in range(2_000):
+            record.attempts = record.attempts + 0  # reads and writes race without tearing
+            record.last_error = "again"
 
-
-@dataclass(slots=True)
-class Twin:
-    x: int
-    y: bytes
-
-
-def test_a_made_record_is_the_one_the_class_makes() -> None:
-    values = (3, 17, b"k", b"value", [("h", b"1")], _META, 5, 1_700_000_000_000, 0, None, False, False)
-    made, called = RECORD_LAYOUT.new_instance(*values), Record(*values[:8])
-    assert type(made) is Record
-    assert [getattr(made, f.name) for f in fields(Record)] == [getattr(called, f.name) for f in fields(Record)]
-    assert SlotLayout(Twin, ["x", "y"]).new_instance(1, b"2") == Twin(1, b"2")
-
-
-def test_the_core_names_every_slot_of_a_record() -> None:
-    assert Message.__slots__ == ()  # a message's fields are the compiled Delivery's
-    assert sorted(RECORD_FIELDS) == sorted(f.name for f in fields(Record))
-    assert RECORD_LAYOUT.names == list(RECORD_FIELDS)
+    threads = [threading.Thread(target=bump) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert (record.attempts, record.last_error) == (1, "again")
 
 
-@dataclass(slots=True, eq=False)
-class ShuffledRecord:
-    """``Record``'s fields in another order: the core finds them by name."""
-
-    quarantined: bool
-    suspect: bool
-    last_error: str | None
-    attempts: int
-    timestamp_ms: int
-    size: int
-    metadata: RecordMetadata
-    headers: Any
-    value: bytes | None
-    key: bytes | None
-    offset: int
-    partition: int
+def test_a_record_is_freed_when_let_go() -> None:
+    """(The native fetch's records are out of the collector's sight: ``test_native_fetch.py``.)"""
+    value = b"payload-" + bytes(range(8))
+    record = Record(0, 0, b"k", value, None, _META, len(value), 0)
+    before = sys.getrefcount(value)
+    del record
+    assert sys.getrefcount(value) == before - 1  # the record let go of its value
 
 
-def test_fields_in_another_order_are_read_and_written_by_name() -> None:
-    """The slot contract is by name: a record class whose fields are declared in another order is
-    made, queued, released and acked as ``Record`` is (the key it orders by, the attempts written
-    on release, the suspect mark); a layout that names other slots, or the same in another order, is
-    refused where the core reads by position."""
-    shuffled = SlotLayout(ShuffledRecord, list(RECORD_FIELDS))
-    values = dict(zip(RECORD_FIELDS, (0, 0, b"k", b"v", None, _META, 1, 5, 0, None, False, False), strict=True))
-    made = [shuffled.new_instance(*{**values, "offset": offset, "key": key}.values())
-            for offset, key in enumerate([b"k", b"j", b"k"])]
-    assert [(r.partition, r.offset, r.key, r.timestamp_ms, r.quarantined) for r in made] == [
-        (0, 0, b"k", 5, False), (0, 1, b"j", 5, False), (0, 2, b"k", 5, False)]
+def test_released_records_and_messages() -> None:
+    """``Record``'s fields are what the core orders by, and the attempts and suspect mark written on
+    release land on the record; ``partition_runs`` reads its partition; ``Deliveries`` makes
+    ``Delivery`` subclasses only."""
+    made = [Record(0, offset, key, b"v", None, _META, 1, 5) for offset, key in enumerate([b"k", b"j", b"k"])]
     core: PartitionCore[Any] = PartitionCore(ordered=True, attempts_before={0: 1}, suspects=True)
-    core.add(made, 0, None, shuffled)
-    deliveries = Deliveries(Message, shuffled, "orders", lambda message: None, True)
+    core.add(made, 0, None)
+    deliveries = Deliveries(Message, "orders", lambda message: None, True)
     messages, _ = core.release_messages(0.0, 10, 1, 10**6, None, pooled=True, leases=None, partition=0, epoch=1,
                                         deliveries=deliveries)
     assert [(m.record.offset, m.queue_key, m.attempt, m.record.attempts, m.record.suspect) for m in messages] == [
         (0, b"k", 2, 2, True), (1, b"j", 1, 1, False)]  # one per key in callback mode: 2 waits for 0
-    assert partition_runs(made, shuffled) == [(0, 0, 3)]
-    with pytest.raises(ValueError):
-        Deliveries(Message, SlotLayout(ShuffledRecord, list(reversed(RECORD_FIELDS))), "t", print, True)
+    assert messages[0].record is made[0] and messages[0].queue_key is made[0].key  # the key's bytes, shared
+    assert partition_runs(made) == [(0, 0, 3)]
     with pytest.raises(TypeError):
-        Deliveries(cast(Any, Record), RECORD_LAYOUT, "t", print, True)  # messages are Deliveries
+        Deliveries(cast(Any, Record), "t", print, True)  # messages are Deliveries
 
 
 def records(partition: int, keys: list[bytes | None]) -> list[Record]:
@@ -203,18 +151,20 @@ class Fake:
     offset: int
     key: bytes | None
     size: int
+    metadata: RecordMetadata = _META
+    timestamp_ms: int = 0
 
 
-def test_fields_read_from_slots_are_those_read_as_attributes() -> None:
-    """``partition_runs`` and ``PartitionCore.add`` read a ``Record``'s fields from its slots when
-    given the layout, anything else's as attributes; ``LeaseTable.ack_run`` reads a ``Delivery``'s
-    lease handle from its field, anything else's as an attribute."""
+def test_fields_of_records_are_those_read_as_attributes() -> None:
+    """``partition_runs`` and ``PartitionCore.add`` read a ``Record``'s fields directly, anything
+    else's as attributes; ``LeaseTable.ack_run`` reads a ``Delivery``'s lease handle from its field,
+    anything else's as an attribute."""
     batch: list[Any] = [*records(0, [b"a", b"b"]), *records(1, [b"a"]), Fake(1, 5, b"c", 2)]
-    assert partition_runs(batch, RECORD_LAYOUT) == partition_runs(batch) == [(0, 0, 2), (1, 2, 4)]
+    assert partition_runs(batch) == [(0, 0, 2), (1, 2, 4)]
     read = OwnedPartition(1, 1, ordered=True)
     plain: PartitionCore[Any] = PartitionCore(ordered=True)
-    read.core.add(batch, 2, None, RECORD_LAYOUT)
-    plain.add(batch, 2)
+    read.core.add(batch, 2, None)
+    plain.add([SimpleNamespace(offset=r.offset, key=r.key, size=r.size, partition=r.partition) for r in batch], 2)
     assert read.core.ready_keys() == plain.ready_keys() == [b"a", b"c"]
     assert read.core.release_ready(0.0, 9, 1, 100)[3] == plain.release_ready(0.0, 9, 1, 100)[3] == 0 + 2
     leases = LeaseTable(ack_deadline=10.0, max_lease_duration=60.0, min_extension=10.0, max_extension=600.0)
@@ -226,15 +176,14 @@ def test_fields_read_from_slots_are_those_read_as_attributes() -> None:
     assert leases.ack_run(messages[:2], owned, 0.0) == 0 and leases.count == 1  # stale now
 
 
-def test_the_collector_sees_what_layouts_and_deliveries_hold() -> None:
+def test_the_collector_sees_what_deliveries_hold() -> None:
     """A subscriber's objects form cycles (the engine and its components): the collector must see
     through the core's objects to free them."""
     acks: list[object] = []
-    deliveries = Deliveries(Message, RECORD_LAYOUT, "orders", acks.append, True)
+    deliveries = Deliveries(Message, "orders", acks.append, True)
     held = gc.get_referents(deliveries)
-    assert Message in held and RECORD_LAYOUT in held and "orders" in held
+    assert Message in held and "orders" in held
     assert any(getattr(r, "__self__", None) is acks for r in held)
-    assert Record in gc.get_referents(RECORD_LAYOUT)
 
 
 def test_a_nack_stays_the_messages_last_word_for_its_run() -> None:
