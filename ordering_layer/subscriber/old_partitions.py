@@ -35,6 +35,7 @@ _KAFKA_TIMEOUT = 10.0
 _SCAN_BATCH = 1000
 _SKIP_AT_LEAST = 5000  # records below the floor a read jumps over rather than reading them
 _ASK_ROUNDS = 64  # ZMSCORE round trips per old partition and check, at most
+_NO_END = 1 << 62  # an end past any offset: every record the reader takes is looked at
 
 
 def count_at(history: History, published: int | None, timestamp_ms: int) -> int:
@@ -236,8 +237,12 @@ class OldPartitions:
         return int(raw) if raw is not None else -1
 
     def _read(self, consumer: Consumer, highs: Mapping[int, int]) -> None:
-        """Read the assigned partitions up to ``highs``, noting the offset and count of every record
-        of a key that a later count routes elsewhere (only such a key can wait for these partitions)."""
+        """Read the assigned partitions up to ``highs`` at least, noting the offset and count of every
+        record of a key that a later count routes elsewhere (only such a key can wait for these
+        partitions). Every record taken is looked at, up to the reader's position, which is where
+        the read ends: a record appended after ``highs`` were asked (the high watermark moved since:
+        a follower caught up, or a producer still publishing under an earlier count) may be taken
+        in the same fetch, and the read's end, the departure marks' bound, passes it."""
         reads = self._reads
         behind = {p for p, read in reads.items() if read.end < highs[p]}
         deadline = time.monotonic() + 3 * _KAFKA_TIMEOUT
@@ -245,7 +250,7 @@ class OldPartitions:
             if time.monotonic() > deadline:
                 raise KafkaException(f"partitions {sorted(behind)} not read to their ends in time")
             if self._scan is not None:
-                ends = {p: highs[p] for p in reads}
+                ends = dict.fromkeys(reads, _NO_END)
                 for number, where, moving_key, count in self._scan.scan_moving(_SCAN_BATCH, 0.2, self._history, ends):
                     reads[number].add(moving_key, where, count)
             # Most records are of keys that stay: they cost one key() and one dict look-up.
@@ -259,7 +264,7 @@ class OldPartitions:
                     moves = read.moving[key] = any(partition_for(key, count) != partition
                                                    for count, _ in read.history[1:])
                 offset = record.offset()
-                if not moves or offset is None or offset >= highs[partition] or record.error() is not None:
+                if not moves or offset is None or record.error() is not None:
                     continue
                 headers = record.headers()
                 published = read_metadata(headers).partition_count if headers else None  # type: ignore[arg-type]
