@@ -13,8 +13,9 @@
 //! (`rd_kafka_queue_cb_event_enable`). librdkafka bounds each partition's queue on its own
 //! (`queued.min.messages`, `queued.max.messages.kbytes` apply per partition queue). `fetch` waits
 //! for and copies a batch without the GIL (keys and headers into one buffer per batch, each value
-//! into its own), then makes the compiled `Record`s the engine takes (`record.rs`), with the layer metadata read once per distinct header set
-//! (`metadata_of`, a Python function, is called only for header sets not shared).
+//! into its own), then makes the compiled `Record`s the engine takes (`record.rs`), with the layer
+//! metadata read once per distinct header set (`metadata_of`, a Python function, is called only for
+//! header sets not shared).
 //! A batch comes from the same librdkafka call as `consume()`'s (`rd_kafka_consume_batch_queue`),
 //! so records of an outdated fetch version (after a revoke, an unassign or a seek) are treated as
 //! `consume()` treats them; the fetcher's assignment generations guard the rest (SUB-3).

@@ -4,9 +4,10 @@
 //! semantics it keeps (see `partition.rs`). Python crosses into it once per batch: a fetched batch
 //! in, a release of up to a budget of ready keys out (as the `Message`s handed to user code,
 //! `release_messages`, or as parallel lists), a batch of acks in with the new commit point out.
-//! Records stay Python objects: the core keeps a reference to each and hands it back on release,
-//! reading only `offset`, `key` and `size` (from the slots of a `Record`, `slots.rs`), and marks the
-//! suspects among them (ACK-6, DLQ-3). The ops for Redis (packed, see `ops.rs`; grouped into command
+//! Records are Python objects, compiled `Record`s (`record.rs`) when fetched: the core keeps a
+//! reference to each and hands it back on release, reading only `offset`, `key` and `size` (a
+//! `Record`'s fields directly, anything else's as attributes), and marks the suspects among them
+//! (ACK-6, DLQ-3). The ops for Redis (packed, see `ops.rs`; grouped into command
 //! runs and encoded for the socket, `runs.rs`) are written as the decisions are made. Assignment
 //! generations, epochs, start notes and dead-letter policy stay in Python; leases are the
 //! `LeaseTable`'s (`leases.rs`).
@@ -293,7 +294,7 @@ impl PartitionCore {
     }
 
     /// `release_ready`, handed out as `deliveries` says: the released records as `Message`s (made
-    /// without running `__init__`, see `slots.rs`; out of the cyclic collector's sight), each
+    /// without running `__init__`, see `delivery.rs`; out of the cyclic collector's sight), each
     /// record's `attempts` set to its attempt and `suspect` set when it is one. Returns (messages,
     /// payload bytes).
     #[pyo3(signature = (now, budget, per_key, byte_budget, lease_ms, *, pooled, leases, partition, epoch, deliveries))]
