@@ -228,6 +228,7 @@ class PartitionState:
             del self.keys[qkey]
             self.ready.pop(qkey, None)
             self.backing_off.pop(qkey, None)  # KeyBackoff.cancel, inlined: it runs per ack
+            quarantine.waiting.pop(qkey, None)  # a key with nothing left to send waits for nothing
         elif not queue.outstanding and qkey not in self.backing_off:
             self.ready[qkey] = None
 

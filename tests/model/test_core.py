@@ -259,6 +259,34 @@ def test_core_decides_as_partition_state(ordered: bool, settled: frozenset[int],
         twin.check()
 
 
+def test_a_key_dead_lettered_while_it_waits_for_the_quarantine_waits_no_more() -> None:
+    """DLQ-3 (an example hypothesis found): unordered, two suspects charged two attempts each (4 and
+    6, both quarantined). 4 goes out alone, is nacked, and waits while 6 is out; then 4's dead letter
+    is written (its earlier delivery's), so it leaves its queue, which empties: the key waits for
+    nothing any more, and when 6 is settled no key is made ready in its place."""
+    twin = Twin(PartitionState(0, 1, ordered=False, settled_before=frozenset({0, 5, 7}), attempts_before={4: 2, 6: 2},
+                               suspects=True),
+                PartitionCore(ordered=False, settled_before={0, 5, 7}, attempts_before={4: 2, 6: 2}, suspects=True),
+                False)
+    steps: list[tuple[Any, ...]] = [
+        *[("add", [(-1, 0, 0)])] * 9, ("add", [(3, 0, 0), *[(0, 0, 0)] * 5]), ("ack", [(False, 0)]),
+        ("add", [(0, 0, 0)]), ("release", 1, 1, 1, False, False), ("nack", (False, 0), 0.0, False), ("end_walk",),
+        ("add", [(-1, 0, 0)]), ("add", [(-1, 0, 0)]), ("release", 1, 1, 1, False, False),
+        ("release", 4, 1, 1, False, False)]
+    for name, *args in steps:
+        if name in _ON_DELIVERIES and not twin.deliveries:
+            continue
+        getattr(twin, name)(*args)
+        twin.check()
+    assert (twin.core.quarantined, twin.core.waiting_keys()) == (6, [4])
+    twin.dead_lettered((True, 4))  # the first delivery, of offset 4: not outstanding, waiting to go again
+    twin.check()
+    assert (twin.core.quarantined, twin.core.waiting_keys()) == (6, [])
+    twin.ack([twin.out(6)])
+    twin.check()
+    assert (twin.core.quarantined, twin.core.ready_keys()) == (None, [])
+
+
 def test_stale_tokens_of_another_partition_state_are_refused() -> None:
     """ACK-5: tokens are unique in the process, so a delivery of an earlier ownership of the same
     partition (a new core after a re-claim) never matches a delivery of the new one."""
