@@ -48,41 +48,6 @@ struct PartitionCore {
 }
 
 impl PartitionCore {
-    /// `items[start:stop]` into the core; `read` gives an item's offset, payload size and key, and
-    /// `published` the partition count it was published under (0: unknown) and its append time in
-    /// ms, asked only while keys moved in by an expansion are looked for.
-    /// Take `items[start:stop]`, each a `Record` or an object with its fields by name; returns the
-    /// offsets skipped (duplicates, or settled before a crash).
-    fn take(&mut self, items: &Bound<'_, PyList>, start: usize, stop: Option<usize>) -> PyResult<Vec<i64>> {
-        let py = items.py();
-        let stop = stop.unwrap_or(usize::MAX).min(items.len());
-        let mut skipped = Vec::new();
-        for index in start..stop {
-            let item = items.get_item(index)?;
-            let (offset, added) = if let Ok(record) = item.cast::<Record>() {
-                let fields = record.get();
-                let publish = if self.core.has_moves() { published(fields.metadata_of(py), fields.timestamp_ms)? } else { (0, 0) };
-                let item_ref = item.clone().unbind();
-                (fields.offset, self.core.add_published(fields.offset, fields.key_bytes(py), fields.size, item_ref, publish))
-            } else {
-                let offset: i64 = item.getattr(intern!(py, "offset"))?.extract()?;
-                let size: i64 = item.getattr(intern!(py, "size"))?.extract()?;
-                let key = item.getattr(intern!(py, "key"))?;
-                let publish = if self.core.has_moves() {
-                    let timestamp: i64 = item.getattr(intern!(py, "timestamp_ms"))?.extract()?;
-                    published(&item.getattr(intern!(py, "metadata"))?, timestamp)?
-                } else {
-                    (0, 0)
-                };
-                (offset, self.core.add_published(offset, key_bytes(&key)?, size, item.clone().unbind(), publish))
-            };
-            if !added {
-                skipped.push(offset);
-            }
-        }
-        Ok(skipped)
-    }
-
     /// Release within `limits` (see `release_ready`), as Rust lists.
     fn release(&mut self, py: Python<'_>, limits: &Limits, leases: Option<&Bound<'_, LeaseTable>>, partition: i32,
                epoch: i64) -> ReleaseOut {
@@ -181,12 +146,12 @@ impl Deliveries {
             let record = item.into_bound(py);
             let fields = record.cast::<Record>().map_err(|_| PyTypeError::new_err("a released item is not a Record"))?.get();
             let attempt = out.attempts[position];
-            fields.set_attempt(i64::from(attempt));
+            fields.set_attempts(i64::from(attempt));
             if suspects.next_if_eq(&&position).is_some() {
-                fields.mark_suspect();
+                fields.set_suspect(true);
             }
             let queue_key = match &fields.key {
-                Some(key) if self.ordered && !key.bind(py).as_bytes().is_empty() => key.clone_ref(py).into_any(),
+                Some(key) if self.ordered && !key.as_bytes(py).is_empty() => key.clone_ref(py).into_any(),
                 _ => fields.offset.into_pyobject(py)?.into_any().unbind(),
             };
             let lease = out.handles.get(position).copied().unwrap_or(0);
@@ -256,10 +221,38 @@ impl PartitionCore {
 
     /// Take fetched records `records[start:stop]` (`Record`s, or objects with `offset`, `key`,
     /// `size`, `metadata` and `timestamp_ms`); returns the offsets skipped (duplicates, or settled
-    /// before a crash).
+    /// before a crash). The partition count a record was published under and its append time are
+    /// read only while keys moved in by an expansion are looked for.
     #[pyo3(signature = (records, start = 0, stop = None))]
     fn add(&mut self, records: &Bound<'_, PyList>, start: usize, stop: Option<usize>) -> PyResult<Vec<i64>> {
-        self.take(records, start, stop)
+        let py = records.py();
+        let stop = stop.unwrap_or(usize::MAX).min(records.len());
+        let moves = self.core.has_moves();
+        let mut skipped = Vec::new();
+        for index in start..stop {
+            let item = records.get_item(index)?;
+            let key_object; // the key of an object that is not a `Record`, borrowed below
+            let (offset, size, key, publish) = if let Ok(record) = item.cast::<Record>() {
+                let fields = record.get();
+                let publish = if moves { published(fields.metadata_of(py), fields.timestamp_ms)? } else { (0, 0) };
+                (fields.offset, fields.size, fields.key_bytes(py), publish)
+            } else {
+                let offset: i64 = item.getattr(intern!(py, "offset"))?.extract()?;
+                let size: i64 = item.getattr(intern!(py, "size"))?.extract()?;
+                key_object = item.getattr(intern!(py, "key"))?;
+                let publish = if moves {
+                    let timestamp: i64 = item.getattr(intern!(py, "timestamp_ms"))?.extract()?;
+                    published(&item.getattr(intern!(py, "metadata"))?, timestamp)?
+                } else {
+                    (0, 0)
+                };
+                (offset, size, key_bytes(&key_object)?, publish)
+            };
+            if !self.core.add_published(offset, key, size, item.clone().unbind(), publish) {
+                skipped.push(offset);
+            }
+        }
+        Ok(skipped)
     }
 
     /// Release from the ready keys, oldest first: up to `per_key` records of each, `budget` in all,

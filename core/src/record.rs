@@ -95,16 +95,6 @@ impl Record {
     pub fn metadata_of<'py>(&self, py: Python<'py>) -> &Bound<'py, PyAny> {
         self.metadata.bind(py)
     }
-
-    /// Set the attempt the record goes out with.
-    pub fn set_attempt(&self, attempt: i64) {
-        self.attempts.store(attempt, Ordering::Relaxed);
-    }
-
-    /// Mark the record a suspect (see the class's documentation).
-    pub fn mark_suspect(&self) {
-        self.suspect.store(true, Ordering::Relaxed);
-    }
 }
 
 #[pymethods]
@@ -165,7 +155,7 @@ impl Record {
     }
 
     #[setter]
-    fn set_attempts(&self, attempts: i64) {
+    pub fn set_attempts(&self, attempts: i64) {
         self.attempts.store(attempts, Ordering::Relaxed);
     }
 
@@ -188,7 +178,7 @@ impl Record {
     }
 
     #[setter]
-    fn set_suspect(&self, suspect: bool) {
+    pub fn set_suspect(&self, suspect: bool) {
         self.suspect.store(suspect, Ordering::Relaxed);
     }
 
