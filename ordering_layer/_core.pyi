@@ -227,3 +227,12 @@ class Delivery:
         """Mark a plain ack; True when it went to the engine's ack queue, False: hand it to ``_submit``."""
     def ack(self) -> None:
         """Done with the message: it is settled and never delivered again (unless a cascade)."""
+
+_D = TypeVar("_D", bound=Delivery)
+
+def items_of(messages: list[_D]) -> list[_D | list[_D]]:
+    """A released batch as the callback hand-outs queue it: each run of consecutive messages with the
+    same queue key as one list, any other message as it is (a new list either way)."""
+
+def redeliveries(messages: list[_D]) -> int:
+    """How many of ``messages`` are not a first attempt (``attempt`` above 1)."""

@@ -22,7 +22,8 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 use pyo3::exceptions::{PyRuntimeError, PyTypeError};
 use pyo3::ffi;
 use pyo3::prelude::*;
-use pyo3::types::{PyTuple, PyType};
+use pyo3::intern;
+use pyo3::types::{PyBytes, PyList, PyTuple, PyType};
 use pyo3::{PyTraverseError, PyTypeInfo, PyVisit};
 
 /// `settled` bits: an ack was requested; a nack was (it stays the message's last word).
@@ -372,4 +373,65 @@ impl Maker {
     pub fn traverse(&self, visit: &PyVisit<'_>) -> Result<(), PyTraverseError> {
         visit.call(&self.class)
     }
+}
+
+/// An item's queue key: a `Delivery`'s field, or the attribute of any other object.
+fn queue_key_of<'py>(item: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    match item.cast::<Delivery>() {
+        Ok(delivery) => Ok(delivery.get().queue_key.bind(item.py()).clone()),
+        Err(_) => item.getattr(intern!(item.py(), "queue_key")),
+    }
+}
+
+/// Two queue keys are the same key: the same object, equal bytes, or equal by `==`.
+fn same_key(a: &Bound<'_, PyAny>, b: &Bound<'_, PyAny>) -> PyResult<bool> {
+    if a.is(b) {
+        return Ok(true);
+    }
+    match (a.cast::<PyBytes>(), b.cast::<PyBytes>()) {
+        (Ok(a), Ok(b)) => Ok(a.as_bytes() == b.as_bytes()),
+        _ => a.eq(b),
+    }
+}
+
+/// A released batch as the callback hand-outs queue it (`ordering_layer.subscriber.runs`): each
+/// run of consecutive messages with the same queue key as one list, any other message as it is.
+/// A new list either way.
+#[pyfunction]
+pub fn items_of<'py>(messages: &Bound<'py, PyList>) -> PyResult<Bound<'py, PyList>> {
+    let py = messages.py();
+    let keys = messages.iter().map(|message| queue_key_of(&message)).collect::<PyResult<Vec<_>>>()?;
+    let mut starts = Vec::new(); // where each item begins
+    for (index, key) in keys.iter().enumerate() {
+        if index == 0 || !same_key(&keys[index - 1], key)? {
+            starts.push(index);
+        }
+    }
+    if starts.len() == keys.len() {
+        return Ok(messages.get_slice(0, keys.len()));
+    }
+    starts.push(keys.len());
+    let items = PyList::empty(py);
+    for bounds in starts.windows(2) {
+        if bounds[1] - bounds[0] == 1 {
+            items.append(messages.get_item(bounds[0])?)?;
+        } else {
+            items.append(messages.get_slice(bounds[0], bounds[1]))?;
+        }
+    }
+    Ok(items)
+}
+
+/// How many of `messages` are not a first attempt (`attempt` above 1).
+#[pyfunction]
+pub fn redeliveries(messages: &Bound<'_, PyList>) -> PyResult<usize> {
+    let mut count = 0;
+    for message in messages.iter() {
+        let attempt = match message.cast::<Delivery>() {
+            Ok(delivery) => delivery.get().attempt,
+            Err(_) => message.getattr(intern!(message.py(), "attempt"))?.extract()?,
+        };
+        count += usize::from(attempt != 1);
+    }
+    Ok(count)
 }

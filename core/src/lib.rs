@@ -846,5 +846,7 @@ fn ordering_layer_core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_function(wrap_pyfunction!(partition_runs, module)?)?;
     module.add_function(wrap_pyfunction!(command_runs, module)?)?;
     module.add_function(wrap_pyfunction!(evalsha_commands, module)?)?;
+    module.add_function(wrap_pyfunction!(delivery::items_of, module)?)?;
+    module.add_function(wrap_pyfunction!(delivery::redeliveries, module)?)?;
     Ok(())
 }

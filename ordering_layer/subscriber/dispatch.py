@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Collection
-from operator import attrgetter, countOf
 
+from ordering_layer._core import redeliveries
 from ordering_layer.config import SubscriptionSettings
 from ordering_layer.subscriber.dead_letters import DeadLetters
 from ordering_layer.subscriber.flow import FlowGate
@@ -31,13 +31,6 @@ from ordering_layer.subscriber.requests import Pull
 from ordering_layer.subscriber.runs import RUN_MAX
 from ordering_layer.subscriber.settlement import REQUEUE_DELAY
 from ordering_layer.subscriber.state_writer import StateWriter
-
-_ATTEMPT = attrgetter("attempt")
-
-
-def _redeliveries(messages: list[Message]) -> int:
-    """How many of ``messages`` are not a first attempt (counted in C)."""
-    return len(messages) - countOf(map(_ATTEMPT, messages), 1)
 
 
 class Dispatcher:
@@ -120,7 +113,7 @@ class Dispatcher:
         them back already)."""
         counts = self._counts
         counts["delivered"] -= len(messages)
-        counts["redelivered"] -= _redeliveries(messages)
+        counts["redelivered"] -= redeliveries(messages)
         self._give_back_messages(messages, now)
 
     def _give_back_messages(self, messages: list[Message], now: float) -> None:
@@ -148,7 +141,7 @@ class Dispatcher:
                 continue  # fenced by the flush that recorded these deliveries: the new owner has them
             if not screen:
                 messages.extend(batch)
-                redelivered += _redeliveries(batch)
+                redelivered += redeliveries(batch)
                 continue
             epoch = state.epoch
             for message in batch:

@@ -13,16 +13,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from itertools import groupby
-from operator import attrgetter
 
+from ordering_layer._core import items_of
 from ordering_layer.subscriber.message import Message
 
 RUN_MAX = 128  # records of one key released to one hand-out at a time, at most (callback mode)
 RUN_SPAN = 0.1  # seconds a run goes on; the rest goes back after it
-_QUEUE_KEY = attrgetter("queue_key")
 
 Item = Message | list[Message]  # one message, or a key's run of consecutive messages
+
+__all__ = ["RUN_MAX", "RUN_SPAN", "Hooks", "Item", "goes_on", "items_of", "run_item"]
 
 
 @dataclass(frozen=True)
@@ -34,17 +34,6 @@ class Hooks:
     begin: Callable[[Message], bool]
     give_back: Callable[[list[Message]], None]
     current: Callable[[Message], bool]
-
-
-def items_of(messages: list[Message]) -> list[Item]:
-    """A released batch as the hand-outs queue it: a key's consecutive messages as one run."""
-    if len(set(map(_QUEUE_KEY, messages))) == len(messages):
-        return list(messages)  # one message per key: no run
-    items: list[Item] = []
-    for _, group in groupby(messages, _QUEUE_KEY):
-        run = list(group)
-        items.append(run[0] if len(run) == 1 else run)
-    return items
 
 
 def goes_on(previous: Message, began: float, message: Message, hooks: Hooks) -> bool:

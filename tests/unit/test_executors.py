@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from ordering_layer._core import redeliveries
 from ordering_layer.errors import ConfigError
 from ordering_layer.record import RecordMetadata
 from ordering_layer.subscriber.executors import AsyncWorkers, ExecutorCallbacks, LoopCallbacks, LoopWorkers, handoff_for
@@ -71,6 +72,30 @@ def test_items_of_groups_a_keys_consecutive_messages_as_one_run() -> None:
     recorder = Recorder()
     a0, a1, b2, a3 = (message(recorder, n, k) for n, k in ((0, b"a"), (1, b"a"), (2, b"b"), (3, b"a")))
     assert items_of([a0, a1, b2, a3]) == [[a0, a1], b2, a3]
+
+
+def test_items_of_compares_keys_by_value_and_copies_a_batch_without_runs() -> None:
+    """Equal keys that are different objects make a run (records of one key fetched apart); an
+    unordered batch's offsets too; a batch of distinct keys comes back as a new list."""
+    recorder = Recorder()
+    first, second = message(recorder, 0, b"key"), message(recorder, 1, bytes(bytearray(b"key")))
+    assert first.queue_key is not second.queue_key
+    assert items_of([first, second]) == [[first, second]]
+    unordered = [Message(m.record, 7, token=1, attempt=1) for m in (first, second)]
+    assert items_of(unordered) == [unordered]
+    distinct = [message(recorder, n, k) for n, k in ((0, b"a"), (1, b"b"), (2, b"a"))]
+    items = items_of(distinct)
+    assert items == distinct and items is not distinct
+    assert items_of([]) == []
+
+
+def test_redeliveries_counts_the_messages_past_their_first_attempt() -> None:
+    recorder = Recorder()
+    messages = [message(recorder, n, b"k") for n in range(4)]
+    attempts = (1, 2, 1, 5)
+    again = [Message(m.record, b"k", token=m.token, attempt=a) for m, a in zip(messages, attempts, strict=True)]
+    assert redeliveries(again) == 2
+    assert redeliveries([]) == 0
 
 
 def test_loop_runs_many_keys_at_once_on_one_thread_and_a_raise_nacks() -> None:
