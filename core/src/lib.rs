@@ -495,30 +495,34 @@ fn qkey_list<'py>(py: Python<'py>, qkeys: Vec<&QueueKey>) -> PyResult<Bound<'py,
 /// ops' command runs as `command_runs` makes them. ValueError for malformed ops (nothing encoded).
 #[pyfunction]
 fn evalsha_commands(py: Python<'_>, sha: &str, calls: Vec<(Vec<String>, i64, String)>) -> PyResult<Py<PyBytes>> {
-    let encoded = py.detach(|| -> Result<Vec<u8>, runs::OpsError> {
-        let mut out = Vec::new();
-        for (keys, epoch, packed) in &calls {
-            let runs = runs::group(packed)?;
-            let epoch = epoch.to_string();
-            let count = 3 + keys.len() + 2 + runs.arguments.len();
-            resp_array(&mut out, count);
-            let number_of_keys = keys.len().to_string();
-            for argument in ["EVALSHA", sha, &number_of_keys] {
-                resp_bulk(&mut out, argument.as_bytes());
-            }
-            for key in keys {
-                resp_bulk(&mut out, key.as_bytes());
-            }
-            resp_bulk(&mut out, epoch.as_bytes());
-            resp_bulk(&mut out, runs.header.as_bytes());
-            for argument in &runs.arguments {
-                resp_bulk(&mut out, argument);
-            }
-        }
-        Ok(out)
-    });
-    let encoded = encoded.map_err(|error| PyValueError::new_err(error.to_string()))?;
+    // Encoded without the GIL: the callback workers run meanwhile, on the other core (measured: a
+    // flush encoded with the GIL held ran the subscriber 5 % slower).
+    let encoded = py.detach(|| encode_calls(sha, &calls)).map_err(|error| PyValueError::new_err(error.to_string()))?;
     Ok(PyBytes::new(py, &encoded).unbind())
+}
+
+/// `evalsha_commands`'s encoding.
+fn encode_calls(sha: &str, calls: &[(Vec<String>, i64, String)]) -> Result<Vec<u8>, runs::OpsError> {
+    let mut out = Vec::new();
+    for (keys, epoch, packed) in calls {
+        let runs = runs::group(packed)?;
+        let epoch = epoch.to_string();
+        let count = 3 + keys.len() + 2 + runs.arguments.len();
+        resp_array(&mut out, count);
+        let number_of_keys = keys.len().to_string();
+        for argument in ["EVALSHA", sha, &number_of_keys] {
+            resp_bulk(&mut out, argument.as_bytes());
+        }
+        for key in keys {
+            resp_bulk(&mut out, key.as_bytes());
+        }
+        resp_bulk(&mut out, epoch.as_bytes());
+        resp_bulk(&mut out, runs.header.as_bytes());
+        for argument in &runs.arguments {
+            resp_bulk(&mut out, argument);
+        }
+    }
+    Ok(out)
 }
 
 /// A Redis protocol array header.

@@ -7,7 +7,7 @@
 
 /// Appends `value` in decimal, as `write!` would (without its formatting machinery: two ops are
 /// packed per message).
-fn push_decimal(packed: &mut String, value: i64) {
+fn push_decimal(packed: &mut Vec<u8>, value: i64) {
     let mut digits = [0u8; 20];
     let mut rest = value.unsigned_abs();
     let mut start = digits.len();
@@ -20,10 +20,9 @@ fn push_decimal(packed: &mut String, value: i64) {
         }
     }
     if value < 0 {
-        packed.push('-');
+        packed.push(b'-');
     }
-    // The digits are ASCII.
-    packed.push_str(std::str::from_utf8(&digits[start..]).unwrap_or_default());
+    packed.extend_from_slice(&digits[start..]);
 }
 
 pub const DELIVERED: char = 'd';
@@ -60,19 +59,23 @@ pub const LETTERS: [(&str, char); 17] = [
 /// Ops queued since the last `take`.
 #[derive(Default)]
 pub struct OpBuffer {
-    packed: String,
+    packed: Vec<u8>, // UTF-8: the letters as chars, the rest ASCII
     pub count: usize,
 }
 
 impl OpBuffer {
     pub fn push(&mut self, kind: char, offset: i64, value: i64) {
         let packed = &mut self.packed;
-        packed.push(kind);
-        packed.push(',');
+        if kind.is_ascii() {
+            packed.push(kind as u8);
+        } else {
+            packed.extend_from_slice(kind.encode_utf8(&mut [0; 4]).as_bytes());
+        }
+        packed.push(b',');
         push_decimal(packed, offset);
-        packed.push(',');
+        packed.push(b',');
         push_decimal(packed, value);
-        packed.push(';');
+        packed.push(b';');
         self.count += 1;
     }
 
@@ -89,7 +92,7 @@ impl OpBuffer {
     /// The packed ops, and the buffer emptied.
     pub fn take(&mut self) -> String {
         self.count = 0;
-        std::mem::take(&mut self.packed)
+        String::from_utf8(std::mem::take(&mut self.packed)).expect("chars and ASCII are UTF-8")
     }
 }
 
@@ -106,5 +109,7 @@ mod tests {
         }
         let expected: String = values.iter().map(|value| format!("a,{value},{};", value.saturating_neg())).collect();
         assert_eq!((buffer.take(), buffer.count), (expected, 0));
+        buffer.push('é', 1, 2); // a letter decided in Python is any char (`push_op`)
+        assert_eq!(buffer.take(), "é,1,2;");
     }
 }

@@ -126,13 +126,11 @@ pub fn group(packed: &str) -> Result<Runs, OpsError> {
     let mut firsts = Firsts::default();
     let mut rest = packed;
     while !rest.is_empty() {
-        let (op, after) = rest.split_once(';').ok_or_else(|| OpsError::Malformed(rest.to_owned()))?;
-        rest = after;
+        let end = position(rest, 0, b';').ok_or_else(|| OpsError::Malformed(rest.to_owned()))?;
+        let op = &rest[..end];
+        rest = &rest[end + 1..];
         let malformed = || OpsError::Malformed(op.to_owned());
-        let mut fields = op.splitn(3, ',');
-        let (Some(kind), Some(offset), Some(value)) = (fields.next(), fields.next(), fields.next()) else {
-            return Err(malformed());
-        };
+        let (kind, offset, value) = fields(op).ok_or_else(malformed)?;
         if !is_decimal(offset) || !is_decimal(value) {
             return Err(malformed());
         }
@@ -237,11 +235,36 @@ pub const FLOOR_MEMBER: &str = "_";
 
 /// The highest value of the batch's FLOOR ops (as text; malformed ones are refused by `group`).
 fn highest_floor(packed: &str) -> Option<&str> {
-    packed
-        .split(';')
-        .filter_map(|op| op.strip_prefix("f,0,"))
-        .filter(|value| is_decimal(value))
-        .max_by_key(|value| (value.len(), *value))
+    let bytes = packed.as_bytes();
+    let mut highest: Option<&str> = None;
+    let mut from = 0;
+    // `f` is only ever a FLOOR's letter: the other ops' letters differ, their fields are digits.
+    while let Some(at) = position(packed, from, b'f') {
+        from = at + 1;
+        if (at > 0 && bytes[at - 1] != b';') || !packed[at..].starts_with("f,0,") {
+            continue;
+        }
+        let start = at + 4;
+        let Some(end) = position(packed, start, b';') else { break };
+        let value = &packed[start..end];
+        if is_decimal(value) && highest.is_none_or(|high| (value.len(), value) > (high.len(), high)) {
+            highest = Some(value);
+        }
+    }
+    highest
+}
+
+/// Where the next ASCII `byte` is in `text` at or after `from` (a plain loop: the ops' fields are
+/// a few bytes long, too short for a vectorised search to pay for its setup).
+fn position(text: &str, from: usize, byte: u8) -> Option<usize> {
+    text.as_bytes()[from..].iter().position(|&each| each == byte).map(|at| from + at)
+}
+
+/// An op's letter, offset and value (`"<letter>,<offset>,<value>"`); None without two commas.
+fn fields(op: &str) -> Option<(&str, &str, &str)> {
+    let first = position(op, 0, b',')?;
+    let second = position(op, first + 1, b',')?;
+    Some((&op[..first], &op[first + 1..second], &op[second + 1..]))
 }
 
 /// `offset` (decimal text) is below `floor` (decimal text without leading zeros, as Rust writes it).
@@ -332,6 +355,10 @@ mod tests {
             ]
         );
         assert_eq!(highest_floor("f,0,99;f,0,100;a,1000,0;"), Some("100"));
+        assert_eq!(highest_floor("a,5,0;f,0,7;f,0,x;f,0,3;"), Some("7"));
+        assert_eq!(highest_floor("a,5,0;u,6,0;"), None);
+        assert_eq!(fields("e,12,3"), Some(("e", "12", "3")));
+        assert_eq!((fields("e,12"), fields("e")), (None, None));
         assert!(below("99", Some("100")) && !below("100", Some("100")) && !below("5", None));
     }
 

@@ -256,12 +256,12 @@ class Engine:
 
     # -- engine thread ---------------------------------------------------------------------------
     def _step(self) -> float:
-        with self._lock:
-            wait, answer = self._wait_time(time.monotonic()), self._flushes.answer_socket()
         inbox = self._inbox
         # A step takes what is there: batches (one Redis round trip for many messages, ACK-4) form
         # from the events that came while the last step and its flush ran, never from waiting.
-        if self._acks.arm():  # no ack waiting: sleep until one comes, or an event
+        if self._acks.arm():  # no ack waiting: sleep until one comes, an event, a due time or an answer
+            with self._lock:
+                wait, answer = self._wait_time(time.monotonic()), self._flushes.answer_socket()
             inbox.wait(1, wait, answer)
             self._acks.disarm()
         events = inbox.take()
