@@ -272,6 +272,18 @@ class Engine:
             self._settlement.expire(now)
             flushes, dispatcher = self._flushes, self._dispatcher
             flushes.poll()
+            if dispatcher.take_handed_out():
+                # Let the callback workers (or the pulling threads) have the interpreter lock now
+                # rather than at the coordinator's next wait: user code starts on what the answers
+                # just handed out, and the acks it makes meanwhile are settled before the release
+                # below, which so has their budget. Posted after this step's events were taken, each
+                # ack is still ahead of any later request about its message (in the inbox, for the
+                # next step). Under flow control the time a message stays outstanding bounds
+                # throughput (measured: ``bench/RESULTS.md``). A thread that needs the coordinator's
+                # lock waits for it, and the interpreter comes back at once.
+                time.sleep(0)
+                now = time.monotonic()
+                self._settlement.acks_queued(self._acks, now)
             if not self._closing:
                 flushes.hold(dispatcher.release(now))
             else:

@@ -549,6 +549,39 @@ def test_a_request_after_a_queued_ack_is_applied_after_it(store: FakeStore) -> N
         engine.consumer.close()
 
 
+def test_acks_made_while_the_step_hands_out_are_settled_before_its_release(store: FakeStore) -> None:
+    """ACK-4: the acks user code makes right after a step handed messages out (the workers get the
+    interpreter lock then) are settled in the same step, so its release already sends the keys'
+    next records: the ack -> next delivery cycle of a key takes one step, not two."""
+    handed: list[Message] = []
+
+    def acking(messages: list[Message]) -> None:  # a worker that ran each callback at once
+        handed.extend(messages)
+        for message in messages:
+            message.ack()
+
+    keys = 600  # enough that each key releases one record at a time (no runs)
+    engine = make_engine(store, acking)
+    try:
+        engine._fetcher._on_assign(engine.consumer, P0)
+        fetched = [record(o, keys=keys) for o in range(3 * keys)]
+        engine._handle([engine._fetcher.fetched(fetched)], time.monotonic())
+        engine._step()  # the first record of each key goes out
+        engine._flushes.settle_in_flight()
+        assert len(handed) == keys and engine._counts["acked"] == 0
+        engine._step()  # their acks are settled, the second records released; their flush goes to Redis
+        assert engine._flushes.in_flight == 1 and engine._counts["acked"] == keys
+        flights = engine._flushes._flights
+        wait_until(lambda: all(done is None or done.done() for _, _, done in flights), 10, "the flush answered")
+        engine._step()  # the answer hands the second records out; their acks free the keys at once
+        assert [m.record.offset for m in handed] == list(range(2 * keys))
+        assert engine._counts["acked"] == 2 * keys and engine._leases.count == keys  # the third ones are out
+        engine._flushes.settle_in_flight()
+        assert [m.record.offset for m in handed] == list(range(3 * keys))
+    finally:
+        engine.consumer.close()
+
+
 def test_the_first_ack_after_the_engine_armed_its_queue_wakes_it_once() -> None:
     """The engine arms its ack queue before it sleeps: the first post calls the waker (the inbox's
     nudge), the posts after it do not; with acks waiting, arming refuses (the engine must not sleep);
