@@ -348,9 +348,9 @@ class _TimedFetch:
     def __init__(self, inner: Any) -> None:
         self._inner = inner
 
-    def fetch(self, max_records: int, timeout: float) -> Any:
+    def fetch(self, max_records: int, timeout: float, caps: dict[int, int] | None = None) -> Any:
         start = time.monotonic_ns()
-        result = self._inner.fetch(max_records, timeout)
+        result = self._inner.fetch(max_records, timeout, caps)
         FETCH_CALLS.append((timeout, time.monotonic_ns() - start, len(result[0])))
         return result
 
@@ -428,6 +428,17 @@ def instrumented() -> Iterator[None]:
             return original(self, messages, now)
         return wrapper
 
+    def acks_queued(original: Any) -> Any:  # plain acks: lease handles in the engine's ack queue
+        def wrapper(self: Any, queue: Any, now: float) -> Any:
+            at = time.monotonic_ns()
+            for handle in queue.take():
+                lease = self._leases.lease_of(handle)
+                if lease is not None:
+                    _stamp(lease[0], lease[2], "ack applied", at)
+                queue.post(handle)
+            return original(self, queue, now)
+        return wrapper
+
     def wait(original: Any) -> Any:
         def wrapper(self: Any, size: int, timeout: float, readable: Any = None) -> Any:
             start = time.monotonic_ns()
@@ -443,6 +454,7 @@ def instrumented() -> Iterator[None]:
     patch(flushes.Flushes, "_take", take)
     patch(dispatch.Dispatcher, "hand_out", hand_out)
     patch(settlement.Settlement, "acks", acks)
+    patch(settlement.Settlement, "acks_queued", acks_queued)
     patch(inbox_module.Inbox, "wait", wait)
     _STAMPING[0] = True
     try:
