@@ -11,7 +11,9 @@ Attempts and leases reach Redis in one pipeline (``StateWriter``) *before* the m
 out (``handoff``) or dead-lettered (``DeadLetters``); on a single Redis server the coordinator
 writes the pipeline to its connection, one or two in flight (``Ownership``), and waits for the answer
 in the same ``select`` as for its events; on a cluster a *sending* thread makes each round trip. The
-answer wakes the coordinator, which meanwhile takes acks and releases more. Commits go back to the
+answer wakes the coordinator, which meanwhile takes acks and releases more. After a step hands
+messages out the coordinator lets the interpreter lock go once, so that user code starts on them at
+once, and settles the plain acks made meanwhile before its release. Commits go back to the
 fetch thread as queued requests. The components hold no references to each other; the rules live
 in modules handed the components they act on: ``dispatch`` (release, hand-out), ``settlement``
 (acks, nacks, deadlines, lapses, dead-letter reports, start notes), ``starts`` (attempt counts of
