@@ -422,16 +422,20 @@ pub fn items_of<'py>(messages: &Bound<'py, PyList>) -> PyResult<Bound<'py, PyLis
     Ok(items)
 }
 
+/// An item's attempt: a `Delivery`'s field, or the attribute of any other object.
+pub fn attempt_of(item: &Bound<'_, PyAny>) -> PyResult<i64> {
+    match item.cast::<Delivery>() {
+        Ok(delivery) => Ok(delivery.get().attempt),
+        Err(_) => item.getattr(intern!(item.py(), "attempt"))?.extract(),
+    }
+}
+
 /// How many of `messages` are not a first attempt (`attempt` above 1).
 #[pyfunction]
 pub fn redeliveries(messages: &Bound<'_, PyList>) -> PyResult<usize> {
     let mut count = 0;
     for message in messages.iter() {
-        let attempt = match message.cast::<Delivery>() {
-            Ok(delivery) => delivery.get().attempt,
-            Err(_) => message.getattr(intern!(message.py(), "attempt"))?.extract()?,
-        };
-        count += usize::from(attempt != 1);
+        count += usize::from(attempt_of(&message)? != 1);
     }
     Ok(count)
 }

@@ -749,11 +749,7 @@ impl LeaseTable {
         for note in notes.iter() {
             let Some(&lease) = self.leases.get(handle_of(&note)?) else { continue };
             let Some(core) = cache.core(lease.partition, lease.epoch)? else { continue };
-            let attempt: i64 = match note.cast::<Delivery>() {
-                Ok(delivery) => delivery.get().attempt,
-                Err(_) => note.getattr(intern!(note.py(), "attempt"))?.extract()?,
-            };
-            core.borrow_mut().core.push_op(kind, lease.offset, attempt);
+            core.borrow_mut().core.push_op(kind, lease.offset, delivery::attempt_of(&note)?);
             queued += 1;
         }
         Ok(queued)

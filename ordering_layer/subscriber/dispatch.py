@@ -64,7 +64,6 @@ class Dispatcher:
         self._counts = counts
         self._on_messages = on_messages
         self._give_back = give_back
-        self._handed_out = 0  # messages handed to user code since ``take_handed_out``
 
     def release(self, now: float) -> Released:
         """Release what may go out now, within flow control: callback mode one per key, pull mode
@@ -156,16 +155,10 @@ class Dispatcher:
         counts = self._counts
         counts["delivered"] += len(messages)
         counts["redelivered"] += redelivered
-        self._handed_out += len(messages)
         if self._on_messages is None:
             self._give_back_messages(self._pulls.answer(messages, self._leases.holds), time.monotonic())
         elif messages:
             self._on_messages(messages)
-
-    def take_handed_out(self) -> int:
-        """How many messages were handed to user code since the last call."""
-        handed, self._handed_out = self._handed_out, 0
-        return handed
 
     def deliver(self, released: Released, written: bool) -> None:
         """One release's deliveries whose flush answered: handed out when Redis took their attempts,

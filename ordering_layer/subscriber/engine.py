@@ -272,9 +272,9 @@ class Engine:
             self._handle(events, now)
             self._settlement.write_starts(now)
             self._settlement.expire(now)
-            flushes, dispatcher = self._flushes, self._dispatcher
+            flushes, dispatcher, delivered = self._flushes, self._dispatcher, self._counts["delivered"]
             flushes.poll()
-            if dispatcher.take_handed_out():
+            if self._counts["delivered"] > delivered:  # the answers handed messages out
                 # Let the callback workers (or the pulling threads) have the interpreter lock now
                 # rather than at the coordinator's next wait: user code starts on what the answers
                 # just handed out, and the acks it makes meanwhile are settled before the release
