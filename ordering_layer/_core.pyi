@@ -1,6 +1,6 @@
 """Types of the compiled per-partition dispatch bookkeeping (``core/src/lib.rs``)."""
 
-from collections.abc import Callable, Mapping, Set
+from collections.abc import Callable, Iterable, Mapping, Set
 from typing import Any, Generic, Protocol, TypeVar
 
 from ordering_layer.record import HeaderPairs, RecordMetadata
@@ -236,3 +236,18 @@ def items_of(messages: list[_D]) -> list[_D | list[_D]]:
 
 def redeliveries(messages: list[_D]) -> int:
     """How many of ``messages`` are not a first attempt (``attempt`` above 1)."""
+
+def whole_batches(ready: list[_D], room: int, holds: LeaseTable | Callable[[int], bool]) -> tuple[list[_D], int]:
+    """The whole per-key batches (runs of one queue key and partition) at the head of ``ready`` that
+    fit in ``room`` messages, for a pull; a batch's head whose lease ``holds`` no longer names is
+    passed over. Returns the messages taken and how many of ``ready``'s first items were looked at
+    (taken or passed over): the scan stops at the first batch larger than the room left."""
+
+def ack_queued_all(messages: Iterable[_D]) -> list[_D]:
+    """Plain acks of many messages, marked in order: each first request of a released message goes
+    to its engine's ack queue (a run of them to one queue in one go, the engine woken at most once
+    for it). Returns the other messages, in order, for their ``_submit``. An item that is not a
+    ``Delivery`` is asked through its ``_ack_queued()``."""
+
+def unsettled(messages: list[_D]) -> list[_D]:
+    """The messages not settled yet (no ack or nack requested: ``settled`` false), in order."""

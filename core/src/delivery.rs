@@ -26,6 +26,8 @@ use pyo3::intern;
 use pyo3::types::{PyBytes, PyList, PyTuple, PyType};
 use pyo3::{PyTraverseError, PyTypeInfo, PyVisit};
 
+use crate::record::Record;
+
 /// `settled` bits: an ack was requested; a nack was (it stays the message's last word).
 const SETTLED: u8 = 1;
 const NACKED: u8 = 2;
@@ -57,9 +59,14 @@ struct Pending {
 impl AckQueue {
     /// Queue one handle; wake the engine when it armed the queue before sleeping.
     fn push(&self, py: Python<'_>, handle: u64) -> PyResult<()> {
+        self.push_all(py, &[handle])
+    }
+
+    /// Queue handles in order; wake the engine (once) when it armed the queue before sleeping.
+    fn push_all(&self, py: Python<'_>, handles: &[u64]) -> PyResult<()> {
         let wake = {
             let mut pending = locked(&self.pending);
-            pending.handles.push(handle);
+            pending.handles.extend_from_slice(handles);
             std::mem::replace(&mut pending.armed, false)
         };
         if wake {
@@ -168,6 +175,14 @@ impl Delivery {
 
     /// Mark a request of `kind` (`SettleKind`): any request sets SENT; a nack sets NACKED for good;
     /// an ack sets SETTLED unless nacked. Returns the bits before.
+    /// Mark a plain ack: the ack queue its handle goes to when it is the first request of a released
+    /// message whose `_submit` was not replaced; None: it goes to `_submit`.
+    fn ack_queue(&self) -> Option<&Py<AckQueue>> {
+        let before = self.mark(KIND_ACK);
+        let first = before & SENT == 0 && self.lease != 0 && !self.submit_replaced.load(Ordering::Acquire);
+        if first { self.acks.as_ref() } else { None }
+    }
+
     fn mark(&self, kind: u8) -> u8 {
         let bits = if kind == KIND_NACK { NACKED | SENT } else { SENT };
         let before = self.state.fetch_or(bits, Ordering::AcqRel);
@@ -275,14 +290,13 @@ impl Delivery {
     /// not replaced, put it in its engine's ack queue: True. False: the caller hands the message to
     /// `_submit` (as `ack` does; `message.ack_all` gathers them per engine).
     fn _ack_queued(&self, py: Python<'_>) -> PyResult<bool> {
-        let before = self.mark(KIND_ACK);
-        if before & SENT == 0 && self.lease != 0 && !self.submit_replaced.load(Ordering::Acquire) {
-            if let Some(acks) = &self.acks {
+        match self.ack_queue() {
+            Some(acks) => {
                 acks.get().push(py, self.lease)?;
-                return Ok(true);
+                Ok(true)
             }
+            None => Ok(false),
         }
-        Ok(false)
     }
 
     /// Done with the message: it is settled and never delivered again (unless a cascade). The first
@@ -376,15 +390,44 @@ impl Maker {
 }
 
 /// An item's queue key: a `Delivery`'s field, or the attribute of any other object.
-fn queue_key_of<'py>(item: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+pub fn queue_key_of<'py>(item: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
     match item.cast::<Delivery>() {
         Ok(delivery) => Ok(delivery.get().queue_key.bind(item.py()).clone()),
         Err(_) => item.getattr(intern!(item.py(), "queue_key")),
     }
 }
 
+/// An item's partition: its record's (a compiled `Record`'s field, or the attribute).
+pub fn partition_of(item: &Bound<'_, PyAny>) -> PyResult<i64> {
+    let py = item.py();
+    let record = match item.cast::<Delivery>() {
+        Ok(delivery) => delivery.get().record.bind(py).clone(),
+        Err(_) => item.getattr(intern!(py, "record"))?,
+    };
+    match record.cast::<Record>() {
+        Ok(record) => Ok(i64::from(record.get().partition)),
+        Err(_) => record.getattr(intern!(py, "partition"))?.extract(),
+    }
+}
+
+/// The items of `messages` not settled yet (no ack or nack requested: `settled` false), in order.
+#[pyfunction]
+pub fn unsettled<'py>(messages: &Bound<'py, PyList>) -> PyResult<Bound<'py, PyList>> {
+    let kept = PyList::empty(messages.py());
+    for item in messages.iter() {
+        let open = match item.cast::<Delivery>() {
+            Ok(delivery) => delivery.get().state.load(Ordering::Acquire) & (SETTLED | NACKED) == 0,
+            Err(_) => !item.getattr(intern!(messages.py(), "settled"))?.is_truthy()?,
+        };
+        if open {
+            kept.append(item)?;
+        }
+    }
+    Ok(kept)
+}
+
 /// Two queue keys are the same key: the same object, equal bytes, or equal by `==`.
-fn same_key(a: &Bound<'_, PyAny>, b: &Bound<'_, PyAny>) -> PyResult<bool> {
+pub fn same_key(a: &Bound<'_, PyAny>, b: &Bound<'_, PyAny>) -> PyResult<bool> {
     if a.is(b) {
         return Ok(true);
     }
@@ -428,6 +471,43 @@ pub fn attempt_of(item: &Bound<'_, PyAny>) -> PyResult<i64> {
         Ok(delivery) => Ok(delivery.get().attempt),
         Err(_) => item.getattr(intern!(item.py(), "attempt"))?.extract(),
     }
+}
+
+/// Plain acks of many messages (`message.ack_all`), marked in order: each first request of a
+/// released message goes to its engine's ack queue (a run of them to one queue in one go, the engine
+/// woken at most once for it). Returns the other messages, in order, for their `_submit`. An item
+/// that is not a `Delivery` is asked through its `_ack_queued()`.
+#[pyfunction]
+pub fn ack_queued_all<'py>(messages: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyList>> {
+    let py = messages.py();
+    let items = messages.try_iter()?.collect::<PyResult<Vec<_>>>()?;
+    let rest = PyList::empty(py);
+    let mut run: Option<(&Py<AckQueue>, Vec<u64>)> = None; // the latest acks' queue and their handles
+    for item in &items {
+        let Ok(delivery) = item.cast::<Delivery>() else {
+            if let Some((queue, handles)) = run.take() {
+                queue.get().push_all(py, &handles)?;
+            }
+            if !item.call_method0(intern!(py, "_ack_queued"))?.is_truthy()? {
+                rest.append(item)?;
+            }
+            continue;
+        };
+        let this = delivery.get();
+        match (this.ack_queue(), &mut run) {
+            (Some(queue), Some((current, handles))) if queue.is(*current) => handles.push(this.lease),
+            (Some(queue), _) => {
+                if let Some((current, handles)) = run.replace((queue, vec![this.lease])) {
+                    current.get().push_all(py, &handles)?;
+                }
+            }
+            (None, _) => rest.append(item)?,
+        }
+    }
+    if let Some((queue, handles)) = run {
+        queue.get().push_all(py, &handles)?;
+    }
+    Ok(rest)
 }
 
 /// How many of `messages` are not a first attempt (`attempt` above 1).

@@ -593,6 +593,76 @@ fn handle_of(item: &Bound<'_, PyAny>) -> PyResult<u64> {
     }
 }
 
+/// The whole per-key batches at the head of `ready` that fit in `room` messages, for a pull
+/// (`PullWaiters.serve`). A batch is a run of consecutive messages of one queue key and partition; a
+/// message at a batch's head whose lease `holds` no longer names (a `LeaseTable`, or any callable of
+/// a handle) is passed over. Returns the messages taken, in order, and how many of `ready`'s first
+/// items were looked at (taken or passed over): the scan stops at the first batch larger than the
+/// room left.
+#[pyfunction]
+fn whole_batches<'py>(ready: &Bound<'py, PyList>, room: usize, holds: &Bound<'py, PyAny>)
+                      -> PyResult<(Bound<'py, PyList>, usize)> {
+    let table = holds.cast::<LeaseTable>().ok();
+    let held = |item: &Bound<'py, PyAny>| -> PyResult<bool> {
+        let handle = handle_of(item)?;
+        match table {
+            Some(table) => Ok(table.borrow().leases.get(handle).is_some()),
+            None => holds.call1((handle,))?.is_truthy(),
+        }
+    };
+    let count = ready.len();
+    let (mut at, mut room) = (0, room);
+    let mut spans: Vec<(usize, usize)> = Vec::new(); // taken: [start, end) of ready, merged when adjacent
+    let read = |index: usize| -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>, i64)> {
+        let item = ready.get_item(index)?;
+        let (key, partition) = (delivery::queue_key_of(&item)?, delivery::partition_of(&item)?);
+        Ok((item, key, partition))
+    };
+    let mut next = None; // item `at`, its key and partition, when the scan before read them
+    while at < count {
+        let (first, key, partition) = match next.take() {
+            Some(read) => read,
+            None => read(at)?,
+        };
+        if !held(&first)? {
+            at += 1;
+            continue;
+        }
+        let mut end = at + 1;
+        while end < count {
+            let (item, other, its_partition) = read(end)?;
+            if its_partition != partition || !delivery::same_key(&other, &key)? {
+                next = Some((item, other, its_partition));
+                break;
+            }
+            end += 1;
+        }
+        if end - at > room {
+            break;
+        }
+        room -= end - at;
+        match spans.last_mut() {
+            Some(last) if last.1 == at => last.1 = end,
+            _ => spans.push((at, end)),
+        }
+        at = end;
+    }
+    let taken = match spans.as_slice() {
+        [] => PyList::empty(ready.py()),
+        [(start, end)] => ready.get_slice(*start, *end),
+        _ => {
+            let taken = PyList::empty(ready.py());
+            for &(start, end) in &spans {
+                for index in start..end {
+                    taken.append(ready.get_item(index)?)?;
+                }
+            }
+            taken
+        }
+    };
+    Ok((taken, at))
+}
+
 /// An owned partition's core and owner epoch.
 type OwnedState<'py> = (Bound<'py, PartitionCore>, i64);
 
@@ -848,5 +918,8 @@ fn ordering_layer_core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_function(wrap_pyfunction!(evalsha_commands, module)?)?;
     module.add_function(wrap_pyfunction!(delivery::items_of, module)?)?;
     module.add_function(wrap_pyfunction!(delivery::redeliveries, module)?)?;
+    module.add_function(wrap_pyfunction!(whole_batches, module)?)?;
+    module.add_function(wrap_pyfunction!(delivery::ack_queued_all, module)?)?;
+    module.add_function(wrap_pyfunction!(delivery::unsettled, module)?)?;
     Ok(())
 }

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from confluent_kafka import TopicPartition
 
 from ordering_layer import metrics
+from ordering_layer._core import unsettled
 from ordering_layer.config import FlowControl, StartPosition, SubscriptionSettings, require_bootstrap
 from ordering_layer.errors import (
     ConfigError,
@@ -261,7 +262,7 @@ class OrderedConsumer:
         return [m for m in chosen if not m.settled]
 
     def _prune(self) -> None:
-        self._returned = [m for m in self._returned if not m.settled]
+        self._returned = unsettled(self._returned)
 
     # -- metadata ----------------------------------------------------------------------------------
     def assignment(self) -> list[TopicPartition]:

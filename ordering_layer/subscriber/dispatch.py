@@ -100,7 +100,7 @@ class Dispatcher:
 
     def pull(self, pull: Pull, now: float) -> None:
         """A pull arrived: answered at once from the messages released ahead, if any."""
-        self._give_back_messages(self._pulls.add(pull, self._leases.holds), now)
+        self._give_back_messages(self._pulls.add(pull, self._leases), now)
 
     def withdraw(self, partitions: Collection[int] | None = None) -> None:
         """Give back the messages released ahead of the pulls, of ``partitions`` (None: all): they are
@@ -156,7 +156,7 @@ class Dispatcher:
         counts["delivered"] += len(messages)
         counts["redelivered"] += redelivered
         if self._on_messages is None:
-            self._give_back_messages(self._pulls.answer(messages, self._leases.holds), time.monotonic())
+            self._give_back_messages(self._pulls.answer(messages, self._leases), time.monotonic())
         elif messages:
             self._on_messages(messages)
 

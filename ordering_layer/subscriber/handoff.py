@@ -13,13 +13,15 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Callable, Collection
-from operator import attrgetter
 
+from ordering_layer._core import LeaseTable, whole_batches
 from ordering_layer.subscriber.message import Message
 from ordering_layer.subscriber.requests import Pull
 from ordering_layer.subscriber.runs import Hooks, Item, items_of, run_item
 
-_LEASE = attrgetter("lease")
+# Whether a lease handle still names an outstanding delivery: the engine's table itself (read
+# without Python per message), or any callable of a handle.
+Holds = LeaseTable | Callable[[int], bool]
 
 WATCH_INTERVAL = 0.001  # seconds between looks for messages waiting for a worker, while some wait
 
@@ -129,13 +131,13 @@ class PullWaiters:
     def __init__(self) -> None:
         self._waiting: deque[Pull] = deque()
         self._claimed: deque[tuple[Pull | None, int]] = deque()  # (its pull, None: ahead; count), in release order
-        self._ready: deque[Message] = deque()  # released ahead, their attempts written
+        self._ready: list[Message] = []  # released ahead, their attempts written
         self._ahead = 0  # the latest pull's size: how many messages to keep released ahead
         self._floor = AHEAD_AT_LEAST  # how many to keep released ahead at least
         self._ahead_claimed = 0  # released ahead, their flush not answered yet
         self.served: list[Message] = []  # taken from ready by pulls, their start not noted yet
 
-    def add(self, pull: Pull, holds: Callable[[int], bool]) -> list[Message]:
+    def add(self, pull: Pull, holds: Holds) -> list[Message]:
         """A pull arrived: answered from ``ready`` at once if it has messages (``serve``)."""
         if not self._ready and self._ahead_claimed and not self._waiting:
             self._floor = min(AHEAD_AT_MOST, 2 * self._floor)
@@ -171,7 +173,7 @@ class PullWaiters:
             self._claimed.append((None, count))
             self._ahead_claimed += count
 
-    def answer(self, messages: list[Message], holds: Callable[[int], bool]) -> list[Message]:
+    def answer(self, messages: list[Message], holds: Holds) -> list[Message]:
         """The oldest claimed release went out: its pull gets the messages (with none it waits again,
         first in line); a release ahead joins ``ready`` and answers the pulls waiting (``serve``)."""
         pull, count = self._claimed.popleft()
@@ -193,7 +195,7 @@ class PullWaiters:
         else:
             self._waiting.appendleft(pull)
 
-    def serve(self, holds: Callable[[int], bool]) -> list[Message]:
+    def serve(self, holds: Holds) -> list[Message]:
         """Answer the waiting pulls from ``ready``: whole per-key batches, in release order, up to each
         pull's size; a message whose lease ``holds`` no longer (its partition let go, its lease lapsed)
         is dropped. Returns what is to be given back: everything ready, when its first batch is larger
@@ -201,22 +203,8 @@ class PullWaiters:
         ready, waiting = self._ready, self._waiting
         while waiting and ready:
             pull = waiting[0]
-            room, taken = pull.max_messages, list[Message]()
-            if len(ready) <= room and all(map(holds, map(_LEASE, ready))):  # all of it: no batch to look for
-                taken.extend(ready)
-                ready.clear()
-            while ready:
-                first = ready[0]
-                if not holds(first.lease):
-                    ready.popleft()
-                    continue
-                size, qkey, partition = 1, first.queue_key, first.record.partition
-                while size < len(ready) and ready[size].queue_key == qkey and ready[size].record.partition == partition:
-                    size += 1
-                if size > room:
-                    break
-                taken.extend(ready.popleft() for _ in range(size))
-                room -= size
+            taken, looked = whole_batches(ready, pull.max_messages, holds)
+            del ready[:looked]
             if not taken:
                 return self.withdraw(None) if ready else []
             waiting.popleft()
@@ -240,7 +228,7 @@ class PullWaiters:
             return taken
         taken = [message for message in ready if message.record.partition in partitions]
         if taken:
-            self._ready = deque(message for message in ready if message.record.partition not in partitions)
+            self._ready = [message for message in ready if message.record.partition not in partitions]
         return taken
 
     def expire(self, now: float) -> None:

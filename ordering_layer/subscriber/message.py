@@ -16,6 +16,7 @@ from datetime import UTC, datetime
 
 from confluent_kafka import TIMESTAMP_LOG_APPEND_TIME, KafkaError
 
+from ordering_layer._core import ack_queued_all
 from ordering_layer.record import HeaderPairs, attributes_of, display_key
 from ordering_layer.subscriber.records import Delivery
 from ordering_layer.subscriber.requests import Settle, SettleKind
@@ -176,14 +177,14 @@ class Message(Delivery):
 
 def ack_all(messages: Iterable[Message]) -> None:
     """Ack many messages as ``Message.ack`` would each: the first request of a released message goes
-    to its engine's ack queue (the engine is woken once, and settles the queue in one call); the rest
-    go to their engine's inbox as one list per engine (settled as a run of plain acks)."""
+    to its engine's ack queue (``ack_queued_all``: no Python per message; the engine is woken once,
+    and settles the queue in one call); the rest go to their engine's inbox as one list per engine
+    (settled as a run of plain acks)."""
     batches: dict[Callable[[Settle | Message | list[Message]], None], list[Message]] = {}
-    for message in messages:
-        if not message._ack_queued():
-            submit = message._submit
-            if submit is None:
-                unattached(message)
-            batches.setdefault(submit, []).append(message)
+    for message in ack_queued_all(messages):
+        submit = message._submit
+        if submit is None:
+            unattached(message)
+        batches.setdefault(submit, []).append(message)
     for submit, batch in batches.items():
         submit(batch)

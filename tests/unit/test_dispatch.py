@@ -7,6 +7,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, cast
 
+from ordering_layer._core import whole_batches
 from ordering_layer.config import DeadLetterPolicy, FlowControl, SubscriptionSettings
 from ordering_layer.state import StateStore
 from ordering_layer.state.store import OpKind, unpack_ops
@@ -200,3 +201,26 @@ def test_deliveries_beyond_the_attempt_limit_are_dead_lettered_not_handed_out() 
                                       Message(record(1, b"b"), b"b", 2, 5, "t", 1, rig.posted.append)])])
     assert rig.dead_letters.held == [(0, 1, MAX_DELIVERY_ATTEMPTS)]
     assert [m.offset() for m in rig.handed] == [1]
+
+
+def test_a_pull_takes_whole_key_batches_of_compiled_messages_read_through_the_lease_table() -> None:
+    """SUB-1, GRP-5 (pull mode): ``whole_batches`` reads the released messages' fields and the lease
+    table without Python: whole per-key batches in release order up to the room, stopping at the
+    first batch that does not fit; a batch head whose lease is gone is passed over (looked at, not
+    taken), the rest of its key's batch then forms a batch of its own. A callable ``holds`` gives the
+    same answers."""
+    rig = Rig(pull=True)
+    rig.dispatcher.pull(Pull(6, time.monotonic() + 10, Future()), 0.0)
+    messages = [message for _, batch in rig.dispatcher.release(0.0) for message in batch]
+    assert [m.offset() for m in messages] == [0, 2, 1, 3, 4, 5]
+    for holds in (rig.leases, rig.leases.holds):
+        assert whole_batches(messages, 3, holds) == (messages[:2], 2)  # b's batch of 2 does not fit in 1
+        assert whole_batches(messages, 4, holds) == (messages[:4], 4)
+        assert whole_batches(messages, 6, holds) == (messages, 6)
+        assert whole_batches(messages, 1, holds) == ([], 0)
+    rig.leases.pop(messages[2].lease, 0.0)  # key b's head settled
+    for holds in (rig.leases, rig.leases.holds):
+        assert whole_batches(messages, 6, holds) == ([messages[0], messages[1], *messages[3:]], 6)
+        assert whole_batches(messages, 3, holds) == ([messages[0], messages[1], messages[3]], 4)
+        assert whole_batches(messages, 2, holds) == (messages[:2], 3)  # c's batch stops the scan
+    assert whole_batches([], 5, rig.leases) == ([], 0)

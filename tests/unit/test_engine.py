@@ -12,7 +12,7 @@ import pytest
 import redis
 from confluent_kafka import Consumer, TopicPartition
 
-from ordering_layer._core import AckQueue, LeaseTable, NativeFetch
+from ordering_layer._core import AckQueue, LeaseTable, NativeFetch, ack_queued_all, unsettled
 from ordering_layer.config import FlowControl, RetryPolicy, SubscriptionSettings
 from ordering_layer.record import RecordMetadata
 from ordering_layer.state import ApplyResult, StateStore
@@ -702,3 +702,36 @@ def test_threads_reading_and_acking_the_same_messages_at_once() -> None:
     assert not failures
     assert settled[0] == count and leases.count == 0 and all(m.settled is True for m in messages)
     assert len(inbox) == 3 * count and leases.ack_run(inbox, owned, 0.0) == 0
+
+
+def test_ack_all_queues_runs_of_first_acks_in_order_and_hands_back_the_rest() -> None:
+    """``ack_all``'s compiled pass (``ack_queued_all``): the first plain acks of released messages go
+    to their engines' ack queues in order, a run to one queue in one post (each armed queue woken
+    once); a message acked before, or made outside a release, comes back for its ``_submit``, in
+    order; every message is marked settled. ``unsettled`` keeps those with no ack or nack."""
+    woken: list[str] = []
+
+    def waker(name: str) -> Callable[[], None]:
+        return lambda: woken.append(name)
+
+    queues = {name: AckQueue(waker(name)) for name in "ab"}
+    leases = LeaseTable(ack_deadline=10.0, max_lease_duration=60.0, min_extension=10.0, max_extension=600.0)
+    released = {}
+    for number, name in enumerate("ab"):
+        state = OwnedPartition(number, 1, ordered=False, submit=lambda event: None, acks=queues[name])
+        state.add([record(offset, number, keys=10) for offset in range(4)])
+        released[name], _ = state.release_ready(0.0, 4, 1, 10**9, None, pooled=True, leases=leases)
+    a, b = released["a"], released["b"]
+    a[0].ack()
+    made = Message(record(9), b"key-9", 1, 1, TOPIC, 1, lambda event: None)
+    assert queues["a"].take() == [a[0].lease]
+    for queue in queues.values():
+        assert queue.arm()
+    b[3].nack()
+    assert unsettled([*a, *b]) == [*a[1:], *b[:3]]
+    rest = ack_queued_all([a[1], a[2], b[0], b[1], a[0], made, a[3], b[2]])
+    assert rest == [a[0], made]
+    assert queues["a"].take() == [a[1].lease, a[2].lease, a[3].lease]
+    assert queues["b"].take() == [b[0].lease, b[1].lease, b[2].lease]
+    assert sorted(woken) == ["a", "b"]
+    assert unsettled([*a, *b, made]) == [] and b[3].settled == NACKED
