@@ -24,10 +24,11 @@
 //!
 //! First attempts (`KEYS[6]` firsts, a sorted set) are most of a busy partition's writes: a record
 //! released for the first time gets no attempts field (a write, and a delete at its settle) but a
-//! share of one member `"<first>,<last>,<value>"` scored `<last>`, one per stretch of consecutive
-//! offsets of the batch written with one value (1 delivered, -1 released), added after the batch's
-//! other writes. Any later write of a record's attempt goes to the attempts hash, which a claim
-//! reads before the runs; a run is dropped once the floor passes its last offset.
+//! place in one member per batch and value (1 delivered, -1 released), which lists the batch's
+//! stretches of consecutive offsets written with that value, `"<first>,<last>,...,<value>"`, scored
+//! by its highest offset, added after the batch's other writes. Any later write of a record's
+//! attempt goes to the attempts hash, which a claim reads before the runs; a member is dropped once
+//! the floor passes its highest offset.
 //!
 //! The floor (the member `_` of the settled set, its score) is the partition's commit point:
 //! everything below it is settled, so the set keeps only the offsets settled above it. A batch's
@@ -208,18 +209,23 @@ struct Firsts {
 }
 
 impl Firsts {
-    /// One ZADD of the first-attempts set: a member `"<first>,<last>,<value>"` scored `last` for each
-    /// stretch of consecutive offsets written with one value.
+    /// One ZADD of the first-attempts set: for each value written, one member listing the batch's
+    /// stretches of consecutive offsets, `"<first>,<last>,...,<first>,<last>,<value>"`, scored by
+    /// its highest offset. A batch's first attempts are one element however scattered its offsets
+    /// (a key's records among a hot key's): Redis's time per element, not per byte, is the cost.
     fn add_to(self, runs: &mut Runs) {
         let mut items: Vec<(String, String)> = Vec::new();
         for (mut offsets, value) in [(self.delivered, 1), (self.released, -1)] {
             offsets.sort_unstable();
             offsets.dedup();
-            let mut stretches = offsets.chunk_by(|a, b| b - a == 1);
-            for stretch in &mut stretches {
+            let Some(&highest) = offsets.last() else { continue };
+            let mut member = String::new();
+            for stretch in offsets.chunk_by(|a, b| b - a == 1) {
                 let (first, last) = (stretch[0], stretch[stretch.len() - 1]);
-                items.push((last.to_string(), format!("{first},{last},{value}")));
+                let _ = write!(member, "{first},{last},"); // writing into a String cannot fail
             }
+            let _ = write!(member, "{value}");
+            items.push((highest.to_string(), member));
         }
         if items.is_empty() {
             return;
@@ -381,7 +387,7 @@ mod tests {
     }
 
     #[test]
-    fn first_attempts_become_one_member_per_stretch_of_consecutive_offsets() {
+    fn first_attempts_become_one_member_per_value_listing_its_stretches() {
         let runs = decoded("D,7,1;D,5,1;R,9,1;D,6,1;R,10,1;D,12,1;b,0,900;E,13,1;Q,14,1;d,8,2;a,5,2;a,8,0;a,6,3;");
         assert_eq!(
             runs,
@@ -391,7 +397,7 @@ mod tests {
                 run("2,ZADD", &["5", "5", "8", "8", "6", "6"]),
                 run("3,HDEL", &["8"]),
                 run("4,HDEL", &["5", "8"]),
-                run("6,ZADD", &["7", "5,7,1", "13", "12,13,1", "10", "9,10,-1", "14", "14,14,-1"]),
+                run("6,ZADD", &["13", "5,7,12,13,1", "14", "9,10,14,14,-1"]),
             ]
         );
     }

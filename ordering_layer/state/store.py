@@ -61,8 +61,8 @@ class OpKind:
     * ``BATCH_RELEASED``: attempts[offset] = -value and leases[offset] = the batch lease;
     * ``FIRST_DELIVERED``, ``FIRST_RELEASED``, ``BATCH_FIRST_DELIVERED``, ``BATCH_FIRST_RELEASED``: the
       same for a record's first attempt (value 1), which is written to no attempts field: the batch's
-      first attempts go to the partition's first-attempt runs (``firsts_key``), one member per stretch of
-      consecutive offsets with one value (1 or -1);
+      first attempts go to the partition's first-attempt runs (``firsts_key``), one member per value
+      (1 or -1) listing the batch's stretches of consecutive offsets;
     * ``STARTED``: attempts[offset] = value: user code started attempt ``value`` (callback mode);
     * ``SETTLED``: acked or dead-lettered: added to the settled set (unless below a ``FLOOR`` of the same
       batch, which covers it), attempts and lease dropped. The value's bits: 1, the lease is left
@@ -79,7 +79,7 @@ class OpKind:
     * ``CASCADE_DONE``: a walk has ended: the mark at offset is dropped from the cascades set (value 0);
     * ``FLOOR``: value is the owner's commit point: everything below it is settled. It is kept as the
       settled set's member ``_`` (raised, never lowered) and the offsets below it are dropped from
-      the set, which so holds only the offsets settled above the floor, and the first-attempt runs
+      the set, which so holds only the offsets settled above the floor, and the first-attempt members
       wholly below it are dropped (offset 0). A claim reads it
       (``ClaimedPartition.floor``) and the new owner skips the records below it.
     """
@@ -171,9 +171,9 @@ def parse_claim(raw: Sequence[Any]) -> ClaimedPartition:
     generation, seek target, "|", cascade marks..., "|", floor, "|", first-attempt runs...]``, an
     attempt negated while it waited in a callback pool, the target -1 when the claim applied no seek,
     the floor -1 when none is kept (the parts after the attempts may be left out: no seek, no marks,
-    no floor, no runs). An unsettled offset with no field of its own takes the attempt of the run
-    that covers it (``firsts_key``; of two, which only a loss of Redis between two owners makes, the
-    one user code had)."""
+    no floor, no runs; each run ``"<first>,<last>,...,<value>"``). An unsettled offset with no field
+    of its own takes the attempt of the run that covers it (``firsts_key``; of two, which only a
+    loss of Redis between two owners makes, the one user code had)."""
     split = raw.index(b"|")
     sections: list[list[Any]] = [[]]
     for item in raw[split + 1:]:
@@ -188,10 +188,11 @@ def parse_claim(raw: Sequence[Any]) -> ClaimedPartition:
     settled = frozenset(int(o) for o in raw[1:split])
     from_runs: dict[int, int] = {}
     for run in firsts:
-        first, last, value = (int(part) for part in run.split(b","))
-        for offset in range(max(first, kept_floor), last + 1):
-            if offset not in stored and offset not in settled:
-                from_runs[offset] = max(value, from_runs.get(offset, value))
+        *bounds, value = (int(part) for part in run.split(b","))
+        for first, last in zip(bounds[::2], bounds[1::2], strict=True):
+            for offset in range(max(first, kept_floor), last + 1):
+                if offset not in stored and offset not in settled:
+                    from_runs[offset] = max(value, from_runs.get(offset, value))
     stored.update(from_runs)
     return ClaimedPartition(
         epoch=int(raw[0]),
@@ -235,7 +236,8 @@ def cascades_key(subscription: str, partition: int) -> str:
 
 def firsts_key(subscription: str, partition: int) -> str:
     """The key of a partition's first-attempt runs (same slot as ``partition_keys``): a record's
-    first attempt is written with those of the consecutive offsets released with it (apply.lua)."""
+    first attempt is written with those of its batch, one member per value listing the stretches of
+    consecutive offsets, ``"<first>,<last>,...,<value>"`` (apply.lua, ``core/src/runs.rs``)."""
     return f"ol:{{{subscription}:{partition}}}:firsts"
 
 

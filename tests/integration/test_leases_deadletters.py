@@ -291,8 +291,9 @@ def test_crashes_of_a_poison_dead_letter_no_message_that_waited_beside_it(
     def count_waiting(worker: str) -> None:  # offsets 1..39 were released with the poison, unsettled
         recorded = set(offset_fields(redis_client.hkeys(attempts_key)))  # attempts after the first
         for run in redis_client.zrange(firsts_key(name, 0), 0, -1):  # first attempts
-            first, last, _ = (int(part) for part in run.split(b","))
-            recorded.update(range(first, last + 1))
+            *bounds, _ = (int(part) for part in run.split(b","))
+            for first, last in zip(bounds[::2], bounds[1::2], strict=True):
+                recorded.update(range(first, last + 1))
         waiting[worker] = len(recorded - {0})
     exits = _crash_rounds(tmp_path, admin, endpoints, name, log, others, ["--workers", "1"], count_waiting)
     stderr = {w: (tmp_path / f"{w}.stderr").read_text()[-2000:] for w in exits}

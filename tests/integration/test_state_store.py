@@ -145,9 +145,9 @@ def test_each_state_op_writes_its_keys_in_the_order_queued(endpoints: Any, uniqu
 def test_first_attempts_are_runs_that_a_claim_reads_under_later_fields(endpoints: Any,
                                                                        unique_name: Callable[[str], str]) -> None:
     """ACK-4, ACK-6: first attempts are written as runs of consecutive offsets (delivered 1, released
-    -1), later attempts and starts as fields; a settle deletes the field only when it says one may
-    exist; a claim charges each unsettled offset its field, else its run's attempt; the floor drops the
-    runs wholly below it."""
+    -1; a batch's runs of one value in one member), later attempts and starts as fields; a settle
+    deletes the field only when it says one may exist; a claim charges each unsettled offset its
+    field, else its run's attempt; the floor drops the members wholly below it."""
     store = StateStore(endpoints.redis_url)
     name = unique_name("firsts")
     owner = store.claim(name, 0).epoch
@@ -161,8 +161,9 @@ def test_first_attempts_are_runs_that_a_claim_reads_under_later_fields(endpoints
     assert store.apply_many([(name, 0, owner, first), (name, 0, owner, later)]) == [ApplyResult.APPLIED] * 2
     attempts, leases = partition_keys(name, 0)[2:]
     client = store.client
+    # One member per value and batch, listing its stretches of consecutive offsets, scored by the highest.
     assert client.zrange(firsts_key(name, 0), 0, -1, withscores=True) == [
-        (b"10,12,1", 12), (b"13,13,-1", 13), (b"14,14,1", 14), (b"15,17,-1", 17)]
+        (b"10,12,14,14,1", 14), (b"13,13,15,17,-1", 17)]
     assert client.hgetall(attempts) == {b"_": b"0", b"11": b"2"}
     assert client.hgetall(leases) == {b"_": b"0", b"17": b"5000"}
     claimed = store.claim(name, 0)
@@ -171,7 +172,7 @@ def test_first_attempts_are_runs_that_a_claim_reads_under_later_fields(endpoints
     epoch = claimed.epoch
     assert store.apply_many([(name, 0, epoch, [(OpKind.SETTLED, 11, 1), (OpKind.SETTLED, 14, 3),
                                                (OpKind.FLOOR, 0, 15)])]) == [ApplyResult.APPLIED]
-    assert client.zrange(firsts_key(name, 0), 0, -1) == [b"15,17,-1"]
+    assert client.zrange(firsts_key(name, 0), 0, -1) == [b"13,13,15,17,-1"]  # 13 is below the floor
     again = store.claim(name, 0)
     assert (again.floor, again.settled, again.attempts) == (15, frozenset(), {15: 1, 16: 1, 17: 1})
     store.delete_subscription(name)

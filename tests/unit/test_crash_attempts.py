@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from typing import cast
 
+import pytest
 from confluent_kafka import TopicPartition
 
 from ordering_layer.config import DeadLetterPolicy, FlowControl, RetryPolicy, SubscriptionSettings
@@ -199,6 +200,19 @@ def test_an_unstarted_attempt_counts_but_never_reaches_the_limit() -> None:
     floored = parse_claim([9, b"12", b"|", b"|", b"2", b"-1", b"|", b"5", b"|", b"10"])
     assert (floored.settled, floored.seek_generation, floored.seek_offset) == (frozenset({12}), 2, None)
     assert (floored.cascades, floored.floor) == (frozenset({5}), 10)
+
+
+def test_a_claim_reads_each_stretch_of_a_first_attempt_member() -> None:
+    """ACK-6, DLQ-3: a batch's first attempts of one value are one member listing its stretches of
+    consecutive offsets; a claim charges every unsettled offset of every stretch at or above the floor
+    that attempt (a field of its own comes first, and of two members the one user code had), and no
+    offset between the stretches. A member of one stretch reads as before."""
+    claimed = parse_claim([4, b"21", b"|", b"22", b"3", b"|", b"0", b"-1", b"|", b"|", b"12", b"|",
+                           b"10,14,20,22,30,30,-1", b"29,30,1", b"40,40,1"])
+    assert claimed.attempts == {12: 1, 13: 1, 14: 1, 20: 1, 22: 3, 29: 1, 30: 1, 40: 1}
+    assert claimed.unstarted == frozenset({12, 13, 14, 20})
+    with pytest.raises(ValueError):
+        parse_claim([4, b"|", b"|", b"0", b"-1", b"|", b"|", b"-1", b"|", b"10,14,20,-1"])  # a stretch cut short
 
 
 def test_a_suspect_that_starts_and_crashes_is_charged_in_full() -> None:

@@ -10,10 +10,11 @@
 -- KEYS[4]  leases   hash: offset -> lease deadline, epoch milliseconds
 -- KEYS[5]  cascades set: offsets from which keys cascade, marked by an owner whose recovery walk
 --          released before its end (SUB-4); kept until a walk ends
--- KEYS[6]  firsts   zset: first attempts, written a run of consecutive offsets at a time: member
---          '<first>,<last>,<n>' scored <last>, n = 1 or -1 as in attempts; an offset's field in
---          attempts, when it has one, was written after its run (a later attempt, a start); runs
---          wholly below the floor are dropped with it
+-- KEYS[6]  firsts   zset: first attempts, written a batch at a time: one member per value n (1 or
+--          -1 as in attempts) listing the batch's runs of consecutive offsets,
+--          '<first>,<last>,...,<first>,<last>,<n>', scored by its highest offset; an offset's field
+--          in attempts, when it has one, was written after its run (a later attempt, a start);
+--          members wholly below the floor are dropped with it
 -- ARGV[1]  the caller's epoch
 -- ARGV[2]  the runs of writes, "<key>,<COMMAND>;" each: KEYS[key] gets COMMAND with the arguments
 --          of the run's own ARGV (ARGV[3] the first run's, and so on), a MessagePack array of
