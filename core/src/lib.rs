@@ -32,7 +32,7 @@ use pyo3::{PyTraverseError, PyVisit};
 use pyo3::types::{PyBytes, PyDict, PyList, PyType};
 
 use leases::{LeaseSettings, Leases};
-use partition::{Admission, PartitionCore as Core, QueueKey};
+use partition::{Admission, PartitionCore as Core, PerKey, QueueKey};
 use delivery::{AckQueue, Delivery, Fields, Maker};
 use record::Record;
 
@@ -84,7 +84,7 @@ impl PartitionCore {
 struct Limits {
     now: f64,
     budget: i64,
-    per_key: i64,
+    per_key: PerKey,
     byte_budget: i64,
     lease_ms: Option<i64>,
     pooled: bool,
@@ -255,16 +255,17 @@ impl PartitionCore {
         Ok(skipped)
     }
 
-    /// Release from the ready keys, oldest first: up to `per_key` records of each, `budget` in all,
-    /// no further key once `byte_budget` bytes are used up; a quarantined suspect goes out alone, one
-    /// at a time per partition. Returns (records, tokens, attempts, payload bytes, positions of the
-    /// suspects among the records: their starts are to be written before user code runs, lease
-    /// handles). The attempts are queued as `DELIVERED` ops (pull mode), or `RELEASED` when `pooled`
+    /// Release from the ready keys, oldest first: up to `per_key` records of each (or, with
+    /// `run_share`, that share of the records buffered for a key when more, at most `run_most`),
+    /// `budget` in all, no further key once `byte_budget` bytes are used up; a quarantined suspect
+    /// goes out alone, one at a time per partition. Returns (records, tokens, attempts, payload
+    /// bytes, positions of the suspects among the records: their starts are to be written before
+    /// user code runs, lease handles). The attempts are queued as `DELIVERED` ops (pull mode), or `RELEASED` when `pooled`
     /// (callback mode); with `lease_ms`, as one batch lease and `BATCH_DELIVERED` or `BATCH_RELEASED`
     /// ops. With a `LeaseTable` (`leases`) the deliveries are outstanding there, under `partition`
     /// and `epoch`.
     #[pyo3(signature = (now, budget, per_key, byte_budget, lease_ms = None, *, pooled = false, leases = None,
-                        partition = 0, epoch = 0))]
+                        partition = 0, epoch = 0, run_share = 0.0, run_most = 0))]
     #[allow(clippy::too_many_arguments)] // the arguments of the Python method, plus `py`
     fn release_ready<'py>(
         &mut self,
@@ -278,7 +279,10 @@ impl PartitionCore {
         leases: Option<&Bound<'py, LeaseTable>>,
         partition: i32,
         epoch: i64,
+        run_share: f64,
+        run_most: i64,
     ) -> PyResult<Released<'py>> {
+        let per_key = PerKey { base: per_key, share: run_share, most: run_most };
         let limits = Limits { now, budget, per_key, byte_budget, lease_ms, pooled };
         let out = self.release(py, &limits, leases, partition, epoch);
         let (items, tokens, attempts) =
@@ -290,7 +294,8 @@ impl PartitionCore {
     /// without running `__init__`, see `delivery.rs`; out of the cyclic collector's sight), each
     /// record's `attempts` set to its attempt and `suspect` set when it is one. Returns (messages,
     /// payload bytes).
-    #[pyo3(signature = (now, budget, per_key, byte_budget, lease_ms, *, pooled, leases, partition, epoch, deliveries))]
+    #[pyo3(signature = (now, budget, per_key, byte_budget, lease_ms, *, pooled, leases, partition, epoch, deliveries,
+                        run_share = 0.0, run_most = 0))]
     #[allow(clippy::too_many_arguments)] // the arguments of the Python method, plus `py`
     fn release_messages<'py>(
         &mut self,
@@ -305,7 +310,10 @@ impl PartitionCore {
         partition: i32,
         epoch: i64,
         deliveries: &Bound<'py, Deliveries>,
+        run_share: f64,
+        run_most: i64,
     ) -> PyResult<(Bound<'py, PyList>, i64)> {
+        let per_key = PerKey { base: per_key, share: run_share, most: run_most };
         let limits = Limits { now, budget, per_key, byte_budget, lease_ms, pooled };
         let out = self.release(py, &limits, leases, partition, epoch);
         deliveries.get().make(py, out, epoch)

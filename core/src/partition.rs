@@ -51,6 +51,30 @@ use crate::tracker::OffsetTracker;
 /// before a redelivery) never matches a new one.
 static TOKENS: AtomicU64 = AtomicU64::new(1);
 
+/// How many records of a ready key one release may take: `base`, or when more are buffered for the
+/// key, its `share` of them (a key far behind the others gets a longer run), at most `most`.
+#[derive(Clone, Copy, Debug)]
+pub struct PerKey {
+    pub base: i64,
+    pub share: f64,
+    pub most: i64,
+}
+
+impl PerKey {
+    /// The limit for a key with `buffered` records not yet released.
+    fn of(&self, buffered: usize) -> i64 {
+        let by_share = (buffered as f64 * self.share) as i64;
+        self.base.max(by_share.min(self.most))
+    }
+}
+
+impl From<i64> for PerKey {
+    /// The same limit for every key.
+    fn from(base: i64) -> Self {
+        PerKey { base, share: 0.0, most: base }
+    }
+}
+
 /// What `release_ready` handed out: count and payload bytes.
 pub struct ReleaseTotals {
     pub count: usize,
@@ -448,8 +472,8 @@ impl<T> PartitionCore<T> {
 
     // -- release -----------------------------------------------------------------------------------
 
-    /// Release from the ready keys, oldest first: up to `per_key` records of each, `budget` records
-    /// in all, and no further key once `byte_budget` payload bytes are used up. The keys looked at
+    /// Release from the ready keys, oldest first: up to `per_key` records of each (`PerKey`),
+    /// `budget` records in all, and no further key once `byte_budget` payload bytes are used up. The keys looked at
     /// leave the ready set. A quarantined record goes out alone once no other is out (else its key
     /// waits in the quarantine), and a batch stops before one. `emit` sees each released
     /// record with its token; the attempts are queued as `written` says.
@@ -457,11 +481,12 @@ impl<T> PartitionCore<T> {
         &mut self,
         now: f64,
         mut budget: i64,
-        per_key: i64,
+        per_key: impl Into<PerKey>,
         mut byte_budget: i64,
         written: Admission,
         mut emit: impl FnMut(&Entry<T>, u64),
     ) -> ReleaseTotals {
+        let per_key = per_key.into();
         let mut looked = 0;
         let mut totals = ReleaseTotals { count: 0, bytes: 0 };
         if self.walking() {
@@ -495,8 +520,8 @@ impl<T> PartitionCore<T> {
             }
             self.ready.pop_front();
             looked += 1;
-            let mut limit = per_key.min(budget).max(0) as usize;
             let queue = self.slots[slot as usize].as_mut().expect("a ready slot");
+            let mut limit = per_key.of(queue.records.len().saturating_sub(queue.cursor)).min(budget).max(0) as usize;
             queue.ready_stamp = 0;
             if queue.outstanding > 0 || now < queue.not_before || queue.cursor >= queue.records.len() || queue.held() {
                 continue;
@@ -969,6 +994,22 @@ mod tests {
         assert_eq!(offsets(&out), vec![1, 3]);
         assert!(core.ack(1, out[0].1) && core.ack(3, out[1].1));
         assert_eq!(core.watermark(), Some(4), "the skipped records are settled");
+    }
+
+    #[test]
+    fn a_key_far_behind_takes_its_share_of_its_buffered_records() {
+        use super::PerKey;
+        // Key h has 12 records buffered, keys a and b one each.
+        let mut keys: Vec<&[u8]> = vec![b"h"; 12];
+        keys.extend([b"a" as &[u8], b"b"]);
+        let mut core = state(true, &keys);
+        let mut out = Vec::new();
+        let per_key = PerKey { base: 2, share: 0.5, most: 4 };
+        core.release_ready(0.0, 1_000, per_key, 1_000, Admission::default(), |entry, _| out.push(entry.offset));
+        assert_eq!(out, vec![0, 1, 2, 3, 12, 13]); // h: half of 12, at most 4; a, b: the base
+        assert_eq!(PerKey { base: 2, share: 0.5, most: 40 }.of(12), 6);
+        assert_eq!(PerKey { base: 2, share: 0.1, most: 40 }.of(12), 2); // the base when the share is less
+        assert_eq!(PerKey::from(3).of(1_000), 3);
     }
 
     #[test]

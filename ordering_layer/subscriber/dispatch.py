@@ -70,15 +70,20 @@ class Dispatcher:
         whole per-key batches up to the waiting pull's size, or ahead of the next pull."""
         leases = self._leases
         budget, byte_budget = self._gate.budget(leases.count, leases.bytes)
-        per_key, pooled, ahead = 1, True, False
+        per_key, pooled, ahead, run_share = 1, True, False, 0.0
         if self._on_messages is not None:
             # Few keys at work (a hot key): a key's run of records goes to one worker, which starts
             # each as soon as the one before it is acked (``runs``); many keys: one record each. A
             # key's share is of the whole flow-control limit over the keys ready or outstanding, so
-            # that a key whose run ended gets a run again while the others hold their shares.
+            # that a key whose run ended gets a run again while the others hold their shares. A key
+            # far behind the others (skewed keys: its records are much of those buffered) may take
+            # as much of the limit as its part of the buffered records: it holds the partition's
+            # commit point back, and each record of it takes a step and a Redis round trip.
             owned = self._owned
             keys = owned.ready() + owned.busy()
-            per_key = max(1, min(RUN_MAX, self._gate.limits.max_messages // max(1, keys)))
+            limit = self._gate.limits.max_messages
+            per_key = max(1, min(RUN_MAX, limit // max(1, keys)))
+            run_share = limit / max(1, owned.buffered())
         else:
             wanted, for_pull = self._pulls.wanted()
             budget, per_key = min(budget, wanted), self._pulls.per_key()
@@ -90,7 +95,7 @@ class Dispatcher:
         # of the pulls. Their lease (``lease_ms``) is written by a later flush if they are still
         # outstanding then.
         released = self._owned.release(now, budget, per_key, byte_budget, lease_ms, pooled=pooled, leases=leases,
-                                       ahead=ahead)
+                                       ahead=ahead, run_share=run_share, run_most=RUN_MAX)
         if released and self._on_messages is None:
             self._pulls.claim(sum(len(batch) for _, batch in released), not ahead)
         writer = self._writer

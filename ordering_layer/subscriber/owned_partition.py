@@ -76,15 +76,18 @@ class OwnedPartition:
         self.core.add(records, start, stop)
 
     def release_ready(self, now: float, budget: int, per_key: int, byte_budget: int, lease_ms: int | None,
-                      *, pooled: bool, leases: LeaseTable | None = None) -> tuple[list[Message], int]:
+                      *, pooled: bool, leases: LeaseTable | None = None, run_share: float = 0.0,
+                      run_most: int = 0) -> tuple[list[Message], int]:
         """Release from the ready keys (``PartitionState.release_ready``): the messages and their
         payload bytes. Their attempts are queued for Redis as ``lease_ms`` and ``pooled`` say
         (``PartitionCore.release_ready``), and they are outstanding in ``leases`` (when given),
         watched together; each record carries its attempt count and whether it is a suspect (its
-        start is written before user code runs, ``Engine.begin``). The core makes the messages
-        (``PartitionCore.release_messages``)."""
+        start is written before user code runs, ``Engine.begin``). A key with more than ``per_key``
+        records buffered may take ``run_share`` of them, up to ``run_most``. The core makes the
+        messages (``PartitionCore.release_messages``)."""
         return self.core.release_messages(now, budget, per_key, byte_budget, lease_ms, pooled=pooled, leases=leases,
-                                          partition=self.partition, epoch=self.epoch, deliveries=self._deliveries)
+                                          partition=self.partition, epoch=self.epoch, deliveries=self._deliveries,
+                                          run_share=run_share, run_most=run_most)
 
     def nack(self, delivery: Delivery, now: float, backoff: Callable[[int], float], *, lapsed: bool = False) -> bool:
         """Give a delivery back (a nack, or its lease lapsed): its key rewinds to it (SUB-4) and

@@ -268,10 +268,12 @@ class Partitions:
             state.core.end_walk()
 
     def release(self, now: float, budget: int, per_key: int, byte_budget: int, lease_ms: int | None, *,
-                pooled: bool, leases: LeaseTable | None = None, ahead: bool = False) -> Released:
+                pooled: bool, leases: LeaseTable | None = None, ahead: bool = False, run_share: float = 0.0,
+                run_most: int = 0) -> Released:
         """Release up to ``budget`` records and ``byte_budget`` bytes, ``per_key`` per ready key, their
         attempts queued for Redis as ``lease_ms`` and ``pooled`` say, outstanding in ``leases``
-        (``OwnedPartition.release_ready``).
+        (``OwnedPartition.release_ready``; a key far behind may take ``run_share`` of its records, up
+        to ``run_most``).
         Partitions take turns: each gets a fair share of the budget first, starting one further each
         call, then the rest goes round (so under flow control no partition gets freed budget first).
         ``ahead`` (pull mode, no pull waiting) skips the partitions whose claim charged attempts not
@@ -295,7 +297,8 @@ class Partitions:
                 if not state.ready:
                     continue  # no key ready: nothing to release
                 batch, size = state.release_ready(now, min(cap, budget), per_key, byte_budget, lease_ms,
-                                                  pooled=pooled, leases=leases)
+                                                  pooled=pooled, leases=leases, run_share=run_share,
+                                                  run_most=run_most)
                 if batch:
                     byte_budget -= size
                     budget -= len(batch)

@@ -224,3 +224,20 @@ def test_a_pull_takes_whole_key_batches_of_compiled_messages_read_through_the_le
         assert whole_batches(messages, 3, holds) == ([messages[0], messages[1], messages[3]], 4)
         assert whole_batches(messages, 2, holds) == (messages[:2], 3)  # c's batch stops the scan
     assert whole_batches([], 5, rig.leases) == ([], 0)
+
+
+def test_callback_mode_gives_a_key_far_behind_a_longer_run_within_the_budget() -> None:
+    """SUB-1, SUB-7 (skewed keys): a key whose records are much of those buffered may take as much of
+    the flow-control limit as its part of them (up to ``RUN_MAX``), as one run, instead of the even
+    share of the keys at work; the others keep theirs, and the budget holds."""
+    rig = Rig(max_messages=40)
+    rig.owned.owned[0].add([record(offset, b"h") for offset in range(6, 66)])  # 60 records of h
+    released = rig.dispatcher.release(0.0)
+    messages = [message for _, batch in released for message in batch]
+    by_key: dict[bytes, list[int]] = {}
+    for message in messages:
+        by_key.setdefault(cast(bytes, message.queue_key), []).append(message.offset())
+    # Four keys at work: an even share is 10 each; h has 60 of the 66 buffered records: 40 * 60 / 66
+    # = 36 of them, cut to the 34 the budget has left after a, b and c.
+    assert by_key == {b"a": [0, 2], b"b": [1, 3], b"c": [4, 5], b"h": list(range(6, 40))}
+    assert len(messages) == rig.leases.count == 40
