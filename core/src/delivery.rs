@@ -173,8 +173,6 @@ impl Delivery {
         }
     }
 
-    /// Mark a request of `kind` (`SettleKind`): any request sets SENT; a nack sets NACKED for good;
-    /// an ack sets SETTLED unless nacked. Returns the bits before.
     /// Mark a plain ack: the ack queue its handle goes to when it is the first request of a released
     /// message whose `_submit` was not replaced; None: it goes to `_submit`.
     fn ack_queue(&self) -> Option<&Py<AckQueue>> {
@@ -183,6 +181,8 @@ impl Delivery {
         if first { self.acks.as_ref() } else { None }
     }
 
+    /// Mark a request of `kind` (`SettleKind`): any request sets SENT; a nack sets NACKED for good;
+    /// an ack sets SETTLED unless nacked. Returns the bits before.
     fn mark(&self, kind: u8) -> u8 {
         let bits = if kind == KIND_NACK { NACKED | SENT } else { SENT };
         let before = self.state.fetch_or(bits, Ordering::AcqRel);
@@ -463,6 +463,14 @@ pub fn items_of<'py>(messages: &Bound<'py, PyList>) -> PyResult<Bound<'py, PyLis
         }
     }
     Ok(items)
+}
+
+/// A delivery's lease handle: a `Delivery`'s field, or the attribute of any other object.
+pub fn handle_of(item: &Bound<'_, PyAny>) -> PyResult<u64> {
+    match item.cast::<Delivery>() {
+        Ok(delivery) => Ok(delivery.get().lease),
+        Err(_) => item.getattr(intern!(item.py(), "lease"))?.extract(),
+    }
 }
 
 /// An item's attempt: a `Delivery`'s field, or the attribute of any other object.

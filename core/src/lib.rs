@@ -33,7 +33,7 @@ use pyo3::types::{PyBytes, PyDict, PyList, PyType};
 
 use leases::{LeaseSettings, Leases};
 use partition::{Admission, PartitionCore as Core, PerKey, QueueKey};
-use delivery::{AckQueue, Delivery, Fields, Maker};
+use delivery::{handle_of, AckQueue, Delivery, Fields, Maker};
 use record::Record;
 
 /// What `release_ready` returns: records, tokens, attempts (parallel lists), payload bytes, the
@@ -260,10 +260,10 @@ impl PartitionCore {
     /// `budget` in all, no further key once `byte_budget` bytes are used up; a quarantined suspect
     /// goes out alone, one at a time per partition. Returns (records, tokens, attempts, payload
     /// bytes, positions of the suspects among the records: their starts are to be written before
-    /// user code runs, lease handles). The attempts are queued as `DELIVERED` ops (pull mode), or `RELEASED` when `pooled`
-    /// (callback mode); with `lease_ms`, as one batch lease and `BATCH_DELIVERED` or `BATCH_RELEASED`
-    /// ops. With a `LeaseTable` (`leases`) the deliveries are outstanding there, under `partition`
-    /// and `epoch`.
+    /// user code runs, lease handles). The attempts are queued as `DELIVERED` ops (pull mode), or
+    /// `RELEASED` when `pooled` (callback mode); with `lease_ms`, as one batch lease and
+    /// `BATCH_DELIVERED` or `BATCH_RELEASED` ops. With a `LeaseTable` (`leases`) the deliveries are
+    /// outstanding there, under `partition` and `epoch`.
     #[pyo3(signature = (now, budget, per_key, byte_budget, lease_ms = None, *, pooled = false, leases = None,
                         partition = 0, epoch = 0, run_share = 0.0, run_most = 0))]
     #[allow(clippy::too_many_arguments)] // the arguments of the Python method, plus `py`
@@ -591,14 +591,6 @@ fn command_runs(py: Python<'_>, packed: &str) -> PyResult<(String, Vec<Py<PyByte
 #[pyclass(module = "ordering_layer._core", name = "LeaseTable")]
 struct LeaseTable {
     leases: Leases,
-}
-
-/// A delivery's lease handle (a `Delivery`'s field, else its `lease` attribute).
-fn handle_of(item: &Bound<'_, PyAny>) -> PyResult<u64> {
-    match item.cast::<Delivery>() {
-        Ok(delivery) => Ok(delivery.get().lease),
-        Err(_) => item.getattr(intern!(item.py(), "lease"))?.extract(),
-    }
 }
 
 /// The whole per-key batches at the head of `ready` that fit in `room` messages, for a pull

@@ -473,10 +473,10 @@ impl<T> PartitionCore<T> {
     // -- release -----------------------------------------------------------------------------------
 
     /// Release from the ready keys, oldest first: up to `per_key` records of each (`PerKey`),
-    /// `budget` records in all, and no further key once `byte_budget` payload bytes are used up. The keys looked at
-    /// leave the ready set. A quarantined record goes out alone once no other is out (else its key
-    /// waits in the quarantine), and a batch stops before one. `emit` sees each released
-    /// record with its token; the attempts are queued as `written` says.
+    /// `budget` records in all, and no further key once `byte_budget` payload bytes are used up. The
+    /// keys looked at leave the ready set. A quarantined record goes out alone once no other is out
+    /// (else its key waits in the quarantine), and a batch stops before one. `emit` sees each
+    /// released record with its token; the attempts are queued as `written` says.
     pub fn release_ready(
         &mut self,
         now: f64,
