@@ -24,6 +24,7 @@ from ordering_layer.subscriber.runs import Hooks, Item, items_of, run_item
 Holds = LeaseTable | Callable[[int], bool]
 
 WATCH_INTERVAL = 0.001  # seconds between looks for messages waiting for a worker, while some wait
+HELD_AFTER = 0.001  # seconds an awake worker takes nothing before it counts as held in a callback
 
 
 class CallbackPool:
@@ -31,12 +32,14 @@ class CallbackPool:
 
     Unlike ``ThreadPoolExecutor`` it makes no Future per task, and a released batch is handed over in
     one go. As few workers are awake as keep the queue moving: a hand-out wakes one worker when none
-    is awake, a worker that finds the queue empty sleeps, and ``watch`` (the coordinator, every
-    ``WATCH_INTERVAL`` while messages wait) wakes more when messages that were queued at its previous
-    look still wait: the awake workers are held in callbacks that take time (a slow handler, I/O),
-    and the waiting messages get as many more workers as there are of them. So callbacks that return
-    at once run on one thread (with the interpreter lock, more threads would only take turns, each
-    woken for each hand-out), and slow ones on as many threads as they need.
+    is awake, or when every awake one is held in a callback (it took nothing for ``HELD_AFTER``, as
+    the coordinator's ``watch`` saw at each step); a worker that finds the queue empty sleeps; and
+    ``watch`` (every ``WATCH_INTERVAL`` while messages wait) wakes more when messages that were
+    queued at its previous look still wait: the awake workers are held in callbacks that take time
+    (a slow handler, I/O), and the waiting messages get as many more workers as there are of them.
+    So callbacks that return at once run on one thread (with the interpreter lock, more threads
+    would only take turns, each woken for each hand-out), slow ones on as many threads as they
+    need, and a callback held long does not leave the next hand-outs waiting for a watch.
     """
 
     def __init__(self, name: str, workers: int, run: Callable[[Message], None], hooks: Hooks | None = None) -> None:
@@ -48,6 +51,10 @@ class CallbackPool:
         self._queued = 0  # messages ever queued (the coordinator's thread)
         self._queued_at_watch = 0  # _queued at the previous watch
         self._taken = [0] * workers  # messages taken per worker (each slot written by its worker only)
+        self._asleep = [False] * workers  # each slot written by its worker, under _ready
+        self._seen = [0] * workers  # the coordinator's: _taken at its previous look
+        self._moved = [0.0] * workers  # the coordinator's: when it last saw the worker take one or sleep
+        self._free = True  # the coordinator's: an awake worker is not held in a callback
         self._threads = [threading.Thread(target=self._work, args=(i,), name=f"{name}-{i}", daemon=True)
                          for i in range(workers)]
         for thread in self._threads:
@@ -60,13 +67,24 @@ class CallbackPool:
         self._queued += len(items)
         self._queue.extend(items)
         with self._ready:
-            if self._idle == len(self._threads):
+            if self._idle and (self._idle == len(self._threads) or not self._free):
                 self._ready.notify(1)
+                self._free = True  # the worker woken, until the next look
 
     def watch(self, now: float) -> float | None:
-        """Wake a worker for each message that was queued at the previous watch and still waits
-        (the coordinator's thread); returns when to watch again (None: nothing waits)."""
-        overdue = self._queued_at_watch - sum(self._taken)
+        """Wake a worker for each message that was queued at the previous watch and still waits, and
+        note whether every awake worker is held in a callback (the coordinator's thread, each step);
+        returns when to watch again (None: nothing waits)."""
+        taken, seen, moved, asleep = self._taken, self._seen, self._moved, self._asleep
+        free = False
+        for index, count in enumerate(taken):
+            if count != seen[index] or asleep[index]:
+                seen[index], moved[index] = count, now
+                free = free or not asleep[index]
+            elif now - moved[index] < HELD_AFTER:
+                free = True
+        self._free = free
+        overdue = self._queued_at_watch - sum(taken)
         self._queued_at_watch = self._queued
         if overdue > 0:
             with self._ready:
@@ -84,8 +102,10 @@ class CallbackPool:
                 # Look again under the lock: submit extends before it takes the lock to notify.
                 with ready:
                     self._idle += 1
+                    self._asleep[index] = True
                     while not pending:
                         ready.wait()
+                    self._asleep[index] = False
                     self._idle -= 1
                 continue
             count += 1

@@ -8,7 +8,14 @@ from functools import partial
 from types import SimpleNamespace
 from typing import cast
 
-from ordering_layer.subscriber.handoff import AHEAD_AT_LEAST, AHEAD_AT_MOST, WATCH_INTERVAL, CallbackPool, PullWaiters
+from ordering_layer.subscriber.handoff import (
+    AHEAD_AT_LEAST,
+    AHEAD_AT_MOST,
+    HELD_AFTER,
+    WATCH_INTERVAL,
+    CallbackPool,
+    PullWaiters,
+)
 from ordering_layer.subscriber.message import Message
 from ordering_layer.subscriber.requests import Pull
 from ordering_layer.subscriber.runs import Hooks
@@ -104,6 +111,35 @@ def test_quick_callbacks_run_on_one_worker_and_waiting_messages_wake_more() -> N
     held.set()
     pool.shutdown()
     assert pool.watch(2.0) is None
+
+
+def test_a_hand_out_wakes_a_worker_at_once_while_the_awake_ones_are_held() -> None:
+    """SUB-2, prompt delivery: once the coordinator's look saw the one awake worker take nothing for
+    ``HELD_AFTER`` (held in a slow callback), the next hand-out wakes another worker itself: its
+    messages do not wait for a watch. Before that look, a hand-out leaves them to the awake worker."""
+    held, entered = threading.Event(), threading.Event()
+    ran: list[int] = []
+
+    def run(message: Message) -> None:
+        if number(message) == -1:
+            entered.set()
+            held.wait(30)
+        ran.append(number(message))
+
+    pool = CallbackPool("test-pool", 4, run)
+    wait_until(lambda: pool._idle == 4, 10, "workers asleep")
+    pool.submit(numbered([-1]))
+    assert entered.wait(10)
+    pool.watch(100.0)  # the worker took -1 since the last look: not held
+    pool.watch(100.0 + HELD_AFTER / 2)
+    pool.submit(numbered([1]))
+    assert ran == [] and pool._idle == 3, "a worker taking messages lately is left to take them"
+    pool.watch(100.0 + 2 * HELD_AFTER)  # still on -1: held
+    pool.submit(numbered([2]))
+    wait_until(lambda: sorted(ran) == [1, 2], 10, "1 and 2 ran beside the held callback, with no watch")
+    held.set()
+    pool.shutdown()
+    assert ran[-1] == -1
 
 
 def held(lease: int) -> bool:
