@@ -208,6 +208,9 @@ class Delivery:
     @property
     def queue_key(self) -> bytes | int: ...
     @property
+    def suspect(self) -> bool:
+        """The record's ``suspect``."""
+    @property
     def token(self) -> int: ...
     @property
     def attempt(self) -> int: ...

@@ -229,6 +229,17 @@ impl Delivery {
         self.queue_key.clone_ref(py)
     }
 
+    /// The record's `suspect` (read per message by the callback workers: one call, no record
+    /// object made).
+    #[getter]
+    fn suspect(&self, py: Python<'_>) -> PyResult<bool> {
+        let record = self.record.bind(py);
+        match record.cast::<Record>() {
+            Ok(record) => Ok(record.get().is_suspect()),
+            Err(_) => record.getattr(intern!(py, "suspect"))?.is_truthy(),
+        }
+    }
+
     #[getter]
     fn token(&self) -> u64 {
         self.token

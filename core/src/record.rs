@@ -172,8 +172,8 @@ impl Record {
         drop(old);
     }
 
-    #[getter]
-    fn suspect(&self) -> bool {
+    #[getter(suspect)]
+    pub fn is_suspect(&self) -> bool {
         self.suspect.load(Ordering::Relaxed)
     }
 

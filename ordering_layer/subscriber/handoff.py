@@ -93,7 +93,7 @@ class CallbackPool:
         return now + WATCH_INTERVAL if self._queue else None
 
     def _work(self, index: int) -> None:
-        pending, ready, taken = self._queue, self._ready, self._taken
+        pending, ready, taken, run = self._queue, self._ready, self._taken, self._run
         count = 0
         while True:
             try:
@@ -113,9 +113,9 @@ class CallbackPool:
             if message is None:
                 return
             if isinstance(message, list):
-                run_item(message, self._run, self._hooks)
+                run_item(message, run, self._hooks)
             else:
-                self._run(message)
+                run(message)
 
     def shutdown(self) -> None:
         """Let queued callbacks finish, then end the threads."""

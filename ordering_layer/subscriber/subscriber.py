@@ -155,10 +155,10 @@ class Subscriber:
         def begin(message: Message) -> bool:
             # ACK-6: the start counts the attempt (written first for a suspect, noted under a
             # dead-letter policy, nothing to do otherwise).
-            return not (message.record.suspect or engine.notes_starts) or engine.begin(message)
+            return not (message.suspect or engine.notes_starts) or engine.begin(message)
 
         def run(message: Message) -> None:
-            if (message.record.suspect or engine.notes_starts) and not engine.begin(message):  # ``begin``, inline
+            if (message.suspect or engine.notes_starts) and not engine.begin(message):  # ``begin``, inline
                 return
             try:
                 handler(message)

@@ -130,6 +130,7 @@ def test_released_messages_carry_their_lease_handles_and_suspects() -> None:
     state.add(records(0, [b"a", b"b"]))
     messages, _ = state.release_ready(0.0, 10, 1, 10**6, None, pooled=True, leases=leases)
     assert [(m.offset(), m.attempt, m.record.suspect) for m in messages] == [(0, 2, True), (1, 1, False)]
+    assert [m.suspect for m in messages] == [True, False], "the message reads its record's"
     assert leases.count == 2 and all(m.lease and leases.holds(m.lease) for m in messages)
 
 
