@@ -127,7 +127,7 @@ class LoopCallbacks:
         return self._one(item) if isinstance(item, Message) else self._run(item)
 
     async def _one(self, message: Message) -> None:
-        if message.record.suspect:
+        if message.suspect:
             if not await self.loop.run_in_executor(self._begins, self._hooks.begin, message):
                 return
         elif not self._hooks.begin(message):

@@ -61,7 +61,7 @@ class Starts:
         back or its partition moved meanwhile (its redelivery is on its way), or Redis did not take
         the start (the message is given back without counting a failure).
         """
-        if not message.record.suspect:
+        if not message.suspect:
             if self.notes:
                 self._started.append(message)
             return True
